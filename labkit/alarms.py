@@ -1,0 +1,111 @@
+"""Warnings for runs that are going wrong slowly: skip streaks and habitual clipping.
+
+A skipped step now and then is the scaler doing its job; many in a row means the data or
+the model is broken. Clipping now and then catches a spike; clipping most steps means the
+threshold is fighting the learning rate or the data, and is a symptom to investigate.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Any
+
+__all__ = ["LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"]
+
+
+class LabkitWarning(UserWarning):
+    """Base class of labkit's warnings (filter them all with this)."""
+
+
+class SkipStreakWarning(LabkitWarning):
+    """Many consecutive steps were skipped."""
+
+
+class RepeatedClippingWarning(LabkitWarning):
+    """Most recent steps were clipped."""
+
+
+class SkipAlarm:
+    """Count consecutive skips and warn once per streak when it reaches ``threshold``.
+
+    >>> alarm = SkipAlarm(threshold=None)
+    >>> [alarm.observe(True, "nonfinite_loss", step=i) for i in range(3)]
+    [1, 2, 3]
+    """
+
+    def __init__(self, threshold: int | None) -> None:
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
+            raise ValueError(f"skip_alarm must be an int >= 1 or None (off), got {threshold!r}.")
+        self.threshold = threshold
+        self.streak = 0
+        self.reasons: list[str] = []
+
+    def observe(self, skipped: bool, reason: str | None, step: int) -> int:
+        """Record one step; return the current streak of consecutive skips."""
+        if not skipped:
+            self.streak, self.reasons = 0, []
+            return 0
+        self.streak += 1
+        self.reasons.append(reason or "?")
+        if self.streak == self.threshold:
+            kinds = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
+            warnings.warn(
+                f"{self.streak} steps skipped in a row (steps {step - self.streak + 1}-{step}: {kinds}). "
+                "nonfinite_loss means bad batches: check the data pipeline for NaN/Inf inputs and labels. "
+                "nonfinite_grad means gradients overflow at every scale tried: lower the learning rate, "
+                "check for an fp16 overflow in the forward, or train in bf16.",
+                SkipStreakWarning,
+                stacklevel=3,
+            )
+        return self.streak
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak, "reasons": list(self.reasons)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak, self.reasons = int(state["streak"]), list(state["reasons"])
+
+
+class ClipAlarm:
+    """Warn once when more than ``rate`` of the last ``window`` stepped steps were clipped.
+
+    >>> alarm = ClipAlarm(rate=0.5, window=4)
+    >>> import warnings; warnings.simplefilter("ignore")
+    >>> [alarm.observe(True, step=i) for i in range(4)]
+    [False, False, False, True]
+    """
+
+    def __init__(self, rate: float | None = 0.5, window: int = 100) -> None:
+        if rate is not None and not 0.0 <= rate < 1.0:
+            raise ValueError(f"clip_alarm must be a fraction in [0, 1) or None (off), got {rate!r}.")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"clip_window must be an int >= 1, got {window!r}.")
+        self.rate, self.window = rate, window
+        self.recent: deque[bool] = deque(maxlen=window)
+        self.fired = False
+
+    def observe(self, clipped: bool, step: int) -> bool:
+        """Record one stepped step; return True on the step the warning fires."""
+        self.recent.append(bool(clipped))
+        if self.rate is None or self.fired or len(self.recent) < self.window:
+            return False
+        frac = sum(self.recent) / self.window
+        if frac <= self.rate:
+            return False
+        self.fired = True
+        warnings.warn(
+            f"repeated clipping: {frac:.0%} of the last {self.window} steps (up to step {step}) were clipped. "
+            "Clipping is a seat belt, not a steering wheel: investigate the learning rate (too high?), the data "
+            "(outliers, unnormalised inputs) or max_norm (too low for this model's usual norm).",
+            RepeatedClippingWarning,
+            stacklevel=3,
+        )
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "fired": self.fired}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent = deque((bool(x) for x in state["recent"]), maxlen=self.window)
+        self.fired = bool(state["fired"])

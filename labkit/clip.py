@@ -1,0 +1,199 @@
+"""Gradient clipping to a global norm, in two halves that compose (as torch's ``clip_grad.py``).
+
+``grad_norm`` reads the gradients and returns one fp32 number; ``clip_grads_with_norm_``
+scales them by a given norm; ``clip_grad_norm_`` is the one followed by the other.
+Unlike torch, the norm is always accumulated in float32 (an fp16 norm above 65504 is
+``inf`` in torch, and clipping by it zeroes every gradient) and a non-finite norm never
+touches the gradients (torch turns them into NaN or zeros).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "grad_norm"]
+
+Parameters = Union[Tensor, Iterable[Tensor], Iterable[tuple[str, Tensor]]]
+
+# torch's epsilon in ``max_norm / (total_norm + 1e-6)``; kept so results match torch's.
+EPS = 1e-6
+
+
+def check_norm_type(norm_type: float | str) -> float:
+    """Return ``norm_type`` as a float p > 0 (``inf`` allowed), or raise ``ValueError``."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = math.nan
+    if not p > 0:  # also catches NaN
+        raise ValueError(
+            f"norm_type must be a number p > 0 or float('inf'), got {norm_type!r}; "
+            "use 2.0 for the usual L2 norm, 1.0 for L1 or float('inf') for the largest |g|."
+        )
+    return p
+
+
+def check_max_norm(max_norm: float) -> float:
+    """Return ``max_norm`` as a float > 0, or raise ``ValueError`` saying how to fix it."""
+    try:
+        m = float(max_norm)
+    except (TypeError, ValueError):
+        m = math.nan
+    if not m > 0:
+        raise ValueError(
+            f"max_norm must be a number > 0, got {max_norm!r}; to measure the norm without "
+            "clipping call labkit.grad_norm(parameters), or pass max_norm=float('inf')."
+        )
+    return m
+
+
+def named_grads(parameters: Parameters) -> tuple[list[Tensor], list[str]]:
+    """Return the gradients that exist and a name for each (the given name, or the index)."""
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    grads, names = [], []
+    for i, item in enumerate(parameters):
+        name, p = item if isinstance(item, tuple) else (str(i), item)
+        if p.grad is not None:
+            grads.append(p.grad)
+            names.append(name)
+    return grads, names
+
+
+def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None = None) -> Tensor:
+    """Return a 1-d float32 tensor of each gradient's ``norm_type``-norm, in order.
+
+    >>> per_tensor_norms([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
+    tensor([3., 4.])
+    """
+    if not grads:
+        return torch.zeros(0)
+    first = grads[0].device
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    norms: list[Tensor | None] = [None] * len(grads)
+    for (device, _), idx in groups.items():
+        group = [grads[i] for i in idx]
+        use_foreach = device.type in ("cpu", "cuda") if foreach is None else foreach
+        if use_foreach and device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"foreach=True was passed, but there is no foreach norm on {device.type}")
+        # dtype=float32: fp16/bf16 grads are accumulated in fp32, so 300 * 65504 is not inf.
+        if use_foreach:
+            out = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+        else:
+            out = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in group]
+        for i, n in zip(idx, out):
+            norms[i] = n.to(first)
+    return torch.stack(norms)  # type: ignore[arg-type]
+
+
+def total_norm(norms: Tensor, norm_type: float) -> Tensor:
+    """Combine per-tensor norms into the norm of all gradients viewed as one vector."""
+    if norms.numel() == 0:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(norms, norm_type)
+
+
+@torch.no_grad()
+def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | None = None) -> Tensor:
+    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim float32 tensor.
+
+    Parameters without a gradient are skipped; none at all gives ``tensor(0.)``. A NaN or
+    inf gradient gives a non-finite norm. Reads only, and never syncs with the device.
+
+    >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
+    >>> grad_norm([w])
+    tensor(5.)
+    """
+    p = check_norm_type(norm_type)
+    grads, _ = named_grads(parameters)
+    return total_norm(per_tensor_norms(grads, p, foreach), p)
+
+
+def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
+    """Return ``min(1, max_norm / (norm + 1e-6))``, or exactly 1 when ``norm`` is not finite."""
+    # clamp and where, not `if`: a Python branch on a device tensor forces a host sync.
+    coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: Parameters, max_norm: float, total_norm: Tensor, foreach: bool | None = None
+) -> None:
+    """Scale the gradients in place by ``min(1, max_norm / (total_norm + 1e-6))``.
+
+    A non-finite ``total_norm`` leaves the gradients exactly as they were.
+
+    >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grads_with_norm_([w], 1.0, torch.tensor(5.0)); w.grad
+    tensor([0.6000, 0.8000])
+    """
+    max_norm = check_max_norm(max_norm)
+    grads, _ = named_grads(parameters)
+    if not grads:
+        return
+    coef = clip_coef(total_norm, max_norm)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        c = coef.to(device)
+        # Multiplying by 1 costs a read and a write but no sync; torch makes the same trade.
+        if (device.type in ("cpu", "cuda")) if foreach is None else foreach:
+            torch._foreach_mul_(group, c)
+        else:
+            for g in group:
+                g.mul_(c)
+
+
+def first_nonfinite(grads: list[Tensor], names: list[str]) -> str | None:
+    """Return the name of the first gradient holding a NaN or inf (syncs once per gradient)."""
+    for g, name in zip(grads, names):
+        if not bool(torch.isfinite(g).all()):
+            return name
+    return None
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Parameters,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Clip all gradients in place to a global norm of ``max_norm``; return the pre-clip norm.
+
+    Same contract as ``torch.nn.utils.clip_grad_norm_``; ``parameters`` may also be
+    ``model.named_parameters()`` so that errors name the parameter. A non-finite norm leaves
+    the gradients untouched; with ``error_if_nonfinite=True`` it raises ``RuntimeError``
+    naming the first offending parameter (this costs one host sync).
+
+    >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grad_norm_([w], max_norm=1.0), w.grad
+    (tensor(5.), tensor([0.6000, 0.8000]))
+    """
+    max_norm = check_max_norm(max_norm)
+    p = check_norm_type(norm_type)
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)  # a generator would be exhausted by the first half
+    grads, names = named_grads(parameters)
+    norm = total_norm(per_tensor_norms(grads, p, foreach), p)
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        culprit = first_nonfinite(grads, names)
+        where = f"parameter {culprit}" if culprit is not None else "the sum of the gradients (it overflowed float32)"
+        raise RuntimeError(
+            f"The total norm of order {p} of the gradients is {norm.item()}: {where} holds a "
+            "non-finite value, so nothing was clipped and the gradients are unchanged. Skip this "
+            "step (a NaN batch is not repaired by clipping), or pass error_if_nonfinite=False."
+        )
+    clip_grads_with_norm_(parameters, max_norm, norm, foreach)
+    return norm

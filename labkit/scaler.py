@@ -1,0 +1,388 @@
+"""A dynamic loss scaler: a drop-in for ``torch.amp.GradScaler`` that says when it skipped.
+
+The rule that moves the scale is the pure function ``update_scale``; ``GradScaler`` keeps
+its state in 0-dim device tensors and applies the rule without a host sync. Beyond torch:
+``step()`` returns whether the optimizer stepped, DeepSpeed/Megatron-style ``hysteresis``,
+a ``min_scale`` floor and a ``max_scale`` cap, skip counters, and a ``state_dict`` that
+resumes the exact trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["GradScaler", "ScalerConfig", "update_scale"]
+
+_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+
+
+@dataclass(frozen=True)
+class ScalerConfig:
+    """The constants of the scale-update rule, validated once.
+
+    >>> ScalerConfig(growth_interval=100).backoff_factor
+    0.5
+    """
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.growth_factor > 1.0 or math.isinf(self.growth_factor):
+            raise ValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}; torch's default is 2.0.")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; torch's default is 0.5.")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        for name in ("min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None and not (0.0 < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}.")
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ValueError(f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale}).")
+
+
+def update_scale(
+    scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, found_inf: Tensor, config: ScalerConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Return the next ``(scale, growth_tracker, hysteresis_left)`` after one iteration.
+
+    All arguments are 0-dim tensors (``scale`` float32, the counters int32, ``found_inf``
+    nonzero on overflow); the result is computed with ``torch.where``, so it never syncs::
+
+        if found_inf:
+            growth_tracker = 0
+            hysteresis_left = max(hysteresis_left - 1, 0)
+            if hysteresis_left == 0:                 # H overflows since the last growth
+                scale = max(scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_left = hysteresis
+                grown = scale * growth_factor
+                if isfinite(grown):
+                    scale = min(grown, max_scale)
+
+    Products are taken in float64 and rounded to float32, exactly as torch's
+    ``_amp_update_scale_`` does, so with ``hysteresis=1`` and no bounds the trajectory is
+    torch's to the bit.
+
+    >>> t = lambda v, d=torch.int32: torch.tensor(v, dtype=d)
+    >>> s, g, h = update_scale(t(1024.0, torch.float32), t(0), t(1), t(1.0, torch.float32), ScalerConfig())
+    >>> s.item(), g.item(), h.item()
+    (512.0, 0, 0)
+    """
+    overflow = found_inf != 0
+    zero = torch.zeros_like(growth_tracker)
+
+    hyst_after = torch.clamp(hysteresis_left - 1, min=0)
+    backed = (scale.double() * config.backoff_factor).float()
+    if config.min_scale is not None:
+        backed = torch.clamp(backed, min=config.min_scale)
+    on_overflow = torch.where(hyst_after == 0, backed, scale)
+
+    tracker_after = growth_tracker + 1
+    grows = tracker_after >= config.growth_interval
+    grown = (scale.double() * config.growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, scale)
+    if config.max_scale is not None:
+        # a cap never raises a scale that already sits above it (e.g. set by update(new_scale))
+        grown = torch.minimum(grown, torch.maximum(scale, torch.full_like(scale, config.max_scale)))
+    on_clean = torch.where(grows, grown, scale)
+
+    new_scale = torch.where(overflow, on_overflow, on_clean)
+    new_tracker = torch.where(overflow | grows, zero, tracker_after)
+    refill = torch.full_like(hysteresis_left, config.hysteresis)
+    new_hyst = torch.where(overflow, hyst_after, torch.where(grows, refill, hysteresis_left))
+    return new_scale, new_tracker, new_hyst
+
+
+class GradScaler:
+    """Scale the loss, unscale and check the gradients, skip bad steps, adapt the scale.
+
+    A drop-in for ``torch.amp.GradScaler``: the same methods, arguments, misuse errors and,
+    with ``hysteresis=1`` and no bounds, the same scales and parameter updates. ``step``
+    returns ``True`` when the optimizer stepped and ``False`` when it skipped.
+    ``device=None`` takes the device of the first loss passed to ``scale``. Disabled, every
+    method passes through (scale 1.0, ``step`` just steps) so call sites never branch.
+
+    >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler = GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    >>> loss = model(torch.ones(1, 2)).sum()
+    >>> scaler.scale(loss).backward(); scaler.step(opt), scaler.skip_count
+    (True, 0)
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        self._device = torch.device(device) if device is not None else None
+        if enabled and self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
+            warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2)
+            enabled = False
+        self._enabled = bool(enabled)
+        self.config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        if not 0.0 < init_scale < math.inf:
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}; torch's default is 2.0**16.")
+        lo, hi = min_scale or 0.0, max_scale or math.inf
+        if not lo <= init_scale <= hi:
+            raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}].")
+        self._init_scale = float(init_scale)
+        self._init_tracker = 0
+        self._init_hysteresis = hysteresis
+        self._init_skips = (0, 0)
+        self._state: dict[str, Tensor] | None = None  # created lazily on the loss's device
+        self._per_optimizer: dict[int, dict[str, Any]] = {}
+
+    # -- state ------------------------------------------------------------------------
+
+    def _lazy_init(self, device: torch.device) -> dict[str, Tensor]:
+        if self._state is None:
+            dev = self._device or device
+            i32 = dict(dtype=torch.int32, device=dev)
+            self._state = {
+                "scale": torch.full((), self._init_scale, dtype=torch.float32, device=dev),
+                "growth_tracker": torch.full((), self._init_tracker, **i32),
+                "hysteresis_left": torch.full((), self._init_hysteresis, **i32),
+                # counters live on the device too: incrementing a Python int would need a sync
+                "skip_count": torch.full((), self._init_skips[0], dtype=torch.int64, device=dev),
+                "skip_streak": torch.full((), self._init_skips[1], dtype=torch.int64, device=dev),
+            }
+        return self._state
+
+    def _require_state(self, funcname: str) -> dict[str, Tensor]:
+        if self._state is None:
+            raise RuntimeError(
+                f"Attempted {funcname}() before scale(): call scaler.scale(loss).backward() first in this iteration."
+            )
+        return self._state
+
+    def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
+
+    def is_enabled(self) -> bool:
+        """Return whether this scaler scales (a disabled one passes everything through)."""
+        return self._enabled
+
+    # -- the AMP order: scale -> (backward) -> unscale_ -> step -> update ---------------
+
+    def scale(self, outputs: Tensor | Iterable[Tensor]) -> Any:
+        """Return ``outputs`` multiplied by the current scale (a tensor, list or tuple)."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            return outputs * self._lazy_init(outputs.device)["scale"].to(outputs.device, non_blocking=True)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable):
+            return map(self.scale, outputs)
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and record whether any is inf/NaN."""
+        if not self._enabled:
+            return
+        state = self._require_state("unscale_")
+        opt_state = self._opt_state(optimizer)
+        if opt_state["stage"] == _UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if opt_state["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        scale = state["scale"]
+        inv_scale = scale.double().reciprocal().float()  # as torch: exact for powers of two
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale FP16 gradients: keep the parameters in float32 and run "
+                        "the forward under torch.autocast(dtype=torch.float16) instead of model.half()."
+                    )
+                g = p.grad.coalesce()._values() if p.grad.is_sparse else p.grad
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                local_inf = torch.zeros((), dtype=torch.float32, device=device)
+                # torch's fused kernel: one read + one write per gradient, sets local_inf on inf/NaN.
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
+                found_inf += local_inf.to(found_inf.device)
+        opt_state["found_inf"] = found_inf
+        opt_state["stage"] = _UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
+        """Unscale if not done yet, then step the optimizer unless a gradient was inf/NaN.
+
+        Return ``True`` if the optimizer stepped, ``False`` if the step was skipped (then
+        nothing is written to the parameters or the optimizer state). Reading the decision
+        costs one host sync, as torch's ``step`` does.
+        """
+        if not self._enabled:
+            optimizer.step(*args, **kwargs)
+            return True
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._require_state("step")
+        opt_state = self._opt_state(optimizer)
+        if opt_state["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if opt_state["stage"] == _READY:
+            self.unscale_(optimizer)
+        stepped = not bool(opt_state["found_inf"].item())
+        if stepped:
+            optimizer.step(*args, **kwargs)
+        opt_state["stage"] = _STEPPED
+        return stepped
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``)."""
+        if not self._enabled:
+            return
+        state = self._require_state("update")
+        if new_scale is not None:
+            value = torch.as_tensor(new_scale, dtype=torch.float32).to(state["scale"].device)
+            if value.numel() != 1 or value.requires_grad:
+                raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad.")
+            state["scale"].copy_(value.reshape(()))
+        else:
+            found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
+            if not found:
+                raise RuntimeError(
+                    "No inf checks were recorded prior to update(): call scaler.unscale_(optimizer) or "
+                    "scaler.step(optimizer) after backward and before update()."
+                )
+            found_inf = torch.stack([f.to(state["scale"].device) for f in found]).sum()
+            new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
+            for key, value in zip(("scale", "growth_tracker", "hysteresis_left"), new):
+                state[key].copy_(value)
+            skipped = (found_inf != 0).long()
+            state["skip_count"].add_(skipped)
+            state["skip_streak"].mul_(skipped).add_(skipped)
+        self._per_optimizer = {}
+
+    # -- reading it ---------------------------------------------------------------------
+
+    def _read(self, key: str, initial: float) -> float:
+        if not self._enabled:
+            return 1.0 if key == "scale" else 0
+        return initial if self._state is None else self._state[key].item()
+
+    def get_scale(self) -> float:
+        """Return the current scale as a float (1.0 when disabled); costs a host sync."""
+        return self._read("scale", self._init_scale)
+
+    @property
+    def skip_count(self) -> int:
+        """How many iterations ``update`` has seen with an inf/NaN gradient (syncs)."""
+        return int(self._read("skip_count", self._init_skips[0]))
+
+    @property
+    def skip_streak(self) -> int:
+        """How many of the most recent iterations in a row had an inf/NaN gradient (syncs)."""
+        return int(self._read("skip_streak", self._init_skips[1]))
+
+    def get_growth_factor(self) -> float:
+        return self.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self.config = dataclasses.replace(self.config, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self.config = dataclasses.replace(self.config, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self.config = dataclasses.replace(self.config, growth_interval=new_interval)
+
+    # -- checkpointing ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return everything needed to resume exactly; a superset of torch's keys ({} when disabled).
+
+        Take it after ``update()``; it syncs once per entry read from the device.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self.config.growth_factor,
+            "backoff_factor": self.config.backoff_factor,
+            "growth_interval": self.config.growth_interval,
+            "_growth_tracker": int(self._read("growth_tracker", self._init_tracker)),
+            "hysteresis": self.config.hysteresis,
+            "_hysteresis_left": int(self._read("hysteresis_left", self._init_hysteresis)),
+            "min_scale": self.config.min_scale,
+            "max_scale": self.config.max_scale,
+            "skip_count": self.skip_count,
+            "skip_streak": self.skip_streak,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` (ours or torch's); its config replaces the constructor's."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled GradScaler."
+            )
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - state_dict.keys()
+        if missing:
+            raise KeyError(f"GradScaler state_dict lacks {sorted(missing)}; pass what GradScaler.state_dict() returned.")
+        hysteresis = int(state_dict.get("hysteresis", 1))
+        config = ScalerConfig(
+            float(state_dict["growth_factor"]),
+            float(state_dict["backoff_factor"]),
+            int(state_dict["growth_interval"]),
+            hysteresis,
+            state_dict.get("min_scale"),
+            state_dict.get("max_scale"),
+        )  # validated before anything is overwritten
+        scale = float(state_dict["scale"])
+        if not scale > 0 or math.isnan(scale):
+            raise ValueError(f"state_dict['scale'] must be > 0, got {scale!r}.")
+        self.config = config
+        self._init_scale = scale
+        self._init_tracker = int(state_dict["_growth_tracker"])
+        self._init_hysteresis = int(state_dict.get("_hysteresis_left", hysteresis))
+        self._init_skips = (int(state_dict.get("skip_count", 0)), int(state_dict.get("skip_streak", 0)))
+        if self._state is not None:
+            initial = (scale, self._init_tracker, self._init_hysteresis, *self._init_skips)
+            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), initial):
+                self._state[key].fill_(value)
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return "GradScaler(enabled=False)"
+        return f"GradScaler(scale={self.get_scale():g}, {self.config})"
