@@ -83,13 +83,15 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         use_foreach = device.type in ("cpu", "cuda") if foreach is None else foreach
         if use_foreach and device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"foreach=True was passed, but there is no foreach norm on {device.type}")
-        # dtype=float32: fp16/bf16 grads are accumulated in fp32, so 300 * 65504 is not inf.
+        # fp16/bf16 grads are accumulated in fp32, so 300 * 60000 is not inf; fp64 stays fp64
+        # until the end (torch refuses to narrow it inside the norm).
+        acc = torch.float32 if group[0].dtype in (torch.float16, torch.bfloat16) else None
         if use_foreach:
-            out = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+            out = torch._foreach_norm(group, norm_type, dtype=acc)
         else:
-            out = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in group]
+            out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
         for i, n in zip(idx, out):
-            norms[i] = n.to(first)
+            norms[i] = n.to(device=first, dtype=torch.float32)
     return torch.stack(norms)  # type: ignore[arg-type]
 
 

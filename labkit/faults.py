@@ -53,7 +53,7 @@ class Fault:
         if self.kind == "spike":
             return inputs * self.magnitude
         if self.kind in ("nan", "inf"):
-            bad = inputs.clone()
+            bad = inputs.clone(memory_format=torch.contiguous_format)  # so view(-1) writes into it
             bad.view(-1)[0] = float(self.kind)
             return bad
         return inputs
@@ -77,6 +77,7 @@ class _OverflowBackward(torch.autograd.Function):
         return (grad.float() * (2 * FP16_MAX / peak)).to(grad.dtype)
 
 
+_EXAMPLE = "e.g. 50:spike:1000, 120:nan or 200-204:overflow"
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:([a-z]+)(?::([^:]+))?$")
 
 
@@ -104,18 +105,18 @@ class FaultSchedule(Mapping[int, Fault]):
             if not m:
                 raise ValueError(
                     f"bad fault spec {spec!r}: write STEP:KIND[:MAGNITUDE] or START-END:KIND, "
-                    f"e.g. 50:spike:1000, 120:nan or 200-204:overflow (kinds: {', '.join(KINDS)})."
+                    f"{_EXAMPLE} (kinds: {', '.join(KINDS)})."
                 )
             start, end, kind, magnitude = m.groups()
             first, last = int(start), int(end) if end is not None else int(start)
             if last < first:
-                raise ValueError(f"bad fault spec {spec!r}: the range {first}-{last} runs backwards.")
+                raise ValueError(f"bad fault spec {spec!r}: the range {first}-{last} runs backwards; {_EXAMPLE}.")
             if magnitude is not None and kind != "spike":
-                raise ValueError(f"bad fault spec {spec!r}: only spike takes a magnitude.")
+                raise ValueError(f"bad fault spec {spec!r}: only spike takes a magnitude; {_EXAMPLE}.")
             try:
                 fault = Fault(kind, float(magnitude)) if magnitude is not None else Fault(kind)
             except ValueError as e:
-                raise ValueError(f"bad fault spec {spec!r}: {e}") from None
+                raise ValueError(f"bad fault spec {spec!r}: {e} Write it as {_EXAMPLE}.") from None
             for step in range(first, last + 1):
                 faults[step] = fault
         return cls(faults)

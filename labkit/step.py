@@ -13,7 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
-from .clip import check_max_norm, check_norm_type, clip_grads_with_norm_, per_tensor_norms, total_norm
+from .clip import (
+    check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
+)
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler
@@ -185,7 +187,9 @@ class TrainStep:
 
             ranked = sorted(range(len(values)), key=rank, reverse=True)
             record.top_grads = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
-            record.first_nonfinite = next((named[i][0] for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if not all(map(math.isfinite, values)):
+                # an inf norm may be an fp32 overflow of finite values: ask the gradients themselves
+                record.first_nonfinite = first_nonfinite([g for _, g in named], [n for n, _ in named])
         return record
 
     def state_dict(self) -> dict[str, Any]:

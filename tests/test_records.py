@@ -1,0 +1,272 @@
+"""StepRecord and StepLog: fields, columns, summaries, JSONL/CSV export and streaming."""
+
+import csv
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import labkit
+from labkit import StepLog, StepRecord
+
+NAN = float("nan")
+INF = float("inf")
+FIELDS = [
+    "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
+    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite",
+]
+
+
+def same_value(a, b):
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def assert_records_equal(a, b):
+    da, db = a.to_dict(), b.to_dict()
+    diffs = {k: (da[k], db[k]) for k in da if not same_value(da[k], db[k])}
+    assert not diffs, f"step {da['step']}: {diffs}"
+    assert [type(t) for t in a.top_grads] == [type(t) for t in b.top_grads]
+
+
+@pytest.fixture
+def log():
+    """Six steps covering every case: clean, bad batch, clipped, overflow, clipped, scale drop."""
+    return StepLog([
+        StepRecord(0, 1.0, grad_norm=0.5, scale=1024.0, next_scale=1024.0, lr=0.1),
+        StepRecord(1, NAN, scale=1024.0, next_scale=1024.0, skipped=True, reason="nonfinite_loss",
+                   skip_streak=1, lr=0.1, fault="nan"),
+        StepRecord(2, 0.9, grad_norm=3.0, clip_coef=1 / 3, clipped=True, scale=1024.0, next_scale=2048.0, lr=0.1,
+                   fault="spike:1000", top_grads=[("0.weight", 2.5), ("2.weight", 1.5), ("0.bias", 0.5)]),
+        StepRecord(3, 0.8, grad_norm=INF, scale=2048.0, next_scale=1024.0, skipped=True, reason="nonfinite_grad",
+                   skip_streak=1, lr=0.05, fault="overflow", top_grads=[("4.weight", INF), ("2.weight", NAN), ("0.bias", 2.0)],
+                   first_nonfinite="4.weight"),
+        StepRecord(4, 0.7, grad_norm=2.0, clip_coef=0.5, clipped=True, scale=1024.0, next_scale=1024.0, lr=0.05,
+                   top_grads=[("2.bias", 1.25)]),
+        StepRecord(5, 0.6, grad_norm=0.4, scale=1024.0, next_scale=512.0, lr=0.05),
+    ])
+
+
+@pytest.fixture
+def task():
+    return labkit.ToyTask()
+
+
+# ---------------------------------------------------------------- StepRecord
+
+
+def test_record_has_exactly_the_documented_fields():
+    assert [f.name for f in dataclasses.fields(StepRecord)] == FIELDS
+
+
+def test_record_defaults():
+    r = StepRecord(step=0, loss=0.5)
+    assert math.isnan(r.grad_norm) and math.isnan(r.lr)
+    assert (r.clip_coef, r.clipped, r.scale, r.next_scale) == (1.0, False, 1.0, 1.0)
+    assert (r.skipped, r.reason, r.skip_streak, r.fault) == (False, None, 0, None)
+    assert r.top_grads == [] and r.first_nonfinite is None
+    assert StepRecord(1, 0.5).top_grads is not r.top_grads  # no shared mutable default
+
+
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        (StepRecord(0, 1.0, grad_norm=0.5), 0.5),
+        (StepRecord(0, 1.0, grad_norm=4.0, clip_coef=0.25, clipped=True), 1.0),
+        (StepRecord(0, 1.0, grad_norm=INF, skipped=True, reason="nonfinite_grad"), NAN),
+        (StepRecord(0, NAN, skipped=True, reason="nonfinite_loss"), NAN),
+    ],
+    ids=["unclipped", "clipped", "skipped-grad", "skipped-loss"],
+)
+def test_post_clip_norm(record, expected):
+    assert same_value(record.post_clip_norm, expected)
+
+
+def test_to_dict_from_dict_round_trip(log):
+    for r in log:
+        assert_records_equal(StepRecord.from_dict(r.to_dict()), r)
+    # from_dict turns JSON's lists back into tuples
+    assert StepRecord.from_dict({"step": 0, "loss": 1.0, "top_grads": [["a", 1.0]]}).top_grads == [("a", 1.0)]
+
+
+# ---------------------------------------------------------------- StepLog as a sequence
+
+
+def test_log_is_a_sequence(log):
+    assert len(log) == 6
+    assert log[2].step == 2 and log[-1].step == 5
+    assert [r.step for r in log[1:3]] == [1, 2]
+    assert [r.step for r in log] == list(range(6))
+    assert "6 records" in repr(log) and "[1, 3]" in repr(log)
+
+
+def test_empty_log():
+    log = StepLog()
+    assert len(log) == 0 and log.skipped_steps == [] and log.clipped_steps == []
+    s = log.summary()
+    assert (s["steps"], s["skipped"], s["clipped"], s["clip_rate"]) == (0, 0, 0, 0.0)
+    assert s["skips_by_reason"] == {"nonfinite_loss": 0, "nonfinite_grad": 0}
+    assert all(math.isnan(s[k]) for k in ("min_scale", "max_scale", "final_scale", "final_loss"))
+
+
+def test_append(log):
+    log.append(StepRecord(6, 0.5))
+    assert len(log) == 7 and log[-1].step == 6
+
+
+# ---------------------------------------------------------------- columns and summary
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("step", [0, 1, 2, 3, 4, 5]),
+        ("scale", [1024.0, 1024.0, 1024.0, 2048.0, 1024.0, 1024.0]),
+        ("next_scale", [1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 512.0]),
+        ("skipped", [False, True, False, True, False, False]),
+        ("reason", [None, "nonfinite_loss", None, "nonfinite_grad", None, None]),
+        ("fault", [None, "nan", "spike:1000", "overflow", None, None]),
+        ("first_nonfinite", [None, None, None, "4.weight", None, None]),
+        ("lr", [0.1, 0.1, 0.1, 0.05, 0.05, 0.05]),
+        ("post_clip_norm", [0.5, NAN, 1.0, NAN, 1.0, 0.4]),
+        ("loss", [1.0, NAN, 0.9, 0.8, 0.7, 0.6]),
+    ],
+)
+def test_column(log, name, expected):
+    assert same_value(log.column(name), expected)
+
+
+@pytest.mark.parametrize("name", ["nope", "Loss", "post_clip", ""])
+def test_unknown_column_raises_key_error(log, name):
+    with pytest.raises(KeyError, match="no column"):
+        log.column(name)
+
+
+def test_skipped_and_clipped_steps(log):
+    assert log.skipped_steps == [1, 3]
+    assert log.clipped_steps == [2, 4]
+
+
+def test_summary(log):
+    assert log.summary() == {
+        "steps": 6,
+        "skipped": 2,
+        "skips_by_reason": {"nonfinite_loss": 1, "nonfinite_grad": 1},
+        "clipped": 2,
+        "clip_rate": 0.5,  # 2 clipped of the 4 steps that stepped
+        "min_scale": 512.0,  # the last next_scale counts
+        "max_scale": 2048.0,
+        "final_scale": 512.0,
+        "final_loss": 0.6,
+    }
+
+
+def test_summary_final_loss_is_the_last_real_step():
+    log = StepLog([StepRecord(0, 0.3), StepRecord(1, NAN, skipped=True, reason="nonfinite_loss")])
+    s = log.summary()
+    assert s["final_loss"] == 0.3 and s["skipped"] == 1 and s["clip_rate"] == 0.0
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def test_jsonl_round_trip(log, tmp_path):
+    path = tmp_path / "run.jsonl"
+    log.to_jsonl(path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(log)
+    assert all(json.loads(line)["step"] == i for i, line in enumerate(lines))
+    back = StepLog.read_jsonl(path)
+    assert len(back) == len(log)
+    for a, b in zip(back, log):
+        assert_records_equal(a, b)
+    assert back[3].top_grads[0] == ("4.weight", INF)
+    assert math.isnan(back[3].top_grads[1][1])
+    assert back[3].grad_norm == INF and math.isnan(back[1].loss)
+    assert all(isinstance(t, tuple) for r in back for t in r.top_grads)
+
+
+def test_jsonl_overwrites_and_reader_skips_blank_lines(log, tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_text("garbage that must be overwritten\n")
+    log.to_jsonl(path)
+    path.write_text(path.read_text() + "\n   \n")
+    assert len(StepLog.read_jsonl(path)) == 6
+
+
+# ---------------------------------------------------------------- CSV
+
+
+def test_csv_has_a_header_with_every_field_and_one_row_per_record(log, tmp_path):
+    path = tmp_path / "run.csv"
+    log.to_csv(path)
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        assert reader.fieldnames == FIELDS
+    assert len(rows) == len(log)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert same_value([float(r["loss"]) for r in rows], log.column("loss"))
+    assert same_value([float(r["grad_norm"]) for r in rows], log.column("grad_norm"))
+    assert [float(r["next_scale"]) for r in rows] == log.column("next_scale")
+    assert [r["skipped"] for r in rows] == ["False", "True", "False", "True", "False", "False"]
+    assert [r["reason"] for r in rows] == ["", "nonfinite_loss", "", "nonfinite_grad", "", ""]
+    assert rows[3]["first_nonfinite"] == "4.weight"
+    assert rows[2]["top_grads"] == "0.weight=2.5;2.weight=1.5;0.bias=0.5"
+    assert rows[3]["top_grads"] == "4.weight=inf;2.weight=nan;0.bias=2"
+    assert rows[0]["top_grads"] == ""
+
+
+def test_csv_of_an_empty_log_is_just_the_header(tmp_path):
+    path = tmp_path / "empty.csv"
+    StepLog().to_csv(path)
+    assert path.read_text().strip() == ",".join(FIELDS)
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def test_trainstep_streams_one_flushed_line_per_step(task, tmp_path):
+    path = tmp_path / "live.jsonl"
+    model = task.model()
+    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                            max_norm=0.1, faults={1: "nan"}, log_path=path)
+    try:
+        for i in range(4):
+            record = step(*task.batch(i))
+            # read while the TrainStep (and its open file) is still alive
+            lines = path.read_text(encoding="utf-8").splitlines()
+            assert len(lines) == i + 1
+            assert_records_equal(StepRecord.from_dict(json.loads(lines[-1])), record)
+        streamed = StepLog.read_jsonl(path)
+        assert streamed.skipped_steps == [1] and streamed.clipped_steps == [0, 2, 3]
+        assert math.isnan(streamed[1].loss) and streamed[1].reason == "nonfinite_loss"
+        assert streamed[0].top_grads and isinstance(streamed[0].top_grads[0], tuple)
+        for a, b in zip(streamed, step.log):
+            assert_records_equal(a, b)
+    finally:
+        step.log.close()
+    step.log.close()  # closing twice is harmless
+
+
+def test_streaming_appends_to_an_existing_file(tmp_path):
+    path = tmp_path / "resumed.jsonl"
+    first = StepLog(stream=path)
+    first.append(StepRecord(0, 1.0))
+    first.close()
+    second = StepLog(stream=path)
+    second.append(StepRecord(1, 0.5))
+    second.close()
+    assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1]
+    assert len(second) == 1
+
+
+def test_no_stream_writes_nothing(tmp_path, log):
+    log.append(StepRecord(6, 0.1))
+    log.close()
+    assert list(tmp_path.iterdir()) == []
