@@ -22,6 +22,16 @@ from torch import Tensor
 __all__ = ["GradScaler", "ScalerConfig", "update_scale"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+F32 = torch.finfo(torch.float32)
+
+
+def _f32_inside(bound: float, upward: bool) -> float:
+    """Return the float32 nearest ``bound`` on the inside: a floor rounds up, a cap down."""
+    b = torch.tensor(bound, dtype=torch.float64)
+    f = b.float()
+    if (f.double() < b) if upward else (f.double() > b):
+        f = torch.nextafter(f, torch.tensor(math.inf if upward else 0.0))
+    return f.item()
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,11 @@ class ScalerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
         for name in ("min_scale", "max_scale"):
             value = getattr(self, name)
-            if value is not None and not (0.0 < value < math.inf):
-                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}.")
+            if value is not None and not (F32.tiny <= value <= F32.max):
+                raise ValueError(
+                    f"{name} must be None or a number > 0 in float32's normal range [{F32.tiny:.3g}, {F32.max:.3g}], "
+                    f"got {value!r}; the scale is a float32."
+                )
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale}).")
 
@@ -92,8 +105,8 @@ def update_scale(
 
     hyst_after = torch.clamp(hysteresis_left - 1, min=0)
     backed = (scale.double() * config.backoff_factor).float()
-    if config.min_scale is not None:
-        backed = torch.clamp(backed, min=config.min_scale)
+    if config.min_scale is not None:  # bounds rounded inwards to float32, so 0.7 stays a floor
+        backed = torch.clamp(backed, min=_f32_inside(config.min_scale, upward=True))
     on_overflow = torch.where(hyst_after == 0, backed, scale)
 
     tracker_after = growth_tracker + 1
@@ -102,7 +115,8 @@ def update_scale(
     grown = torch.where(torch.isfinite(grown), grown, scale)
     if config.max_scale is not None:
         # a cap never raises a scale that already sits above it (e.g. set by update(new_scale))
-        grown = torch.minimum(grown, torch.maximum(scale, torch.full_like(scale, config.max_scale)))
+        cap = torch.full_like(scale, _f32_inside(config.max_scale, upward=False))
+        grown = torch.minimum(grown, torch.maximum(scale, cap))
     on_clean = torch.where(grows, grown, scale)
 
     new_scale = torch.where(overflow, on_overflow, on_clean)
@@ -147,8 +161,8 @@ class GradScaler:
             enabled = False
         self._enabled = bool(enabled)
         self.config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        if not 0.0 < init_scale < math.inf:
-            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}; torch's default is 2.0**16.")
+        if not 0.0 < init_scale <= F32.max:
+            raise ValueError(f"init_scale must be a float32-finite number > 0, got {init_scale!r}; torch's default is 2.0**16.")
         lo, hi = min_scale or 0.0, max_scale or math.inf
         if not lo <= init_scale <= hi:
             raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}].")
@@ -226,7 +240,7 @@ class GradScaler:
                         "Attempting to unscale FP16 gradients: keep the parameters in float32 and run "
                         "the forward under torch.autocast(dtype=torch.float16) instead of model.half()."
                     )
-                g = p.grad.coalesce()._values() if p.grad.is_sparse else p.grad
+                g = p.grad._values() if p.grad.is_sparse else p.grad  # a view: unscaled in place
                 groups.setdefault((g.device, g.dtype), []).append(g)
         with torch.no_grad():
             for (device, _), grads in groups.items():
