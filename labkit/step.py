@@ -36,8 +36,9 @@ class TrainStep:
     scale backs off) -> clip to ``max_norm`` -> step -> scheduler, only if the optimizer
     stepped -> scaler update. ``fp32`` and ``bf16`` use a disabled ``GradScaler``, so they go
     through the same lines. Host syncs per step: one per micro-batch for the loss check
-    (backward is skipped on the host), one for the step decision and one to read the scale
-    back; none per parameter.
+    (backward is skipped on the host), one for the step decision on the norm, one in the
+    scaler's ``step`` (fp16 only, as in torch) and two small scale reads for the record;
+    none per parameter. Forensics read the per-tensor norms only on a skip or a clip.
 
     >>> from labkit.task import ToyTask
     >>> task = ToyTask(); model = task.model()

@@ -420,18 +420,30 @@ def count(caught, category):
     return sum(issubclass(w.category, category) for w in caught)
 
 
+def _assert_clipped(record):
+    assert record.clipped
+
+
+def warned_at(train, task, steps, category, each=None):
+    """Run ``steps`` steps; return the steps on which a ``category`` warning fired, and all warnings."""
+    fired_at = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            before = count(caught, category)
+            record = train(*task.batch(i))
+            if each is not None:
+                each(record)
+            if count(caught, category) > before:
+                fired_at.append(i)
+    return fired_at, caught
+
+
 def test_skip_streak_warning_once_per_streak(make_step, task):
     assert issubclass(labkit.SkipStreakWarning, labkit.LabkitWarning)
     # streak of 5 (steps 0-4), a good step, then a streak of 3 (steps 6-8)
     train = make_step(skip_alarm=3, faults=labkit.FaultSchedule.parse(["0-4:nan", "6-8:nan"]))
-    fired_at = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(10):
-            before = count(caught, labkit.SkipStreakWarning)
-            train(*task.batch(i))
-            if count(caught, labkit.SkipStreakWarning) > before:
-                fired_at.append(i)
+    fired_at, caught = warned_at(train, task, 10, labkit.SkipStreakWarning)
     assert fired_at == [2, 8]
     assert train.log.column("skip_streak") == [1, 2, 3, 4, 5, 0, 1, 2, 3, 0]
     message = str(next(w.message for w in caught if issubclass(w.category, labkit.SkipStreakWarning)))
@@ -458,14 +470,7 @@ def test_skip_alarm_none_never_warns(make_step, task):
 def test_repeated_clipping_warning_fires_once(make_step, task):
     assert issubclass(labkit.RepeatedClippingWarning, labkit.LabkitWarning)
     train = make_step(max_norm=1e-3, clip_alarm=0.5, clip_window=4)
-    fired_at = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(12):
-            before = count(caught, labkit.RepeatedClippingWarning)
-            assert train(*task.batch(i)).clipped
-            if count(caught, labkit.RepeatedClippingWarning) > before:
-                fired_at.append(i)
+    fired_at, caught = warned_at(train, task, 12, labkit.RepeatedClippingWarning, each=lambda r: _assert_clipped(r))
     assert fired_at == [3]
     message = str(next(w.message for w in caught if issubclass(w.category, labkit.RepeatedClippingWarning)))
     assert "repeated clipping" in message and "last 4 steps" in message
@@ -480,28 +485,14 @@ def test_repeated_clipping_with_pytest_warns(make_step, task):
 
 def test_repeated_clipping_counts_stepped_steps_only(make_step, task):
     train = make_step(max_norm=1e-3, clip_window=2, faults={1: "nan", 2: "nan"})
-    fired_at = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(6):
-            before = count(caught, labkit.RepeatedClippingWarning)
-            train(*task.batch(i))
-            if count(caught, labkit.RepeatedClippingWarning) > before:
-                fired_at.append(i)
+    fired_at, caught = warned_at(train, task, 6, labkit.RepeatedClippingWarning)
     assert fired_at == [3]  # the stepped steps 0 and 3 fill the window of 2; skips 1-2 are not in it
 
 
 def test_repeated_clipping_needs_more_than_the_fraction(make_step, task):
     # spikes clip steps 0, 2, 4 (half of every window of 4): not above 0.5; step 5 tips it
     train = make_step(max_norm=5.0, clip_window=4, faults=labkit.FaultSchedule.parse(["0:spike", "2:spike", "4-5:spike"]))
-    fired_at = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(6):
-            before = count(caught, labkit.RepeatedClippingWarning)
-            train(*task.batch(i))
-            if count(caught, labkit.RepeatedClippingWarning) > before:
-                fired_at.append(i)
+    fired_at, caught = warned_at(train, task, 6, labkit.RepeatedClippingWarning)
     assert train.log.clipped_steps == [0, 2, 4, 5]
     assert fired_at == [5]
 
