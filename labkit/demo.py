@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
     p.add_argument("--max-norm", type=_max_norm, default=1.0, help="clipping threshold, or 'none' (default 1.0)")
     p.add_argument("--init-scale", type=_positive(float), default=2.0**10, help="initial loss scale (default 1024)")
-    p.add_argument("--growth-interval", type=_positive(int), default=100, help="clean steps before the scale grows")
+    p.add_argument("--growth-interval", type=_positive(int), default=50, help="clean steps before the scale grows (default 50)")
     p.add_argument("--steps", type=_positive(int), default=300)
     p.add_argument("--lr", type=_positive(float), default=0.05)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -53,6 +53,11 @@ class Fault:
         if self.kind == "spike":
             return inputs * self.magnitude
         if self.kind in ("nan", "inf"):
+            if not inputs.is_floating_point():
+                raise TypeError(
+                    f"a {self.kind} fault needs floating-point inputs, got {inputs.dtype}; for token ids, "
+                    "inject it into the embeddings (or use the overflow fault, which acts on the output)."
+                )
             bad = inputs.clone(memory_format=torch.contiguous_format)  # so view(-1) writes into it
             bad.view(-1)[0] = float(self.kind)
             return bad

@@ -28,6 +28,9 @@ def test_demo_cli_writes_logs_and_figure_and_reports_every_event(tmp_path):
     assert log[120].reason == "nonfinite_loss" and log[120].next_scale == log[120].scale
     assert log.skipped_steps == [120, 200, 201, 202, 203, 204]
     assert [r.next_scale / r.scale for r in log[200:205]] == [0.5] * 5
+    # growth every 50 counted clean steps: the NaN step 120 is not counted and not punished
+    grew = [r.step for r in log if r.next_scale > r.scale]
+    assert grew == [49, 99, 150]
     assert "step   50  CLIP" in proc.stdout
     assert "step  120  SKIP  nonfinite_loss" in proc.stdout
     assert proc.stdout.count("(backoff)") == 5

@@ -343,3 +343,11 @@ def test_identical_runs_give_identical_logs(task):
     assert a.log.skipped_steps == [1, 3, 4, 5, 7]  # under fp16 the spike overflows too
     for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_nonfinite_faults_refuse_integer_inputs_with_a_fix(kind):
+    ids = torch.arange(6).reshape(2, 3)
+    with pytest.raises(TypeError, match="floating-point inputs"):
+        labkit.Fault(kind).corrupt_inputs(ids)
+    assert torch.equal(ids, torch.arange(6).reshape(2, 3))
