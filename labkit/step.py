@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
-    check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
+    EPS, check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
 )
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
@@ -24,6 +24,22 @@ __all__ = ["PRECISIONS", "TrainStep"]
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOP_K = 3
+
+
+def _forensics(named: list[tuple[str, Tensor]], norms: Tensor) -> tuple[list[tuple[str, float]], str | None]:
+    """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
+
+    Read from the per-tensor norms already computed, so there is no extra pass over the
+    gradients unless a norm is non-finite (then the gradients themselves are asked, since
+    an inf norm may be an fp32 overflow of finite values).
+    """
+    values = norms.tolist()
+    finite = [math.isfinite(v) for v in values]
+    ranked = sorted(range(len(values)), key=lambda i: (not finite[i], values[i] if finite[i] else 0.0), reverse=True)
+    top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
+    if all(finite):
+        return top, None
+    return top, first_nonfinite([g for _, g in named], [n for n, _ in named])
 
 
 class TrainStep:
@@ -168,7 +184,7 @@ class TrainStep:
         if math.isfinite(norm_value):
             if self.max_norm is not None:
                 clip_grads_with_norm_(self._params, self.max_norm, norm)
-                coef = min(1.0, self.max_norm / (norm_value + 1e-6))
+                coef = min(1.0, self.max_norm / (norm_value + EPS))  # the same coefficient, for the record
                 clipped = coef < 1.0
             stepped = scaler.step(opt)
         else:
@@ -181,16 +197,7 @@ class TrainStep:
             next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else "nonfinite_grad", lr=lr,
         )
         if record.skipped or clipped:
-            # forensics from the per-tensor norms already computed: no extra pass over the grads
-            values = norms.tolist()
-            def rank(i: int) -> tuple[bool, float]:  # non-finite first, then the largest
-                return (not math.isfinite(values[i]), values[i] if math.isfinite(values[i]) else 0.0)
-
-            ranked = sorted(range(len(values)), key=rank, reverse=True)
-            record.top_grads = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
-            if not all(map(math.isfinite, values)):
-                # an inf norm may be an fp32 overflow of finite values: ask the gradients themselves
-                record.first_nonfinite = first_nonfinite([g for _, g in named], [n for n, _ in named])
+            record.top_grads, record.first_nonfinite = _forensics(named, norms)
         return record
 
     def state_dict(self) -> dict[str, Any]:
