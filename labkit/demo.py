@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         args.faults = FaultSchedule.parse([] if specs == ["none"] else specs)
     except ValueError as e:
         parser.error(f"--inject: {e}")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available on this machine; use --device cpu")
     try:
-        torch.device(args.device)
+        device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device: unknown device {args.device!r}; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine; use --device cpu")
     run_demo(args)
     return 0

@@ -10,6 +10,7 @@ resumes the exact trajectory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 F32 = torch.finfo(torch.float32)
 
 
+@functools.lru_cache(maxsize=64)  # a constant of the config: not recomputed every update()
 def _f32_inside(bound: float, upward: bool) -> float:
     """Return the float32 nearest ``bound`` on the inside: a floor rounds up, a cap down."""
     b = torch.tensor(bound, dtype=torch.float64)

@@ -72,6 +72,7 @@ def test_demo_flags_change_the_run(tmp_path, capsys):
         (["--growth-interval", "1.5"], "--growth-interval"),
         (["--precision", "fp8"], "--precision"),
         (["--device", "cuda"], "CUDA is not available"),
+        (["--device", "tpu9"], "unknown device 'tpu9'"),
         (["--bogus"], "unrecognized arguments"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v),
