@@ -11,12 +11,11 @@ import warnings
 import torch
 from tqdm import tqdm
 
+from .experiment import ExperimentConfig, default_device, run_experiment
 from .faults import FaultSchedule
 from .plots import plot_log
 from .records import StepLog, StepRecord
-from .scaler import GradScaler
-from .step import PRECISIONS, TrainStep
-from .task import ToyTask
+from .step import PRECISIONS
 
 __all__ = ["build_parser", "describe", "main", "run_demo"]
 
@@ -60,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth-interval", type=_positive(int), default=50, help="clean steps before the scale grows (default 50)")
     p.add_argument("--steps", type=_positive(int), default=300)
     p.add_argument("--lr", type=_positive(float), default=0.05)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=default_device())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--inject", action="append", metavar="STEP:KIND[:MAG]",
@@ -91,37 +90,31 @@ def describe(record: StepRecord, max_norm: float | None) -> list[str]:
     return lines
 
 
-def run_demo(args: argparse.Namespace, echo=print) -> StepLog:
-    """Train as ``args`` says, echo one line per event, write the log files and the figure."""
-    device = torch.device(args.device)
-    task = ToyTask(seed=args.seed)
-    model = task.model(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scaler = GradScaler(device.type, init_scale=args.init_scale, growth_interval=args.growth_interval,
-                        enabled=args.precision == "fp16")
-    os.makedirs(args.out, exist_ok=True)
-    step = TrainStep(model, optimizer, task.loss_fn, precision=args.precision, max_norm=args.max_norm,
-                     scaler=scaler, faults=args.faults, log_path=os.path.join(args.out, "log.jsonl.partial"))
-    bar = tqdm(range(args.steps), disable=args.no_progress, unit="step", file=sys.stderr)
+def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print) -> StepLog:
+    """Run ``config``, echo one line per event, write the log files and the figure into ``out``."""
+    os.makedirs(out, exist_ok=True)
+    partial = os.path.join(out, "log.jsonl.partial")
+    bar = tqdm(total=config.steps, disable=not progress, unit="step", file=sys.stderr)
+
+    def report(record: StepRecord) -> None:
+        for line in describe(record, config.max_norm):
+            if progress:
+                tqdm.write(line, file=sys.stdout)
+            else:
+                echo(line)
+        bar.set_postfix(loss=f"{record.loss:.3g}", scale=f"{record.scale:g}", refresh=False)
+        bar.update()
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i in bar:
-            record = step(*task.batch(i, device))
-            for line in describe(record, args.max_norm):
-                if args.no_progress:
-                    echo(line)
-                else:
-                    tqdm.write(line, file=sys.stdout)
-            bar.set_postfix(loss=f"{record.loss:.3g}", scale=f"{record.scale:g}", refresh=False)
+        log = run_experiment(config, report, log_path=partial)
     bar.close()
-    step.log.close()
     for w in caught:
         echo(f"WARNING {w.category.__name__}: {w.message}")
-    log = step.log
-    os.replace(os.path.join(args.out, "log.jsonl.partial"), os.path.join(args.out, "log.jsonl"))
-    log.to_csv(os.path.join(args.out, "log.csv"))
-    plot_log(log, args.max_norm, title=f"labkit demo: {args.precision}, max_norm={args.max_norm}").savefig(
-        os.path.join(args.out, "demo.png"), dpi=100)
+    os.replace(partial, os.path.join(out, "log.jsonl"))
+    log.to_csv(os.path.join(out, "log.csv"))
+    plot_log(log, config.max_norm, title=f"labkit demo: {config.precision}, max_norm={config.max_norm}").savefig(
+        os.path.join(out, "demo.png"), dpi=100)
     s = log.summary()
     rows = [
         ("steps", s["steps"]),
@@ -130,7 +123,7 @@ def run_demo(args: argparse.Namespace, echo=print) -> StepLog:
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
         ("loss scale", f"min {s['min_scale']:g}, max {s['max_scale']:g}, final {s['final_scale']:g}"),
         ("final loss", f"{s['final_loss']:.4g}"),
-        ("files", f"{os.path.join(args.out, 'log.jsonl')}, log.csv, demo.png"),
+        ("files", f"{os.path.join(out, 'log.jsonl')}, log.csv, demo.png"),
     ]
     echo("\nsummary")
     for key, value in rows:
@@ -143,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     specs = args.inject if args.inject is not None else DEFAULT_FAULTS
     try:
-        args.faults = FaultSchedule.parse([] if specs == ["none"] else specs)
+        FaultSchedule.parse([] if specs == ["none"] else specs)
     except ValueError as e:
         parser.error(f"--inject: {e}")
     try:
@@ -152,5 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device: unknown device {args.device!r}; use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine; use --device cpu")
-    run_demo(args)
+    config = ExperimentConfig(
+        precision=args.precision, max_norm=args.max_norm, init_scale=args.init_scale,
+        growth_interval=args.growth_interval, faults=[] if specs == ["none"] else specs, steps=args.steps,
+        lr=args.lr, seed=args.seed, device=args.device,
+    )
+    run_demo(config, args.out, progress=not args.no_progress)
     return 0

@@ -1,0 +1,152 @@
+"""One toy-task run as a pure function of its settings: what the lab's widgets and the demo call."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .clip import check_max_norm
+from .faults import FaultSchedule
+from .records import StepLog, StepRecord
+from .scaler import GradScaler
+from .step import PRECISIONS, TrainStep
+from .task import ToyTask
+
+__all__ = ["ExperimentConfig", "default_device", "run_experiment"]
+
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULERS = (None, "cosine")
+
+
+def default_device() -> str:
+    """Return ``"cuda"`` when a GPU is there, else ``"cpu"``: the same notebook runs on both."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    return value
+
+
+def _positive_float(name: str, value: object) -> float:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+    return v
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything a run depends on; equal configs give equal logs (the data is a function of the seed).
+
+    ``faults`` uses the demo's ``--inject`` language (``"60:spike:1000"``, ``"100-104:overflow"``).
+    ``loss_scaling=False`` runs fp16 without a scaler, to see gradients underflow.
+    ``loss_weight`` multiplies the loss: small values give the tiny per-element gradients of a
+    large model (with ``optimizer="adam"``, which is invariant to that factor in exact arithmetic,
+    any difference from fp32 is fp16's). ``device=None`` takes the GPU when there is one.
+
+    >>> c = ExperimentConfig(precision="fp32", faults=["60:spike:1000"])
+    >>> c.faults, c.fault_schedule().get(60).label
+    (('60:spike:1000',), 'spike:1000')
+    >>> ExperimentConfig(max_norm=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_norm must be a number > 0 or None (no clipping), got 0.
+    """
+
+    precision: str = "fp16"
+    max_norm: float | None = 1.0
+    init_scale: float = 2.0**10
+    growth_interval: int = 50
+    loss_scaling: bool = True
+    faults: tuple[str, ...] = ()
+    steps: int = 150
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    loss_weight: float = 1.0
+    scheduler: str | None = None
+    seed: int = 0
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        # Validate everything here, so a bad slider value fails before a model is built.
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}.")
+        if self.max_norm is not None:
+            try:
+                check_max_norm(self.max_norm)
+            except ValueError:
+                raise ValueError(f"max_norm must be a number > 0 or None (no clipping), got {self.max_norm!r}.") from None
+        _positive_float("init_scale", self.init_scale)
+        _positive_int("growth_interval", self.growth_interval)
+        _positive_int("steps", self.steps)
+        _positive_float("lr", self.lr)
+        _positive_float("loss_weight", self.loss_weight)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
+        if isinstance(self.faults, str):
+            raise TypeError(f"faults must be a list of specs, e.g. [{self.faults!r}], not one string.")
+        object.__setattr__(self, "faults", tuple(self.faults))  # a list from the caller, frozen here
+        self.fault_schedule()
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"device must be None (auto), 'cpu' or 'cuda', got {self.device!r}.") from None
+
+    def fault_schedule(self) -> FaultSchedule:
+        """Return the parsed ``faults``."""
+        return FaultSchedule.parse(self.faults)
+
+    def resolved_device(self) -> torch.device:
+        """Return the device the run uses: ``device``, or the GPU when there is one."""
+        return torch.device(self.device or default_device())
+
+
+def run_experiment(
+    config: ExperimentConfig,
+    on_record: Callable[[StepRecord], None] | None = None,
+    *,
+    log_path: str | os.PathLike | None = None,
+) -> StepLog:
+    """Train a fresh toy model as ``config`` says and return its log; ``on_record`` sees each record.
+
+    Nothing outside the call is touched: a widget may start it again with other settings
+    while an old figure is still on screen.
+
+    >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
+    >>> len(log), log.skipped_steps, log[5].reason
+    (20, [5], 'nonfinite_loss')
+    """
+    device = config.resolved_device()
+    task = ToyTask(seed=config.seed)
+    model = task.model(device)
+    if config.optimizer == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps) if config.scheduler else None
+    scaler = GradScaler(device.type, init_scale=config.init_scale, growth_interval=config.growth_interval,
+                        enabled=config.precision == "fp16" and config.loss_scaling)
+    mse, weight = task.loss_fn, config.loss_weight
+    loss_fn = mse if weight == 1.0 else (lambda out, y: mse(out, y) * weight)
+    step = TrainStep(model, optimizer, loss_fn, precision=config.precision, max_norm=config.max_norm,
+                     scaler=scaler, scheduler=scheduler, faults=config.fault_schedule(), log_path=log_path)
+    try:
+        for i in range(config.steps):
+            record = step(*task.batch(i, device))
+            if on_record is not None:
+                on_record(record)
+    finally:
+        step.log.close()
+    return step.log

@@ -1,0 +1,266 @@
+"""The lab's control panel: sliders that re-run an experiment and redraw its dashboard.
+
+Every widget path is a plain function of plain values, so it runs headless: set
+``panel.controls["max_norm"].value`` (as a student's slider would) and read ``panel.logs``.
+
+In JupyterLab 4.6 with ipykernel 7 a widget callback may run on another thread while a cell
+is still running. So a callback only computes the new settings and starts a run when none is
+going; during a run it leaves a note, and the running loop starts once more with the latest
+settings when it is done. Each run trains a model of its own, so a callback never touches
+a model that is being trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ipywidgets as W
+
+from .demo import describe
+from .experiment import ExperimentConfig, run_experiment
+from .faults import KINDS
+from .plots import PANELS, LiveDashboard
+from .records import StepLog
+
+__all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows"]
+
+CONTROLS = ("max_norm", "fault", "fault_step", "fault_count", "fault_magnitude",
+            "init_scale", "growth_interval", "precision", "loss_scaling")
+MAX_NORMS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
+EPISODE = {"fault": "spike", "fault_step": 50, "fault_count": 1, "fault_magnitude": 1000.0}
+_FAULT_KEYS = tuple(EPISODE)
+
+
+def episode(fault: str, fault_step: int, fault_count: int = 1, fault_magnitude: float = 1000.0) -> tuple[str, ...]:
+    """Return the fault specs of one episode: ``fault_count`` bad batches from ``fault_step`` on.
+
+    >>> episode("overflow", 100, 5), episode("spike", 60, fault_magnitude=10), episode("none", 3)
+    (('100-104:overflow',), ('60:spike:10',), ())
+    """
+    if fault == "none":
+        return ()
+    if fault not in KINDS:
+        raise ValueError(f"fault must be 'none' or one of {', '.join(KINDS)}, got {fault!r}.")
+    if isinstance(fault_count, bool) or not isinstance(fault_count, int) or fault_count < 1:
+        raise ValueError(f"fault_count must be an int >= 1, got {fault_count!r}.")
+    steps = f"{fault_step}" if fault_count == 1 else f"{fault_step}-{fault_step + fault_count - 1}"
+    return (f"{steps}:{fault}" + (f":{fault_magnitude:g}" if fault == "spike" else ""),)
+
+
+def config_from(base: ExperimentConfig, values: Mapping[str, Any]) -> ExperimentConfig:
+    """Return ``base`` with the panel's control values applied (pure: widgets only read it).
+
+    ``max_norm`` ``inf`` means no clipping; ``init_scale`` is given as its log2 exponent;
+    the four fault controls make one episode (missing ones take ``EPISODE``'s defaults).
+
+    >>> c = config_from(ExperimentConfig(), {"max_norm": math.inf, "init_scale": 16, "fault": "nan", "fault_step": 7})
+    >>> c.max_norm, c.init_scale, c.faults
+    (None, 65536.0, ('7:nan',))
+    """
+    unknown = set(values) - set(CONTROLS)
+    if unknown:
+        raise KeyError(f"unknown controls {sorted(unknown)}; known: {', '.join(CONTROLS)}.")
+    changes: dict[str, Any] = {k: v for k, v in values.items() if k in ("growth_interval", "precision", "loss_scaling")}
+    if "max_norm" in values:
+        changes["max_norm"] = None if values["max_norm"] == math.inf else values["max_norm"]
+    if "init_scale" in values:
+        exponent = values["init_scale"]
+        if isinstance(exponent, bool) or not isinstance(exponent, int) or not -126 <= exponent <= 127:
+            raise ValueError(f"the init_scale control is log2 of the scale, an int in [-126, 127] (float32's "
+                             f"range), got {exponent!r}.")
+        changes["init_scale"] = 2.0**exponent
+    if any(k in values for k in _FAULT_KEYS):
+        changes["faults"] = episode(**{k: values.get(k, EPISODE[k]) for k in _FAULT_KEYS})
+    return dataclasses.replace(base, **changes)
+
+
+def event_rows(logs: Mapping[str, StepLog], max_norm: float | None, last: int = 8) -> list[tuple[str, str]]:
+    """Return the last ``last`` events (skips, clips, scale changes) as ``(run, line)`` rows.
+
+    >>> from labkit.records import StepRecord
+    >>> event_rows({"run": StepLog([StepRecord(3, math.nan, skipped=True, reason="nonfinite_loss", fault="nan")])}, 1.0)
+    [('run', 'step    3  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched [fault nan]')]
+    """
+    rows = [(r.step, run, line) for run, log in logs.items() for r in log for line in describe(r, max_norm)]
+    rows.sort(key=lambda row: row[0])  # stable: runs keep their order within a step
+    return [(run, line) for _, run, line in rows[-last:]] if last > 0 else []
+
+
+def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
+    if name == "max_norm":
+        value = math.inf if value is None else float(value)
+        options = sorted(set(MAX_NORMS) | ({value} if math.isfinite(value) else set()))
+        return W.SelectionSlider(options=[(f"{m:g}", m) for m in options] + [("off", math.inf)], value=value,
+                                 description="max_norm", continuous_update=False)
+    if name == "fault":
+        return W.Dropdown(options=["none", *KINDS], value=value, description="fault")
+    if name == "fault_step":
+        return W.IntSlider(value=value, min=0, max=steps - 1, description="fault step", continuous_update=False)
+    if name == "fault_count":
+        return W.IntSlider(value=value, min=1, max=20, description="fault count", continuous_update=False)
+    if name == "fault_magnitude":
+        return W.FloatLogSlider(value=value, base=10, min=0, max=5, step=0.25, description="spike x",
+                                continuous_update=False)
+    if name == "init_scale":
+        exponent = math.log2(value)
+        if not exponent.is_integer():
+            raise ValueError(f"init_scale's slider moves in powers of two; give one, e.g. 1024, not {value!r}.")
+        return W.IntSlider(value=int(exponent), min=0, max=24, description="init_scale 2^", continuous_update=False)
+    if name == "growth_interval":
+        return W.IntSlider(value=value, min=1, max=200, description="growth_interval", continuous_update=False)
+    if name == "precision":
+        return W.ToggleButtons(options=["fp32", "bf16", "fp16"], value=value, description="precision")
+    if name == "loss_scaling":
+        return W.Checkbox(value=value, description="loss scaling")
+    raise KeyError(f"unknown control {name!r}; known: {', '.join(CONTROLS)}.")
+
+
+class ControlPanel:
+    """Widgets that set an ``ExperimentConfig``, run it (once per variant) and show the result.
+
+    ``controls`` maps control names (``CONTROLS``) to their first value; ``fixed`` gives control
+    values without a widget (e.g. ``{"fault": "overflow"}`` with only step sliders); ``variants`` maps a
+    run's name to config changes applied on top (e.g. ``{"unclipped": {"max_norm": None}}``);
+    ``auto_run`` re-runs on every change (sliders fire on release), else only the Run button
+    does; ``live`` repaints the dashboard every ``every`` steps while training.
+
+    >>> panel = ControlPanel(ExperimentConfig(precision="fp32", steps=30), {"fault": "nan", "fault_step": 5})
+    >>> panel.run()["run"].skipped_steps
+    [5]
+    >>> panel.controls["fault_step"].value = 9  # what a student's slider does
+    >>> panel.logs["run"].skipped_steps, panel.config.faults
+    ([9], ('9:nan',))
+    """
+
+    def __init__(
+        self,
+        base: ExperimentConfig,
+        controls: Mapping[str, Any],
+        *,
+        fixed: Mapping[str, Any] | None = None,
+        variants: Mapping[str, Mapping[str, Any]] | None = None,
+        auto_run: bool = True,
+        live: bool = False,
+        every: int = 25,
+        panels: Sequence[str] = PANELS,
+        table_rows: int = 8,
+    ) -> None:
+        self.base = base
+        self.variants = {name: dict(changes) for name, changes in (variants or {"run": {}}).items()}
+        self.auto_run, self.live, self.table_rows = auto_run, live, table_rows
+        self.fixed = dict(fixed or {})
+        both = self.fixed.keys() & controls.keys()
+        if both:
+            raise ValueError(f"{sorted(both)} given both as controls and as fixed; keep one.")
+        self.controls = {name: _control(name, value, base.steps) for name, value in controls.items()}
+        self.config = config_from(base, self.values())
+        for variant in self.variants.values():
+            dataclasses.replace(self.config, **variant)  # a bad variant fails here, not in a callback
+        self.dashboard = LiveDashboard(self.config.max_norm, runs=tuple(self.variants), panels=panels, every=every)
+        self.run_button = W.Button(description="Run", icon="play", tooltip="train with these settings")
+        self.status = W.HTML(value="not run yet")
+        self.table = W.HTML()
+        self.logs: dict[str, StepLog] = {}
+        self.alarms: dict[str, list[str]] = {}
+        self.error: Exception | None = None
+        self.seconds = math.nan
+        self._lock = threading.Lock()
+        self._running = self._pending = False
+        for widget in self.controls.values():
+            widget.observe(self._changed, names="value")
+        self.run_button.on_click(lambda _: self.run())
+        self.widget = W.VBox([*self.controls.values(), W.HBox([self.run_button, self.status]),
+                              self.dashboard.widget, self.table])
+
+    def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def values(self) -> dict[str, Any]:
+        """Return the controls' current values, with the fixed ones."""
+        return {**self.fixed, **{name: widget.value for name, widget in self.controls.items()}}
+
+    def _changed(self, change: Any = None) -> None:
+        # Only settings here: this may run on a callback thread in the middle of a run.
+        try:
+            self.config = config_from(self.base, self.values())
+        except (ValueError, TypeError) as e:
+            self._fail(e)
+            return
+        if self.auto_run:
+            self.run()
+
+    def run(self) -> dict[str, StepLog]:
+        """Run every variant with the current settings (or, if a run is going, ask it to run again)."""
+        with self._lock:
+            if self._running:
+                self._pending = True
+                return self.logs
+            self._running = True
+        self.run_button.disabled = True
+        try:
+            while True:
+                self._run_once(self.config)
+                with self._lock:
+                    if not self._pending:
+                        self._running = False
+                        break
+                    self._pending = False
+        except Exception as e:  # shown in the panel: a callback's traceback would go unseen
+            with self._lock:
+                self._running = self._pending = False
+            self._fail(e)
+        finally:
+            self.run_button.disabled = False
+        return self.logs
+
+    def _run_once(self, config: ExperimentConfig) -> None:
+        self.status.value = "running..."
+        dash = self.dashboard
+        dash.reset(config.max_norm)
+        start, logs, alarms = time.perf_counter(), {}, {}
+        for name, changes in self.variants.items():
+            on_record = (lambda record, name=name: dash.update(record, name)) if self.live else None
+            # Alarms go into the status line: from a callback, a warning would land in a log
+            # console nobody reads. (catch_warnings is process-wide, not per thread; at worst
+            # a warning raised elsewhere during the run is shown here instead.)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logs[name] = run_experiment(dataclasses.replace(config, **changes), on_record)
+            alarms[name] = sorted({w.category.__name__ for w in caught})
+        dash.show(logs)
+        self.seconds = time.perf_counter() - start
+        self.logs, self.alarms, self.error = logs, alarms, None
+        self.status.value = self._status_html(config)
+        rows = event_rows(logs, config.max_norm, self.table_rows)
+        self.table.value = _table_html(rows, multi=len(logs) > 1)
+
+    def _status_html(self, config: ExperimentConfig) -> str:
+        parts = []
+        for name, log in self.logs.items():
+            s = log.summary()
+            alarm = f", <b>alarm</b>: {', '.join(self.alarms[name])}" if self.alarms[name] else ""
+            parts.append(f"<b>{html.escape(name)}</b>: {s['skipped']} skipped, {s['clipped']} clipped, "
+                         f"final scale {s['final_scale']:g}, final loss {s['final_loss']:.3g}{alarm}")
+        device = config.resolved_device().type
+        return " &middot; ".join(parts) + f" &middot; {self.seconds:.2f} s on {device}"
+
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        self.status.value = f"<span style='color:#b00'>{html.escape(type(error).__name__)}: {html.escape(str(error))}</span>"
+
+
+def _table_html(rows: list[tuple[str, str]], multi: bool) -> str:
+    if not rows:
+        return "<i>no skipped or clipped steps</i>"
+    body = "".join(
+        (f"<tr><td>{html.escape(run)}</td>" if multi else "<tr>") + f"<td><code>{html.escape(line)}</code></td></tr>"
+        for run, line in rows
+    )
+    return f"<table><tr>{'<th>run</th>' if multi else ''}<th>last events</th></tr>{body}</table>"
