@@ -16,6 +16,7 @@ from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
     EPS, check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
 )
+from .distributed import ProcessGroup, mean_across, rank
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler
@@ -56,6 +57,15 @@ class TrainStep:
     scaler's ``step`` (fp16 only, as in torch) and two small scale reads for the record;
     none per parameter. Forensics read the per-tensor norms only on a skip or a clip.
 
+    Under ``torch.distributed`` (DDP or FSDP2; nothing changes when it is not initialized)
+    every rank takes the same decision: the loss check all-reduces the loss (one number per
+    micro-batch, over ``process_group``, default the world) *before* backward, so a NaN on
+    one rank makes every rank skip backward together instead of leaving the others waiting
+    in DDP's gradient all-reduce; the record's loss is then the global-batch mean. The norm
+    is global (sharded gradients are reduced across their mesh), the default scaler reduces
+    ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
+    and raises the alarms.
+
     >>> from labkit.task import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -81,6 +91,7 @@ class TrainStep:
         clip_window: int = 100,
         faults: FaultSchedule | dict | None = None,
         log_path: str | os.PathLike | None = None,
+        process_group: ProcessGroup | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -104,14 +115,17 @@ class TrainStep:
         self.norm_type = check_norm_type(norm_type)
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
+        self.process_group = process_group
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         if scaler is None:
-            scaler = GradScaler(self.device.type, enabled=precision == "fp16")
+            scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         self.scaler = scaler
         self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults)
         self.skip_alarm = SkipAlarm(skip_alarm)
         self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
+        if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
+            self.skip_alarm.threshold = self.clip_alarm.rate = None
         self.log = StepLog(stream=log_path)
         self.step_count = 0
         names = {id(p): n for n, p in model.named_parameters()}
@@ -152,7 +166,8 @@ class TrainStep:
             if loss.numel() != 1:
                 raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
             weight = len(x) / len(inputs)  # exact for a mean-reduced loss, even with unequal splits
-            value = loss.item()  # host sync, needed: on a bad batch backward must not run at all
+            # host sync, needed: on a bad batch backward must not run at all, on any rank
+            value = mean_across(loss.detach(), self.process_group).item()
             if not math.isfinite(value):
                 bad_loss = value
                 break
