@@ -19,7 +19,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from .distributed import local_tensor, reduce_sharded_norms_
+from .distributed import is_distributed, local_tensor, reduce_sharded_norms_
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "grad_norm"]
 
@@ -212,6 +212,8 @@ def clip_grad_norm_(
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         culprit = first_nonfinite(grads, names)
         where = f"parameter {culprit}" if culprit is not None else "the sum of the gradients (it overflowed float32)"
+        if culprit is None and is_distributed():  # asked about the local shards only: no collective
+            where += ", or a shard on another rank,"
         raise RuntimeError(
             f"The total norm of order {p} of the gradients is {norm.item()}: {where} holds a "
             "non-finite value, so nothing was clipped and the gradients are unchanged. Skip this "

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"default {' '.join(DEFAULT_FAULTS)}; --inject none for a clean run)",
     )
     p.add_argument("--out", default=os.path.join("runs", "demo"), help="folder for log.jsonl, log.csv, demo.png")
-    p.add_argument("--parallel", choices=["ddp", "fsdp2"], help="under torchrun: wrap the model in DDP (default) or FSDP2")
+    p.add_argument("--parallel", choices=["ddp", "fsdp2"],
+                   help="under torchrun: wrap the model in DDP (default) or FSDP2")
     p.add_argument("--fault-rank", type=int, metavar="R",
                    help="under torchrun: inject the faults on rank R only (default: every rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -132,8 +133,7 @@ def run_demo(args: argparse.Namespace, echo=print) -> StepLog:
     """
     device = torch.device(args.device)
     world, lead = (dist.get_world_size(), rank() == 0) if is_distributed() else (1, True)
-    parallel = getattr(args, "parallel", None) or "ddp"
-    fault_rank = getattr(args, "fault_rank", None)
+    parallel = args.parallel or "ddp"
     if not lead:
         echo = lambda *a, **k: None  # noqa: E731
     task = ToyTask(seed=args.seed)
@@ -144,7 +144,7 @@ def run_demo(args: argparse.Namespace, echo=print) -> StepLog:
     scaler = GradScaler(device.type, init_scale=args.init_scale, growth_interval=args.growth_interval,
                         enabled=args.precision == "fp16")
     os.makedirs(args.out, exist_ok=True)
-    faults = args.faults if fault_rank in (None, rank()) else FaultSchedule()
+    faults = args.faults if args.fault_rank in (None, rank()) else FaultSchedule()
     step = TrainStep(model, optimizer, task.loss_fn, precision=args.precision, max_norm=args.max_norm,
                      scaler=scaler, faults=faults, log_path=os.path.join(args.out, "log.jsonl.partial"))
     bar = tqdm(range(args.steps), disable=args.no_progress or not lead, unit="step", file=sys.stderr)

@@ -42,15 +42,17 @@ def rank() -> int:
 
 
 def all_reduce_(tensor: Tensor, op: str, group: ProcessGroup | None = None) -> Tensor:
-    """Reduce ``tensor`` in place across ``group`` (default: the world) with ``"sum"`` or ``"max"``.
+    """Reduce ``tensor`` in place across ``group`` (default: the world) with ``"sum"``, ``"max"`` or ``"min"``.
 
     Not distributed: return ``tensor`` untouched, with no collective.
 
     >>> all_reduce_(torch.tensor([1.0, 2.0]), "max")
     tensor([1., 2.])
     """
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"op must be 'sum', 'max' or 'min', got {op!r}.")
     if is_distributed():
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
     return tensor
 
 

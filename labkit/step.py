@@ -16,7 +16,7 @@ from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
     EPS, check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
 )
-from .distributed import ProcessGroup, mean_across, rank
+from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler
@@ -27,7 +27,9 @@ PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat1
 TOP_K = 3
 
 
-def _forensics(named: list[tuple[str, Tensor]], norms: Tensor) -> tuple[list[tuple[str, float]], str | None]:
+def _forensics(
+    named: list[tuple[str, Tensor]], norms: Tensor, group: ProcessGroup | None
+) -> tuple[list[tuple[str, float]], str | None]:
     """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
 
     Read from the per-tensor norms already computed, so there is no extra pass over the
@@ -40,7 +42,15 @@ def _forensics(named: list[tuple[str, Tensor]], norms: Tensor) -> tuple[list[tup
     top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
     if all(finite):
         return top, None
-    return top, first_nonfinite([g for _, g in named], [n for n, _ in named])
+    names = [n for n, _ in named]
+    culprit = first_nonfinite([g for _, g in named], names)
+    if is_distributed():
+        # With FSDP2 the culprit may sit in another rank's shard: agree on the first by position
+        # (one number, on skipped steps only; every rank is here, as the norms are global).
+        first = torch.tensor([names.index(culprit) if culprit is not None else len(names)], device=norms.device)
+        position = int(all_reduce_(first, "min", group).item())
+        culprit = names[position] if position < len(names) else None
+    return top, culprit
 
 
 class TrainStep:
@@ -212,7 +222,7 @@ class TrainStep:
             next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else "nonfinite_grad", lr=lr,
         )
         if record.skipped or clipped:
-            record.top_grads, record.first_nonfinite = _forensics(named, norms)
+            record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
         return record
 
     def state_dict(self) -> dict[str, Any]:

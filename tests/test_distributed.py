@@ -41,7 +41,7 @@ def shard(batch, rank):
     return tuple(t.tensor_split(WORLD)[rank] for t in batch)
 
 
-def fault_run(model, rank, precision, out, log_name, process_group=None):
+def fault_run(model, rank, precision, out, log_name, process_group=None, accumulation_steps=1):
     """Train STEPS steps; rank 1 alone gets a NaN batch (and, in fp16, an overflow)."""
     import torch.distributed as dist
 
@@ -53,7 +53,7 @@ def fault_run(model, rank, precision, out, log_name, process_group=None):
                                process_group=process_group)
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
                      precision=precision, max_norm=MAX_NORM, scaler=scaler, skip_alarm=1, faults=faults,
-                     log_path=out / log_name, process_group=process_group)
+                     log_path=out / log_name, process_group=process_group, accumulation_steps=accumulation_steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(STEPS):
@@ -67,17 +67,18 @@ def fault_run(model, rank, precision, out, log_name, process_group=None):
 
 
 def full_params(model):
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in whole.items()}
 
 
 def scenario_ddp(rank, out):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     result = {}
-    for precision in ("fp32", "fp16"):
-        model = DDP(ToyTask().model())
-        result[precision] = fault_run(model, rank, precision, out, f"ddp_{precision}.jsonl")
-        result[precision]["params"] = {k.removeprefix("module."): v for k, v in full_params(model).items()}
+    for precision, accumulation in (("fp32", 1), ("fp16", 1), ("fp32", 2)):
+        model, name = DDP(ToyTask().model()), f"{precision}x{accumulation}"
+        result[name] = fault_run(model, rank, precision, out, f"ddp_{name}.jsonl", accumulation_steps=accumulation)
+        result[name]["params"] = {k.removeprefix("module."): v for k, v in full_params(model).items()}
     return result
 
 
@@ -105,6 +106,17 @@ def scenario_fsdp(rank, out):
         dist.all_reduce = all_reduce
     clipped = labkit.clip_grad_norm_(model.parameters(), max_norm=0.5).item()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    # a NaN in rank 1's shard of 0.bias only: both ranks see it in the norms and name it
+    from labkit.clip import per_tensor_norms
+    from labkit.step import _forensics
+
+    named = list(model.named_parameters())
+    if rank == 1:
+        named[1][1].grad.to_local()[0] = math.nan
+    named = [(n, p.grad) for n, p in named]
+    norms_with_nan = per_tensor_norms([g for _, g in named], 2.0)
+    culprit = _forensics(named, norms_with_nan, None)[1]
+    local_culprit = labkit.clip.first_nonfinite([g for _, g in named], [n for n, _ in named])
 
     model = fully_sharded(task.model())
     run = fault_run(model, rank, "fp32", out, "fsdp_fp32.{rank}.jsonl")
@@ -113,7 +125,8 @@ def scenario_fsdp(rank, out):
     fp16 = fault_run(model, rank, "fp16", out, "fsdp_fp16.jsonl")
     fp16["params"] = full_params(model)
     return {"local": local.item(), "norms": norms, "calls": len(calls) / 3, "clipped_norm": clipped,
-            "grads": grads, "fp32": run, "fp16": fp16}
+            "grads": grads, "fp32": run, "fp16": fp16, "culprit": culprit, "local_culprit": local_culprit,
+            "nan_norms": norms_with_nan.tolist()}
 
 
 def scenario_scaler(rank, out):
@@ -183,14 +196,15 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)], out
 
 
-def single_process(precision, model=None, fault_overflow=True):
+def single_process(precision, accumulation_steps=1):
     """The oracle: one process, the whole global batch, the same faults."""
     task = ToyTask()
-    model = model or task.model()
-    faults = {NAN_STEP: "nan", OVERFLOW_STEP: "overflow"} if precision == "fp16" and fault_overflow else {NAN_STEP: "nan"}
+    model = task.model()
+    faults = {NAN_STEP: "nan", OVERFLOW_STEP: "overflow"} if precision == "fp16" else {NAN_STEP: "nan"}
     scaler = labkit.GradScaler("cpu", init_scale=1024.0, growth_interval=2, enabled=precision == "fp16")
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
-                     precision=precision, max_norm=MAX_NORM, scaler=scaler, skip_alarm=None, faults=faults)
+                     precision=precision, max_norm=MAX_NORM, scaler=scaler, skip_alarm=None, faults=faults,
+                     accumulation_steps=accumulation_steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(STEPS):
@@ -218,17 +232,17 @@ def assert_rank_agreement(run0, run1, skipped, reasons):
 # ---------------------------------------------------------------- DDP
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_ddp_nan_on_one_rank_skips_the_same_step_on_every_rank(ranks, precision):
+@pytest.mark.parametrize("precision, accumulation", [("fp32", 1), ("fp16", 1), ("fp32", 2)])
+def test_ddp_nan_on_one_rank_skips_the_same_step_on_every_rank(ranks, precision, accumulation):
     (r0, r1), _ = ranks
-    run0, run1 = r0["ddp"][precision], r1["ddp"][precision]
+    run0, run1 = r0["ddp"][f"{precision}x{accumulation}"], r1["ddp"][f"{precision}x{accumulation}"]
     skipped = [NAN_STEP, OVERFLOW_STEP] if precision == "fp16" else [NAN_STEP]
     reasons = ["nonfinite_loss", "nonfinite_grad"] if precision == "fp16" else ["nonfinite_loss"]
     assert_rank_agreement(run0, run1, skipped, reasons)
     for a, b in zip(run0["params"].values(), run1["params"].values()):
         assert torch.equal(a, b)  # bit for bit: the same updates on the same steps
     # and the same as one process training on the whole batch through the same faults
-    oracle, params = single_process(precision)
+    oracle, params = single_process(precision, accumulation)
     assert oracle.skipped_steps == skipped
     ours = run0["records"]
     tol = 1e-4 if precision == "fp32" else 2e-3
@@ -242,7 +256,7 @@ def test_ddp_nan_on_one_rank_skips_the_same_step_on_every_rank(ranks, precision)
 
 def test_ddp_scale_moves_together(ranks):
     (r0, r1), _ = ranks
-    scales = [[(x["scale"], x["next_scale"]) for x in r["ddp"]["fp16"]["records"]] for r in (r0, r1)]
+    scales = [[(x["scale"], x["next_scale"]) for x in r["ddp"]["fp16x1"]["records"]] for r in (r0, r1)]
     assert scales[0] == scales[1]
     assert scales[0][NAN_STEP][0] == scales[0][NAN_STEP][1]  # a bad batch does not cost the scale
     assert scales[0][OVERFLOW_STEP][1] == scales[0][OVERFLOW_STEP][0] / 2  # rank 1's overflow: both back off
@@ -250,9 +264,9 @@ def test_ddp_scale_moves_together(ranks):
 
 def test_only_rank_0_writes_the_log_and_raises_the_alarm(ranks):
     (r0, r1), out = ranks
-    assert len(StepLog.read_jsonl(out / "ddp_fp32.jsonl")) == STEPS  # one writer, not one per rank
-    assert "SkipStreakWarning" in r0["ddp"]["fp32"]["warnings"]
-    assert "SkipStreakWarning" not in r1["ddp"]["fp32"]["warnings"]
+    assert len(StepLog.read_jsonl(out / "ddp_fp32x1.jsonl")) == STEPS  # one writer, not one per rank
+    assert "SkipStreakWarning" in r0["ddp"]["fp32x1"]["warnings"]
+    assert "SkipStreakWarning" not in r1["ddp"]["fp32x1"]["warnings"]
     # ``{rank}`` in the path: one file per rank
     logs = [StepLog.read_jsonl(out / f"fsdp_fp32.{r}.jsonl") for r in range(WORLD)]
     assert [log.skipped_steps for log in logs] == [[NAN_STEP], [NAN_STEP]]
@@ -271,12 +285,20 @@ def test_fsdp_norm_is_the_global_norm_of_the_single_process_batch(ranks):
         assert r0["fsdp"]["norms"][p] == r1["fsdp"]["norms"][p]
         assert math.isclose(r0["fsdp"]["norms"][p], oracle, rel_tol=1e-4), p
     # each rank's shards alone give a smaller norm: the reduction is what makes it global
-    assert r0["fsdp"]["local"] < 0.99 * r0["fsdp"]["norms"][2.0] and r1["fsdp"]["local"] < 0.99 * r0["fsdp"]["norms"][2.0]
+    assert max(r0["fsdp"]["local"], r1["fsdp"]["local"]) < 0.99 * r0["fsdp"]["norms"][2.0]
     assert r0["fsdp"]["calls"] == 1  # one all-reduce for all sharded gradients, not one per parameter
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5).item()
     assert math.isclose(r0["fsdp"]["clipped_norm"], expected, rel_tol=1e-4)
     for n, q in model.named_parameters():
         torch.testing.assert_close(r0["fsdp"]["grads"][n], q.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_fsdp_a_nan_in_one_ranks_shard_is_seen_and_named_by_every_rank(ranks):
+    (r0, r1), _ = ranks
+    assert (r0["fsdp"]["local_culprit"], r1["fsdp"]["local_culprit"]) == (None, "0.bias")  # rank 0's shard is clean
+    assert r0["fsdp"]["culprit"] == r1["fsdp"]["culprit"] == "0.bias"
+    for norms in (r0["fsdp"]["nan_norms"], r1["fsdp"]["nan_norms"]):
+        assert [math.isfinite(v) for v in norms] == [i != 1 for i in range(6)]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
