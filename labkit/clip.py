@@ -4,7 +4,10 @@
 scales them by a given norm; ``clip_grad_norm_`` is the one followed by the other.
 Unlike torch, the norm is always accumulated in float32 (an fp16 norm above 65504 is
 ``inf`` in torch, and clipping by it zeroes every gradient) and a non-finite norm never
-touches the gradients (torch turns them into NaN or zeros).
+touches the gradients (torch turns them into NaN or zeros). With FSDP2's sharded
+``DTensor`` gradients the norm is the whole model's: the local shards' p-th powers are
+reduced across the mesh (see ``distributed.reduce_sharded_norms_``), so every rank gets the
+same norm and clips with the same coefficient; DDP's replicated gradients need no collective.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Union
 
 import torch
 from torch import Tensor
+
+from .distributed import is_distributed, local_tensor, reduce_sharded_norms_
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "grad_norm"]
 
@@ -68,16 +73,23 @@ def named_grads(parameters: Parameters) -> tuple[list[Tensor], list[str]]:
 def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None = None) -> Tensor:
     """Return a 1-d float32 tensor of each gradient's ``norm_type``-norm, in order.
 
+    A sharded ``DTensor`` gradient gets the norm of the whole tensor, the same on every rank
+    (one all-reduce per mesh, for all such gradients together).
+
     >>> per_tensor_norms([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
     tensor([3., 4.])
     """
     if not grads:
         return torch.zeros(0)
+    sharded, grads = grads, [local_tensor(g) for g in grads]
     first = grads[0].device
+    # An empty tensor's norm is 0, and is set here: torch has no inf-norm of an empty tensor
+    # (no identity for max), and FSDP2 leaves a rank empty shards when a dim is < world size.
+    norms: list[Tensor | None] = [torch.zeros((), device=first) if g.numel() == 0 else None for g in grads]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
-        groups.setdefault((g.device, g.dtype), []).append(i)
-    norms: list[Tensor | None] = [None] * len(grads)
+        if norms[i] is None:
+            groups.setdefault((g.device, g.dtype), []).append(i)
     for (device, _), idx in groups.items():
         group = [grads[i] for i in idx]
         use_foreach = device.type in ("cpu", "cuda") if foreach is None else foreach
@@ -92,7 +104,7 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
             out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=torch.float32)
-    return torch.stack(norms)  # type: ignore[arg-type]
+    return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
 
 
 def total_norm(norms: Tensor, norm_type: float) -> Tensor:
@@ -108,6 +120,8 @@ def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | No
 
     Parameters without a gradient are skipped; none at all gives ``tensor(0.)``. A NaN or
     inf gradient gives a non-finite norm. Reads only, and never syncs with the device.
+    With sharded (FSDP2) gradients it is the global norm, identical on every rank: every
+    rank must call it (it runs one all-reduce over the mesh).
 
     >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
     >>> grad_norm([w])
@@ -131,7 +145,8 @@ def clip_grads_with_norm_(
 ) -> None:
     """Scale the gradients in place by ``min(1, max_norm / (total_norm + 1e-6))``.
 
-    A non-finite ``total_norm`` leaves the gradients exactly as they were.
+    A non-finite ``total_norm`` leaves the gradients exactly as they were. ``DTensor``
+    gradients are scaled shard by shard, with no collective.
 
     >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
     >>> clip_grads_with_norm_([w], 1.0, torch.tensor(5.0)); w.grad
@@ -141,6 +156,7 @@ def clip_grads_with_norm_(
     grads, _ = named_grads(parameters)
     if not grads:
         return
+    grads = [local_tensor(g) for g in grads]  # views: scaling a shard in place scales the DTensor
     coef = clip_coef(total_norm, max_norm)
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
@@ -156,9 +172,13 @@ def clip_grads_with_norm_(
 
 
 def first_nonfinite(grads: list[Tensor], names: list[str]) -> str | None:
-    """Return the name of the first gradient holding a NaN or inf (syncs once per gradient)."""
+    """Return the name of the first gradient holding a NaN or inf (syncs once per gradient).
+
+    A ``DTensor`` is asked about its local shard only: no collective, so it may be called
+    on one rank alone.
+    """
     for g, name in zip(grads, names):
-        if not bool(torch.isfinite(g).all()):
+        if not bool(torch.isfinite(local_tensor(g)).all()):
             return name
     return None
 
@@ -192,6 +212,8 @@ def clip_grad_norm_(
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         culprit = first_nonfinite(grads, names)
         where = f"parameter {culprit}" if culprit is not None else "the sum of the gradients (it overflowed float32)"
+        if culprit is None and is_distributed():  # asked about the local shards only: no collective
+            where += ", or a shard on another rank,"
         raise RuntimeError(
             f"The total norm of order {p} of the gradients is {norm.item()}: {where} holds a "
             "non-finite value, so nothing was clipped and the gradients are unchanged. Skip this "

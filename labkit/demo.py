@@ -1,4 +1,9 @@
-"""The headless demo: ``python -m labkit demo`` trains the toy task through injected faults."""
+"""The headless demo: ``python -m labkit demo`` trains the toy task through injected faults.
+
+Under ``torchrun --nproc_per_node=N -m labkit demo`` it joins the job (nccl on CUDA, one GPU
+per local rank; gloo on CPU), wraps the model in DDP (or FSDP2 with ``--parallel fsdp2``),
+gives each rank its slice of every global batch, and lets rank 0 alone print and write.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,17 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
+from .distributed import is_distributed, rank
 from .experiment import ExperimentConfig, default_device, run_experiment
 from .faults import FaultSchedule
 from .plots import plot_log
 from .records import StepLog, StepRecord
 from .step import PRECISIONS
 
-__all__ = ["build_parser", "describe", "main", "run_demo"]
+__all__ = ["build_parser", "describe", "init_distributed", "main", "run_demo"]
 
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
 
@@ -67,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"default {' '.join(DEFAULT_FAULTS)}; --inject none for a clean run)",
     )
     p.add_argument("--out", default=os.path.join("runs", "demo"), help="folder for log.jsonl, log.csv, demo.png")
+    p.add_argument("--parallel", choices=["ddp", "fsdp2"],
+                   help="under torchrun: wrap the model in DDP (default) or FSDP2")
+    p.add_argument("--fault-rank", type=int, metavar="R",
+                   help="under torchrun: inject the faults on rank R only (default: every rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -90,8 +101,25 @@ def describe(record: StepRecord, max_norm: float | None) -> list[str]:
     return lines
 
 
+def init_distributed(device: torch.device) -> torch.device:
+    """Join the torchrun job (nccl on CUDA, gloo on CPU) and return this rank's device."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
 def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print) -> StepLog:
-    """Run ``config``, echo one line per event, write the log files and the figure into ``out``."""
+    """Run ``config``, echo one line per event, write the log files and the figure into ``out``.
+
+    Under an initialized process group every rank trains (on its slice of each global batch)
+    and only rank 0 echoes and writes: the records are the same on every rank.
+    """
+    lead = rank() == 0
+    progress = progress and lead
+    if not lead:
+        echo = lambda *a, **k: None  # noqa: E731
     os.makedirs(out, exist_ok=True)
     partial = os.path.join(out, "log.jsonl.partial")
     bar = tqdm(total=config.steps, disable=not progress, unit="step", file=sys.stderr)
@@ -111,13 +139,17 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     bar.close()
     for w in caught:
         echo(f"WARNING {w.category.__name__}: {w.message}")
+    if not lead:
+        return log
     os.replace(partial, os.path.join(out, "log.jsonl"))
     log.to_csv(os.path.join(out, "log.csv"))
     plot_log(log, config.max_norm, title=f"labkit demo: {config.precision}, max_norm={config.max_norm}").savefig(
         os.path.join(out, "demo.png"), dpi=100)
     s = log.summary()
+    world = dist.get_world_size() if is_distributed() else 1
     rows = [
         ("steps", s["steps"]),
+        *([("ranks", f"{world} ({config.parallel or 'ddp'}, {dist.get_backend()})")] if world > 1 else []),
         ("skipped", f"{s['skipped']} (nonfinite_loss {s['skips_by_reason']['nonfinite_loss']}, "
                     f"nonfinite_grad {s['skips_by_reason']['nonfinite_grad']})"),
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
@@ -145,10 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device: unknown device {args.device!r}; use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine; use --device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it (with RANK, LOCAL_RANK, MASTER_*)
+    if world == 1 and args.parallel is not None:
+        parser.error("--parallel: launch under torchrun, e.g. torchrun --nproc_per_node=2 -m labkit demo --parallel "
+                     f"{args.parallel}")
+    if args.fault_rank is not None and not 0 <= args.fault_rank < world:
+        parser.error(f"--fault-rank: must be a rank in 0..{world - 1}, got {args.fault_rank}")
+    if world > 1:
+        device = init_distributed(device)
     config = ExperimentConfig(
         precision=args.precision, max_norm=args.max_norm, init_scale=args.init_scale,
         growth_interval=args.growth_interval, faults=[] if specs == ["none"] else specs, steps=args.steps,
-        lr=args.lr, seed=args.seed, device=args.device,
+        lr=args.lr, seed=args.seed, device=str(device), parallel=args.parallel, fault_rank=args.fault_rank,
     )
-    run_demo(config, args.out, progress=not args.no_progress)
+    try:
+        run_demo(config, args.out, progress=not args.no_progress)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
     return 0

@@ -8,8 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from .clip import check_max_norm
+from .distributed import is_distributed, rank
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler
@@ -20,6 +23,7 @@ __all__ = ["ExperimentConfig", "default_device", "run_experiment"]
 
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULERS = (None, "cosine")
+PARALLEL = (None, "ddp", "fsdp2")
 
 
 def default_device() -> str:
@@ -52,6 +56,9 @@ class ExperimentConfig:
     ``loss_weight`` multiplies the loss: small values give the tiny per-element gradients of a
     large model (with ``optimizer="adam"``, which is invariant to that factor in exact arithmetic,
     any difference from fp32 is fp16's). ``device=None`` takes the GPU when there is one.
+    Under an initialized process group each rank trains on its slice of every global batch,
+    with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
+    ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
 
     >>> c = ExperimentConfig(precision="fp32", faults=["60:spike:1000"])
     >>> c.faults, c.fault_schedule().get(60).label
@@ -75,6 +82,8 @@ class ExperimentConfig:
     scheduler: str | None = None
     seed: int = 0
     device: str | None = None
+    parallel: str | None = None
+    fault_rank: int | None = None
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -94,6 +103,11 @@ class ExperimentConfig:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {list(PARALLEL)}, got {self.parallel!r}.")
+        if self.fault_rank is not None and (isinstance(self.fault_rank, bool) or not isinstance(self.fault_rank, int)
+                                            or self.fault_rank < 0):
+            raise ValueError(f"fault_rank must be None (every rank) or a rank >= 0, got {self.fault_rank!r}.")
         if isinstance(self.faults, str):
             raise TypeError(f"faults must be a list of specs, e.g. [{self.faults!r}], not one string.")
         object.__setattr__(self, "faults", tuple(self.faults))  # a list from the caller, frozen here
@@ -113,6 +127,20 @@ class ExperimentConfig:
         return torch.device(self.device or default_device())
 
 
+def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
+    """Return ``model`` wrapped for data parallelism: ``"ddp"`` or ``"fsdp2"`` (each Linear, then the root)."""
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
 def run_experiment(
     config: ExperimentConfig,
     on_record: Callable[[StepRecord], None] | None = None,
@@ -129,8 +157,11 @@ def run_experiment(
     (20, [5], 'nonfinite_loss')
     """
     device = config.resolved_device()
+    world, me = (dist.get_world_size(), rank()) if is_distributed() else (1, 0)
     task = ToyTask(seed=config.seed)
     model = task.model(device)
+    if world > 1:
+        model = _parallelize(model, config.parallel or "ddp", device)
     if config.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     else:
@@ -140,11 +171,13 @@ def run_experiment(
                         enabled=config.precision == "fp16" and config.loss_scaling)
     mse, weight = task.loss_fn, config.loss_weight
     loss_fn = mse if weight == 1.0 else (lambda out, y: mse(out, y) * weight)
+    faults = config.fault_schedule() if config.fault_rank in (None, me) else FaultSchedule()
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision, max_norm=config.max_norm,
-                     scaler=scaler, scheduler=scheduler, faults=config.fault_schedule(), log_path=log_path)
+                     scaler=scaler, scheduler=scheduler, faults=faults, log_path=log_path)
     try:
         for i in range(config.steps):
-            record = step(*task.batch(i, device))
+            inputs, targets = (t.tensor_split(world)[me] for t in task.batch(i, device))
+            record = step(inputs, targets)
             if on_record is not None:
                 on_record(record)
     finally:

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, overload
 
+from .distributed import rank
+
 __all__ = ["StepLog", "StepRecord"]
 
 REASONS = ("nonfinite_loss", "nonfinite_grad")
@@ -61,11 +63,27 @@ class StepRecord:
 FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 
 
+def rank_path(path: str | os.PathLike) -> str | None:
+    """Return where this rank writes ``path``: rank 0 writes it, other ranks write nothing (None).
+
+    Every rank holds the same records, so N writers would only race on one file. A path
+    with ``{rank}`` in it is written by every rank, to its own file.
+
+    >>> rank_path("log.jsonl"), rank_path("log.{rank}.jsonl")
+    ('log.jsonl', 'log.0.jsonl')
+    """
+    text, r = os.fspath(path), rank()
+    if "{rank}" in text:
+        return text.replace("{rank}", str(r))
+    return text if r == 0 else None
+
+
 class StepLog(Sequence[StepRecord]):
     """The records of a run, in order, with columns, summaries and JSONL/CSV export.
 
     With ``stream=path`` each record is also appended to a JSONL file and flushed as it
-    arrives, so a crash loses nothing already recorded.
+    arrives, so a crash loses nothing already recorded. Under ``torch.distributed`` files
+    are written by rank 0 only, unless the path holds ``{rank}`` (see ``rank_path``).
 
     >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, math.nan, skipped=True, reason="nonfinite_loss")])
     >>> log.skipped_steps, log.column("loss")[0]
@@ -74,7 +92,8 @@ class StepLog(Sequence[StepRecord]):
 
     def __init__(self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None) -> None:
         self._records: list[StepRecord] = list(records)
-        self._stream: IO[str] | None = open(stream, "a", encoding="utf-8") if stream is not None else None
+        path = rank_path(stream) if stream is not None else None
+        self._stream: IO[str] | None = open(path, "a", encoding="utf-8") if path is not None else None
 
     @overload
     def __getitem__(self, i: int) -> StepRecord: ...
@@ -137,6 +156,9 @@ class StepLog(Sequence[StepRecord]):
 
     def to_jsonl(self, path: str | os.PathLike) -> None:
         """Write one JSON object per record (non-finite floats as NaN/Infinity, as Python's json does)."""
+        path = rank_path(path)
+        if path is None:
+            return
         with open(path, "w", encoding="utf-8") as f:
             for r in self._records:
                 f.write(json.dumps(r.to_dict()) + "\n")
@@ -149,6 +171,9 @@ class StepLog(Sequence[StepRecord]):
 
     def to_csv(self, path: str | os.PathLike) -> None:
         """Write one row per record with every field; ``top_grads`` as ``name=norm;...``."""
+        path = rank_path(path)
+        if path is None:
+            return
         with open(path, "w", encoding="utf-8", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=FIELDS)
             writer.writeheader()

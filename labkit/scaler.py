@@ -4,7 +4,8 @@ The rule that moves the scale is the pure function ``update_scale``; ``GradScale
 its state in 0-dim device tensors and applies the rule without a host sync. Beyond torch:
 ``step()`` returns whether the optimizer stepped, DeepSpeed/Megatron-style ``hysteresis``,
 a ``min_scale`` floor and a ``max_scale`` cap, skip counters, and a ``state_dict`` that
-resumes the exact trajectory.
+resumes the exact trajectory. Under ``torch.distributed`` ``found_inf`` is reduced (MAX)
+across the ranks before any decision, so every rank skips together and the scales stay equal.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from .distributed import ProcessGroup, all_reduce_, local_tensor
 
 __all__ = ["GradScaler", "ScalerConfig", "update_scale"]
 
@@ -136,6 +139,10 @@ class GradScaler:
     returns ``True`` when the optimizer stepped and ``False`` when it skipped.
     ``device=None`` takes the device of the first loss passed to ``scale``. Disabled, every
     method passes through (scale 1.0, ``step`` just steps) so call sites never branch.
+    When ``torch.distributed`` is initialized, ``unscale_`` all-reduces ``found_inf`` (MAX,
+    one number) over ``process_group`` (default: the world): with FSDP2 each rank sees only
+    its shard, and without DDP's sync (``no_sync``) only its own gradients, so without this
+    one rank would skip and back off while another stepped. Every rank must call it.
 
     >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> scaler = GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
@@ -156,7 +163,9 @@ class GradScaler:
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        process_group: ProcessGroup | None = None,
     ) -> None:
+        self.process_group = process_group
         self._device = torch.device(device) if device is not None else None
         if enabled and self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2)
@@ -242,7 +251,7 @@ class GradScaler:
                         "Attempting to unscale FP16 gradients: keep the parameters in float32 and run "
                         "the forward under torch.autocast(dtype=torch.float16) instead of model.half()."
                     )
-                g = p.grad._values() if p.grad.is_sparse else p.grad  # a view: unscaled in place
+                g = p.grad._values() if p.grad.is_sparse else local_tensor(p.grad)  # a view: unscaled in place
                 groups.setdefault((g.device, g.dtype), []).append(g)
         with torch.no_grad():
             for (device, _), grads in groups.items():
@@ -250,6 +259,8 @@ class GradScaler:
                 # torch's fused kernel: one read + one write per gradient, sets local_inf on inf/NaN.
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
                 found_inf += local_inf.to(found_inf.device)
+        # before step() reads it: a rank with finite shards must still skip when another overflowed
+        all_reduce_(found_inf, "max", self.process_group)
         opt_state["found_inf"] = found_inf
         opt_state["stage"] = _UNSCALED
 

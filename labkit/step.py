@@ -16,6 +16,7 @@ from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
     EPS, check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
 )
+from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler
@@ -26,7 +27,9 @@ PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat1
 TOP_K = 3
 
 
-def _forensics(named: list[tuple[str, Tensor]], norms: Tensor) -> tuple[list[tuple[str, float]], str | None]:
+def _forensics(
+    named: list[tuple[str, Tensor]], norms: Tensor, group: ProcessGroup | None
+) -> tuple[list[tuple[str, float]], str | None]:
     """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
 
     Read from the per-tensor norms already computed, so there is no extra pass over the
@@ -39,7 +42,15 @@ def _forensics(named: list[tuple[str, Tensor]], norms: Tensor) -> tuple[list[tup
     top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
     if all(finite):
         return top, None
-    return top, first_nonfinite([g for _, g in named], [n for n, _ in named])
+    names = [n for n, _ in named]
+    culprit = first_nonfinite([g for _, g in named], names)
+    if is_distributed():
+        # With FSDP2 the culprit may sit in another rank's shard: agree on the first by position
+        # (one number, on skipped steps only; every rank is here, as the norms are global).
+        first = torch.tensor([names.index(culprit) if culprit is not None else len(names)], device=norms.device)
+        position = int(all_reduce_(first, "min", group).item())
+        culprit = names[position] if position < len(names) else None
+    return top, culprit
 
 
 class TrainStep:
@@ -55,6 +66,15 @@ class TrainStep:
     (backward is skipped on the host), one for the step decision on the norm, one in the
     scaler's ``step`` (fp16 only, as in torch) and two small scale reads for the record;
     none per parameter. Forensics read the per-tensor norms only on a skip or a clip.
+
+    Under ``torch.distributed`` (DDP or FSDP2; nothing changes when it is not initialized)
+    every rank takes the same decision: the loss check all-reduces the loss (one number per
+    micro-batch, over ``process_group``, default the world) *before* backward, so a NaN on
+    one rank makes every rank skip backward together instead of leaving the others waiting
+    in DDP's gradient all-reduce; the record's loss is then the global-batch mean. The norm
+    is global (sharded gradients are reduced across their mesh), the default scaler reduces
+    ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
+    and raises the alarms.
 
     >>> from labkit.task import ToyTask
     >>> task = ToyTask(); model = task.model()
@@ -81,6 +101,7 @@ class TrainStep:
         clip_window: int = 100,
         faults: FaultSchedule | dict | None = None,
         log_path: str | os.PathLike | None = None,
+        process_group: ProcessGroup | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -104,14 +125,17 @@ class TrainStep:
         self.norm_type = check_norm_type(norm_type)
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
+        self.process_group = process_group
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         if scaler is None:
-            scaler = GradScaler(self.device.type, enabled=precision == "fp16")
+            scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         self.scaler = scaler
         self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults)
         self.skip_alarm = SkipAlarm(skip_alarm)
         self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
+        if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
+            self.skip_alarm.threshold = self.clip_alarm.rate = None
         self.log = StepLog(stream=log_path)
         self.step_count = 0
         names = {id(p): n for n, p in model.named_parameters()}
@@ -152,7 +176,8 @@ class TrainStep:
             if loss.numel() != 1:
                 raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
             weight = len(x) / len(inputs)  # exact for a mean-reduced loss, even with unequal splits
-            value = loss.item()  # host sync, needed: on a bad batch backward must not run at all
+            # host sync, needed: on a bad batch backward must not run at all, on any rank
+            value = mean_across(loss.detach(), self.process_group).item()
             if not math.isfinite(value):
                 bad_loss = value
                 break
@@ -197,7 +222,7 @@ class TrainStep:
             next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else "nonfinite_grad", lr=lr,
         )
         if record.skipped or clipped:
-            record.top_grads, record.first_nonfinite = _forensics(named, norms)
+            record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
         return record
 
     def state_dict(self) -> dict[str, Any]:

@@ -74,6 +74,9 @@ def test_demo_flags_change_the_run(tmp_path, capsys):
         (["--device", "cuda"], "CUDA is not available"),
         (["--device", "tpu9"], "unknown device 'tpu9'"),
         (["--bogus"], "unrecognized arguments"),
+        (["--parallel", "fsdp2"], "launch under torchrun"),
+        (["--parallel", "tp"], "--parallel"),
+        (["--fault-rank", "1"], "must be a rank in 0..0"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v),
 )
