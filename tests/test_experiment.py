@@ -132,6 +132,9 @@ def test_faults_are_frozen_into_a_tuple():
     ({"scheduler": "step"}, "scheduler must be one of"),
     ({"faults": ["60:spik"]}, "bad fault spec"),
     ({"device": "gpu0"}, "device must be None"),
+    ({"parallel": "zero3"}, "parallel must be one of"),
+    ({"fault_rank": -1}, "fault_rank must be None"),
+    ({"fault_rank": True}, "fault_rank must be None"),
 ])
 def test_bad_settings_fail_with_a_fix(changes, message):
     with pytest.raises(ValueError, match=message):
