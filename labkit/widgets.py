@@ -246,8 +246,9 @@ class ControlPanel:
         for name, log in self.logs.items():
             s = log.summary()
             alarm = f", <b>alarm</b>: {', '.join(self.alarms[name])}" if self.alarms[name] else ""
+            first = log[0].scale if len(log) else math.nan
             parts.append(f"<b>{html.escape(name)}</b>: {s['skipped']} skipped, {s['clipped']} clipped, "
-                         f"final scale {s['final_scale']:g}, final loss {s['final_loss']:.3g}{alarm}")
+                         f"scale {first:g} &rarr; {s['final_scale']:g}, final loss {s['final_loss']:.3g}{alarm}")
         device = config.resolved_device().type
         return " &middot; ".join(parts) + f" &middot; {self.seconds:.2f} s on {device}"
 

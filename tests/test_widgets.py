@@ -79,7 +79,7 @@ def test_moving_a_slider_reruns_with_the_new_value_and_redraws(runs):
     assert panel.dashboard.draws == 2
     panel.controls["max_norm"].value = math.inf  # the slider's "off"
     assert panel.config.max_norm is None and panel.logs["run"].clipped_steps == []
-    assert "0 clipped" in panel.status.value and " s on cpu" in panel.status.value
+    assert "0 clipped, scale 1 &rarr; 1," in panel.status.value and " s on cpu" in panel.status.value
     panel.controls["fault_magnitude"].value = 1.0  # a spike of x1 is no spike
     assert "0 skipped, 0 clipped" in panel.status.value
     assert "no skipped or clipped steps" in panel.table.value
@@ -220,3 +220,14 @@ def test_the_panel_displays_as_one_widget():
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == panel.widget.model_id
     children = panel.widget.children
     assert children[0] is panel.controls["max_norm"] and panel.dashboard.widget in children
+
+
+def test_the_initial_scale_slider_moves_the_start_of_the_plotted_scale_curve():
+    panel = ControlPanel(ExperimentConfig(precision="fp16", steps=12, device="cpu"), {"init_scale": 2.0**10})
+    panel.run()
+    assert panel.dashboard.line("scale").get_ydata()[0] == 1024.0 and "scale 1024 &rarr;" in panel.status.value
+    panel.controls["init_scale"].value = 24
+    log = panel.logs["run"]
+    assert log[0].scale == 2.0**24 and panel.dashboard.line("scale").get_ydata()[0] == 2.0**24
+    assert "scale 1.67772e+07 &rarr;" in panel.status.value
+    assert log.skipped_steps[:1] == [0]  # 2**24 overflows fp16 on the first step and backs off
