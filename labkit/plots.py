@@ -245,28 +245,26 @@ class LiveDashboard:
             self._records[self._run(run)][:] = list(records)
         self.draw_idle()
 
-    def _refresh(self) -> None:
+    def draw(self) -> None:
+        """Repaint now: right inside a running loop."""
+        self._paint(idle=False)
+
+    def draw_idle(self) -> None:
+        """Repaint when the kernel is idle: right at the end of a callback."""
+        self._paint(idle=True)
+
+    def _paint(self, idle: bool) -> None:
         for run, records in self._records.items():
             self._panels.set_run(run, records)
         self._panels.rescale()
         self.figure.suptitle(" | ".join(_summary(run, recs) for run, recs in self._records.items()), fontsize=9)
         self.draws += 1
-
-    def draw(self) -> None:
-        """Repaint now: right inside a running loop."""
-        self._refresh()
-        if self.interactive:
-            self.figure.canvas.draw()
-        else:
+        if not self.interactive:
             self._render_png()
-
-    def draw_idle(self) -> None:
-        """Repaint when the kernel is idle: right at the end of a callback."""
-        self._refresh()
-        if self.interactive:
+        elif idle:
             self.figure.canvas.draw_idle()
         else:
-            self._render_png()
+            self.figure.canvas.draw()
 
     def _render_png(self) -> None:
         buf = io.BytesIO()
