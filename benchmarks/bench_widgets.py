@@ -25,13 +25,13 @@ from labkit.widgets import ControlPanel
 
 LESSONS = {
     "01 clipping (2 runs)": (
-        ExperimentConfig(precision="fp32", steps=150, faults=["60:spike:30"], device="cpu"),
+        ExperimentConfig(precision="fp32", steps=120, faults=["60:spike:30"], device="cpu"),
         dict(controls={"max_norm": 1.0, "fault_step": 60, "fault_magnitude": 30.0}, fixed={"fault": "spike"},
              variants={"clipped": {}, "unclipped": {"max_norm": None}}, panels=("norm", "loss")),
         ("fault_step", [61, 62, 63, 64, 65]),
     ),
     "02 loss scaling": (
-        ExperimentConfig(precision="fp16", steps=200, init_scale=2.0**10, growth_interval=50,
+        ExperimentConfig(precision="fp16", steps=160, init_scale=2.0**10, growth_interval=50,
                          faults=["100-104:overflow"], device="cpu"),
         dict(controls={"init_scale": 2.0**10, "growth_interval": 50, "fault_step": 100, "fault_count": 5},
              fixed={"fault": "overflow"}, panels=("scale", "norm")),

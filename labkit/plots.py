@@ -73,7 +73,7 @@ class _Panels:
                                                        label=f"{prefix}scale")[0]
                 self.lines[run, "skip:" + name] = ax.plot(
                     [], [], color=_SKIP_COLOR if single else color, alpha=0.35, lw=1, transform=ax.get_xaxis_transform(),
-                    label=f"{prefix}skipped step" if name != "loss" else None)[0]
+                    label="skipped step" if i == 0 and name != "loss" else None)[0]
         self.threshold = None
         if "norm" in self.axes:
             self.threshold = self.axes["norm"].axhline(math.nan, color="k", ls=":", lw=0.8, label="max_norm")
@@ -84,8 +84,7 @@ class _Panels:
 
     def set_max_norm(self, max_norm: float | None) -> None:
         if self.threshold is not None:
-            self.threshold.set_ydata([math.nan if max_norm is None else max_norm] * 2)
-            self.threshold.set_label("max_norm: off" if max_norm is None else f"max_norm = {max_norm:g}")
+            self.threshold.set_ydata([math.nan if max_norm is None else max_norm] * 2)  # NaN: not drawn
 
     def set_run(self, run: str, records: Sequence[StepRecord]) -> None:
         steps = [r.step for r in records]
@@ -184,7 +183,7 @@ class LiveDashboard:
             FigureCanvasAgg(fig)
             self._image = ipywidgets.Image(format="png")
         # Fixed margins, not a layout engine: constrained layout on every redraw costs ~70 % more.
-        fig.subplots_adjust(left=0.1, right=0.97, top=0.93, bottom=0.09, hspace=0.12)
+        fig.subplots_adjust(left=0.12, right=0.97, top=0.93, bottom=0.09, hspace=0.12)
         self.figure = fig
         self._panels = _Panels(fig, tuple(runs), tuple(panels), max_norm)
         self._records: dict[str, list[StepRecord]] = {run: [] for run in self._panels.runs}
