@@ -289,3 +289,48 @@ def test_grading_runs_the_kernel_of_this_interpreter(tmp_path):
         f"import sys\nassert sys.executable == {sys.executable!r}, sys.executable")])
     replies = execute(nb, timeout=30, cwd=str(tmp_path))
     assert replies[0]["status"] == "ok", replies[0]
+
+
+# ---------------------------------------------------------------- nbgrader itself (installed in CI)
+
+
+@pytest.fixture
+def nbgrader_env(tmp_path):
+    """A course folder and a HOME in tmp, so nbgrader's config, database and runtime files stay there."""
+    if importlib.util.find_spec("nbgrader") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but nbgrader is not installed: .ci/run must pip install -r requirements-nbgrader.txt")
+        pytest.skip("nbgrader is not installed (pip install -r requirements-nbgrader.txt); CI runs this test")
+    home = tmp_path / "home"
+    course = tmp_path / "course"
+    (course / "source" / "ps1").mkdir(parents=True)
+    shutil.copy(SOURCE, course / "source" / "ps1" / SOURCE.name)
+    (course / "nbgrader_config.py").write_text(
+        f"c = get_config()\nc.CourseDirectory.root = {str(course)!r}\nc.CourseDirectory.course_id = 'labkit'\n")
+    env = dict(os.environ, HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "config"),
+               JUPYTER_DATA_DIR=str(home / "data"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+               # nbgrader runs alembic (its database migrations) as a command
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    return course, env
+
+
+def nbgrader(args, course, env):
+    done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.mark.nbgrader
+def test_nbgrader_validates_the_source_and_releases_the_same_student_notebook(nbgrader_env):
+    course, env = nbgrader_env
+    out = nbgrader(["validate", str(course / "source" / "ps1" / SOURCE.name)], course, env)
+    assert "Success! Your notebook passes all the tests." in out
+    nbgrader(["generate_assignment", "ps1", "--force"], course, env)
+    theirs = nbformat.read(course / "release" / "ps1" / SOURCE.name, as_version=4)
+    ours = release(source())
+    assert [c.source for c in theirs.cells] == [c.source for c in ours.cells]
+    assert [c.cell_type for c in theirs.cells] == [c.cell_type for c in ours.cells]
+    for a, b in zip(theirs.cells, ours.cells):  # the same locks, so JupyterLab behaves the same
+        assert (a.metadata.get("editable", True), a.metadata.get("deletable", True)) == \
+            (b.metadata.get("editable", True), b.metadata.get("deletable", True))
