@@ -4,10 +4,8 @@ Kernel runs cost seconds each, so each submission notebook is graded once per mo
 several tests read the same report.
 """
 
-import copy
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -16,12 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
-import labkit
-from labkit.grading import (
-    check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale,
-)
 from labkit.grading.__main__ import main
 from labkit.grading.notebook import CODE_STUB, TEXT_STUB, grade, release, validate
 
@@ -249,13 +242,37 @@ def test_deleted_or_edited_test_cells_and_locked_cells_are_restored(messy_report
     assert by_id["scale_tests"].points == 2  # the setup cell was edited to `pass`: restored, torch imported
 
 
-def test_a_submission_that_cannot_import_still_gets_a_report(tmp_path):
+def test_a_submission_whose_own_import_fails_is_still_graded(messy_report):
+    # its first cell, `from labkit import answers_for_ps1`, raised ImportError: the rest still ran
+    assert parts(messy_report)["clip_tests"].points == 2
+
+
+def test_a_failing_answer_cell_is_named_in_its_part(monkeypatch, tmp_path):
+    """The test cell's NameError alone would hide why: the report adds what the answer cell raised."""
+    import labkit.grading.notebook as notebook
+
     nb = submission({"grad_norm_answer": "from labkit.solutions import global_grad_norm"})
-    report = grade(source(), nb, cwd=str(tmp_path))
-    message = parts(report)["grad_norm_tests"].message
-    assert message.startswith("NameError: name 'global_grad_norm' is not defined")
-    assert "your answer cell 'grad_norm_answer' raised ModuleNotFoundError: No module named 'labkit.solutions'" in message
-    assert report.score() == 0
+    ran = []
+
+    def fake_execute(run, timeout, cwd):  # the kernel's replies, without the 5 s of starting one
+        ran.append([gid(c) for c in run.cells if gid(c)])
+        index = {gid(c): i for i, c in enumerate(run.cells)}
+        replies = {i: {"status": "ok"} for i, c in enumerate(run.cells) if c.cell_type == "code"}
+        replies[index["grad_norm_answer"]] = {"status": "error", "ename": "ModuleNotFoundError",
+                                              "evalue": "No module named 'labkit.solutions'"}
+        replies[index["grad_norm_tests"]] = {"status": "error", "ename": "NameError",
+                                             "evalue": "name 'global_grad_norm' is not defined"}
+        del replies[index["step_tests"]]  # as after a kernel death
+        return replies
+
+    monkeypatch.setattr(notebook, "execute", fake_execute)
+    report = parts(grade(source(), nb, cwd=str(tmp_path)))
+    assert report["grad_norm_tests"].message == (
+        "NameError: name 'global_grad_norm' is not defined (your answer cell 'grad_norm_answer' raised "
+        "ModuleNotFoundError: No module named 'labkit.solutions')")
+    assert report["clip_tests"].points == 2 and report["clip_tests"].message == ""
+    assert report["step_tests"].points == 0 and report["step_tests"].message.startswith("did not run: the kernel died")
+    assert ran[0] == [gid(c) for c in source().cells if gid(c)]  # every graded cell, in the source's order
 
 
 def test_an_unreadable_submission_is_graded_zero_with_exit_code_0(tmp_path, capsys):

@@ -172,9 +172,11 @@ def _grads(params: list[Tensor]) -> list[Tensor | None]:
 
 
 def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(
-        x.view(torch.int16 if x.dtype in HALF else torch.int32), y.view(torch.int16 if y.dtype in HALF else torch.int32)))
-        for x, y in zip(a, b))
+    """Return whether two lists of gradients are bit for bit equal (NaN included)."""
+    def bits(t: Tensor) -> Tensor:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+    return all((x is None) == (y is None) and (x is None or torch.equal(bits(x), bits(y))) for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------- cases
@@ -462,8 +464,8 @@ def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden
 
 
 def _ref_update(state: tuple[float, int, int], found_inf: bool, config: ScalerConfig) -> tuple[float, int, int]:
-    scale, tracker, hyst = torch.tensor(state[0]), torch.tensor(state[1], dtype=torch.int32), torch.tensor(state[2], dtype=torch.int32)
-    s, g, h = update_scale(scale, tracker, hyst, torch.tensor(float(found_inf)), config)
+    tracker, hyst = (torch.tensor(v, dtype=torch.int32) for v in state[1:])
+    s, g, h = update_scale(torch.tensor(state[0]), tracker, hyst, torch.tensor(float(found_inf)), config)
     return s.item(), int(g.item()), int(h.item())
 
 
