@@ -87,7 +87,8 @@ def describe(record: StepRecord, max_norm: float | None) -> list[str]:
     lines, fault = [], f" [fault {record.fault}]" if record.fault else ""
     if record.skipped:
         what = "loss is not finite: backward skipped, scale untouched" if record.reason == "nonfinite_loss" else (
-            f"gradient not finite (first: {record.first_nonfinite})")
+            f"gradient not finite (first: {record.first_nonfinite})" if record.first_nonfinite is not None else
+            "gradient norm not finite, every gradient finite: their sum of squares overflowed float32")
         lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{fault}")
     elif record.clipped:
         top = ", ".join(f"{n}={v:.3g}" for n, v in record.top_grads)

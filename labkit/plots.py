@@ -175,6 +175,11 @@ class LiveDashboard:
             with plt.ioff():  # made, not shown: the caller displays the dashboard once
                 fig = plt.figure(figsize=figsize)
             fig.canvas.header_visible = False  # "Figure 7" changes every run; it says nothing
+            # Until a page shows it, ipympl 0.10 syncs each drawn frame to the page as bare base64
+            # where the page expects a data URL; the page then fails to render the widget at all
+            # (a live dashboard drawn before it is displayed; found by tests/browser). Off, the
+            # page starts blank and asks the kernel for a frame, as it does for any new figure.
+            fig.canvas.syncing_data_url = False
         else:
             import ipywidgets
             from matplotlib.backends.backend_agg import FigureCanvasAgg

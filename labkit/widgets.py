@@ -129,7 +129,9 @@ class ControlPanel:
     values without a widget (e.g. ``{"fault": "overflow"}`` with only step sliders); ``variants`` maps a
     run's name to config changes applied on top (e.g. ``{"unclipped": {"max_norm": None}}``);
     ``auto_run`` re-runs on every change (sliders fire on release), else only the Run button
-    does; ``live`` repaints the dashboard every ``every`` steps while training.
+    does; ``live`` repaints the dashboard every ``every`` steps while training. In the page,
+    each widget carries a CSS class: ``labkit-panel``, ``labkit-control-<name>``, ``labkit-run``,
+    ``labkit-status``, ``labkit-dashboard`` and ``labkit-events`` (the table of last events).
 
     >>> panel = ControlPanel(ExperimentConfig(precision="fp32", steps=30), {"fault": "nan", "fault_step": 5})
     >>> panel.run()["run"].skipped_steps
@@ -178,6 +180,13 @@ class ControlPanel:
         self.run_button.on_click(lambda _: self.run())
         self.widget = W.VBox([*self.controls.values(), W.HBox([self.run_button, self.status]),
                               self.dashboard.widget, self.table])
+        # Stable CSS hooks (labels change with wording; these don't): for styling, and for the
+        # browser tests, which find a control by its name, not by its label's text.
+        for name, widget in self.controls.items():
+            widget.add_class(f"labkit-control-{name}")
+        for widget, role in ((self.run_button, "run"), (self.status, "status"), (self.table, "events"),
+                             (self.dashboard.widget, "dashboard"), (self.widget, "panel")):
+            widget.add_class(f"labkit-{role}")
 
     def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
         return self.widget._repr_mimebundle_(**kwargs)

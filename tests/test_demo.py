@@ -1,6 +1,7 @@
 """The headless demo, end to end through its command line."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -105,3 +106,14 @@ def test_jsonl_lines_are_valid_python_json(tmp_path):
     assert main(["--out", str(out), "--steps", "3", "--inject", "1:nan", "--no-progress"]) == 0
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["skipped"] is True
+
+
+def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed():
+    from labkit.demo import describe
+    from labkit.records import StepRecord
+
+    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="0.weight")
+    overflowed = StepRecord(8, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad")
+    assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first: 0.weight)"]
+    assert describe(overflowed, 1.0) == ["step    8  SKIP  nonfinite_grad: gradient norm not finite, every gradient "
+                                         "finite: their sum of squares overflowed float32"]

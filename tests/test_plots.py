@@ -154,3 +154,15 @@ def test_under_ipympl_the_canvas_is_the_widget_and_loops_draw_now_callbacks_draw
     dash.show(records())
     assert calls[-1] == "draw_idle" and len(calls) == 4
     assert plt.get_fignums() == [dash.figure.number]  # made with pyplot, not shown twice
+
+
+def test_a_live_dashboard_drawn_before_it_is_shown_sends_the_page_no_broken_image(ipympl_backend):
+    # ipympl 0.10 syncs each frame drawn before display as bare base64, which the page cannot
+    # draw: the widget never appeared in JupyterLab (tests/browser found it). No frame is synced;
+    # the page asks for one when it shows the canvas.
+    dash = LiveDashboard(every=2)
+    sent = []
+    dash.widget.observe(lambda change: sent.append(change["new"]), names="_data_url")
+    for r in records()[:4]:
+        dash.update(r)
+    assert dash.draws == 2 and sent == [] and dash.widget._data_url is None

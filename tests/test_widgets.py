@@ -220,6 +220,10 @@ def test_the_panel_displays_as_one_widget():
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == panel.widget.model_id
     children = panel.widget.children
     assert children[0] is panel.controls["max_norm"] and panel.dashboard.widget in children
+    # the CSS hooks the browser tests find widgets by
+    assert "labkit-control-max_norm" in panel.controls["max_norm"]._dom_classes
+    assert [w._dom_classes for w in (panel.widget, panel.run_button, panel.status, panel.table, panel.dashboard.widget)] \
+        == [("labkit-panel",), ("labkit-run",), ("labkit-status",), ("labkit-events",), ("labkit-dashboard",)]
 
 
 def test_the_initial_scale_slider_moves_the_start_of_the_plotted_scale_curve():

@@ -1,0 +1,100 @@
+"""Fixtures of the browser tests: Debian's Chromium through pytest-playwright, and one JupyterLab server.
+
+Chromium is the system's (``apt-get install chromium``), never Playwright's download, which
+these machines cannot fetch. Without it the tests skip, saying so, except under ``CI=true``,
+where they fail: CI installs it, so a missing browser there is a broken CI, not a reason to skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lab_driver import NOTEBOOKS, RELEASE, LabServer, Notebook
+
+HERE = Path(__file__).parent
+CHROMIUM = Path(os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium"))
+# As root Chromium needs --no-sandbox; the rest keep it off this machine's closed network
+# (background, component-update and sync requests are refused, many at a time, and slow it).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    """Run the browser tests last.
+
+    Chromium, Playwright's driver and its event loop (which the sync API marks as running in
+    this thread between calls) live until the session ends: the rest of the suite should
+    not run beside them.
+    """
+    ours = [item for item in items if HERE in Path(item.path).parents]
+    mine = set(ours)
+    items[:] = [item for item in items if item not in mine] + ours
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """The Chromium binary, or a skip (a failure under ``CI=true``) that says how to get it."""
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
+        message = (f"Chromium not found at {CHROMIUM}: install it with `apt-get install chromium` (or set "
+                   "LABKIT_CHROMIUM to its path); run the rest with `pytest -m 'not browser'`")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {message}; .ci/run installs it", pytrace=False)
+        pytest.skip(message)
+    return CHROMIUM
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args, chromium):  # type: ignore[no-untyped-def]
+    """pytest-playwright's launch options, pointed at the system Chromium."""
+    return {**browser_type_launch_args, "executable_path": str(chromium), "headless": True, "args": CHROMIUM_ARGS}
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory, chromium):  # type: ignore[no-untyped-def]
+    """A JupyterLab server over a copy of ``notebooks/`` plus the exercises' student releases."""
+    scratch = tmp_path_factory.mktemp("jupyterlab")
+    root = scratch / "notebooks"
+    shutil.copytree(NOTEBOOKS, root)
+    for source in sorted((NOTEBOOKS / "exercises").glob("*.ipynb")):
+        subprocess.run([sys.executable, "-m", "labkit.grading", "release", str(source), "-o", str(root / RELEASE)],
+                       check=True, capture_output=True, timeout=60)
+    server = LabServer(root, scratch).start()
+    try:
+        yield server
+    finally:
+        killed = server.stop()
+        if killed:  # they are dead now; say that the clean shutdown did not do it
+            print(f"jupyter lab left processes {killed} after /api/shutdown; killed them")
+
+
+@pytest.fixture(scope="session")
+def notebooks(lab, browser):  # type: ignore[no-untyped-def]
+    """Open a notebook once per session, with all its cells run: ``notebooks("01_gradient_clipping.ipynb")``.
+
+    The tests of one notebook share its page and kernel, as a student's session does; each
+    test reads the state it starts from instead of assuming one.
+    """
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.set_default_timeout(60_000)
+    opened: dict[str, tuple[Notebook, float]] = {}
+
+    def get(path: str, run: bool = True) -> Notebook:
+        if path not in opened:
+            nb = Notebook.open(context, lab, path)
+            opened[path] = nb, nb.run_all() if run else 0.0
+        nb = opened[path][0]
+        nb.page.bring_to_front()  # a background tab's timers are throttled to one a second
+        return nb
+
+    get.seconds = lambda path: opened[path][1]  # type: ignore[attr-defined]
+    try:
+        yield get
+    finally:
+        for nb, _ in opened.values():
+            nb.close()
+        context.close()

@@ -1,0 +1,193 @@
+"""The lab in a real browser: JupyterLab in headless Chromium, driven as a student would.
+
+nbval runs the notebooks' code but renders nothing. Here every notebook is opened in
+JupyterLab and run from the Run menu; then sliders are dragged or typed into, buttons
+pressed, and the page is checked for what the student would see: the status line, the
+table of events, the ipympl canvas's pixels, with the numbers read back from the kernel.
+Screenshots go to each test's tmp dir (the path is printed).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from lab_driver import NOTEBOOKS, RELEASE, LabServer, alive, canvas_pixels, descendants, drag, type_into, wait_for_redraw
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.browser
+
+EVERY_NOTEBOOK = sorted(str(p.relative_to(NOTEBOOKS)) for p in NOTEBOOKS.rglob("*.ipynb"))
+CLIPPING, SCALING, GUARDED = "01_gradient_clipping.ipynb", "02_mixed_precision.ipynb", "03_guarded_step.ipynb"
+EXERCISE = "exercises/ps1_clipping_and_scaling.ipynb"
+
+
+def shot(nb, tmp_path, name, near=None):  # type: ignore[no-untyped-def]
+    path = nb.screenshot(tmp_path / f"{name}.png", near)
+    print(f"screenshot: {path}")
+
+
+def panel_of(nb):  # type: ignore[no-untyped-def]
+    """The ControlPanel shown by the notebook's ``panel = ControlPanel(`` cell."""
+    return nb.cell("panel = ControlPanel(").locator(".labkit-panel")
+
+
+def finished(status, before: str):  # type: ignore[no-untyped-def]
+    """Wait until the status line has left ``before`` and is not "running..."; return its text."""
+    page = status.page
+    page.wait_for_function("([el, before]) => el.innerText !== before && !el.innerText.includes('running')",
+                           arg=[status.element_handle(), before], timeout=60_000, polling=100)
+    return status.inner_text()
+
+
+@pytest.mark.parametrize("path", EVERY_NOTEBOOK)
+def test_every_notebook_runs_in_jupyterlab_without_an_error(notebooks, path, tmp_path):
+    nb = notebooks(path)
+    cells = nb.cells()
+    code = [c for c in cells if c["type"] == "code"]
+    assert code and all(c["count"] is not None for c in code), "a code cell did not run"
+    assert nb.errors() == []
+    assert nb.value("__import__('sys').executable") == __import__("sys").executable  # the venv's kernel
+    if any("%matplotlib widget" in c["source"] for c in code):  # its figures are live ipympl canvases
+        assert nb.page.locator(".jupyter-matplotlib canvas").count() >= 2
+    widgets = nb.page.locator(".labkit-panel")
+    print(f"{path}: Run All Cells took {notebooks.seconds(path):.1f} s")
+    shot(nb, tmp_path, path.replace("/", "_"), widgets.first if widgets.count() else None)
+
+
+def test_01_moving_the_fault_step_moves_the_spike_in_plot_and_kernel(notebooks, tmp_path):
+    nb = notebooks(CLIPPING)
+    panel = panel_of(nb)
+    status, dashboard = panel.locator(".labkit-status"), panel.locator(".labkit-dashboard")
+    before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
+    step_slider = panel.locator(".labkit-control-fault_step")
+    type_into(step_slider, "30")
+    after = finished(status, before_text)
+    assert nb.value("panel.config.faults") == ["30:spike:1000"]  # the spike size the notebook's code left
+    peak = nb.value("int(np.argmax(panel.dashboard.line('norm', 'clipped').get_ydata()))")
+    assert peak == 30 and nb.value("panel.logs['clipped'].clipped_steps") == [30]
+    assert re.search(r"clipped: 0 skipped, 1 clipped", after), after
+    changed = wait_for_redraw(dashboard, before_pixels)
+    assert changed > 0.005, f"only {changed:.2%} of the canvas changed"
+    shot(nb, tmp_path, "01_fault_step_30", panel)
+
+
+def test_01_dragging_max_norm_to_off_stops_the_clipping(notebooks, tmp_path):
+    nb = notebooks(CLIPPING)
+    panel = panel_of(nb)
+    status, dashboard = panel.locator(".labkit-status"), panel.locator(".labkit-dashboard")
+    slider = panel.locator(".labkit-control-max_norm")
+    before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
+    assert nb.value("panel.config.max_norm") is not None
+    drag(slider, 1.0)  # the right end of the track: "off"
+    expect(slider.locator(".widget-readout")).to_have_text("off")
+    after = finished(status, before_text)
+    assert nb.value("panel.config.max_norm") is None and nb.value("panel.logs['clipped'].clipped_steps") == []
+    assert re.search(r"clipped: \d+ skipped, 0 clipped", after), after
+    assert wait_for_redraw(dashboard, before_pixels) > 0.005
+    shot(nb, tmp_path, "01_max_norm_off", panel)
+
+
+def test_02_a_new_init_scale_starts_the_plotted_scale_curve_there(notebooks, tmp_path):
+    nb = notebooks(SCALING)
+    panel = panel_of(nb)
+    status, dashboard = panel.locator(".labkit-status"), panel.locator(".labkit-dashboard")
+    before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
+    assert "scale 4096 →" not in before_text
+    type_into(panel.locator(".labkit-control-init_scale"), "12")
+    after = finished(status, before_text)
+    assert "scale 4096 →" in after, after  # the label a student reads
+    assert nb.value("float(panel.dashboard.line('scale').get_ydata()[0])") == 4096.0  # the curve on the plot
+    assert nb.value("panel.logs['run'][0].scale") == 4096.0
+    assert wait_for_redraw(dashboard, before_pixels) > 0.005
+    shot(nb, tmp_path, "02_init_scale_2^12", panel)
+
+
+def test_02_dragging_the_episode_moves_the_skips(notebooks, tmp_path):
+    nb = notebooks(SCALING)
+    panel = panel_of(nb)
+    status, dashboard, events = (panel.locator(f".labkit-{role}") for role in ("status", "dashboard", "events"))
+    slider = panel.locator(".labkit-control-fault_step")
+    before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
+    drag(slider, 0.25)
+    step = int(slider.locator(".widget-readout").inner_text())
+    count = nb.value("panel.controls['fault_count'].value")
+    assert 20 <= step <= 60, f"the drag to a quarter of the track gave step {step}"
+    finished(status, before_text)
+    injected = list(range(step, step + count))
+    assert nb.value("panel.logs['run'].skipped_steps")[-count:] == injected
+    expect(events).to_contain_text(re.compile(rf"step\s+{injected[-1]}\s+SKIP\s+nonfinite_grad"))
+    assert wait_for_redraw(dashboard, before_pixels) > 0.005
+    shot(nb, tmp_path, f"02_episode_at_{step}", panel)
+
+
+def test_03_run_button_runs_the_new_settings_and_the_table_gains_the_skip(notebooks, tmp_path):
+    nb = notebooks(GUARDED)
+    panel = panel_of(nb)
+    status, dashboard, events = (panel.locator(f".labkit-{role}") for role in ("status", "dashboard", "events"))
+    before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
+    draws = nb.value("panel.dashboard.draws")
+    panel.locator(".labkit-control-fault select").select_option("nan")
+    type_into(panel.locator(".labkit-control-fault_step"), "150")
+    type_into(panel.locator(".labkit-control-fault_count"), "1")
+    panel.locator(".labkit-control-precision").get_by_role("button", name="fp16", exact=True).click()
+    deadline = time.monotonic() + 20  # the widget messages are in flight; the kernel applies them in order
+    while nb.value("[panel.config.faults, panel.config.precision]") != [["150:nan"], "fp16"]:
+        assert time.monotonic() < deadline, "the kernel never saw the new settings"
+        time.sleep(0.2)
+    assert status.inner_text() == before_text  # auto_run=False: changing settings ran nothing
+    expect(events).not_to_contain_text(re.compile(r"step\s+150\s"))
+    panel.locator(".labkit-run").click()
+    after = finished(status, before_text)
+    expect(events).to_contain_text(re.compile(r"step\s+150\s+SKIP\s+nonfinite_loss"))
+    assert "run: 1 skipped" in after, after
+    assert nb.value("panel.logs['run'].skipped_steps") == [150]
+    assert nb.value("panel.dashboard.draws") - draws >= 200 // 20  # live: redrawn while it trained
+    assert wait_for_redraw(dashboard, before_pixels) > 0.005
+    shot(nb, tmp_path, "03_nan_at_150", panel)
+
+
+def test_the_student_release_shows_stubs_and_locks_the_tests(notebooks, tmp_path):
+    release = f"{RELEASE}/{EXERCISE.split('/')[-1]}"
+    nb = notebooks(release, run=False)
+    cells = nb.cells()
+    answers = [i for i, c in enumerate(cells) if c["metadata"].get("nbgrader", {}).get("solution")]
+    assert len(answers) == 6  # five code answers and one written one
+    assert all(not c["outputs"] for c in cells)
+    for i in answers:
+        editor = nb.page.locator(".jp-Notebook .jp-Cell").nth(i)
+        editor.scroll_into_view_if_needed()
+        if cells[i]["type"] == "code":  # what the student sees in the editor, and may type into
+            expect(editor.locator(".cm-content")).not_to_have_attribute("aria-readonly", "true")
+            expect(editor.locator(".cm-content")).to_contain_text("raise NotImplementedError()")
+            expect(editor.locator(".cm-content")).to_contain_text("# YOUR CODE HERE")
+        else:
+            expect(editor).to_contain_text("YOUR ANSWER HERE")
+    page_text = nb.page.locator(".jp-Notebook").inner_text()
+    assert "BEGIN SOLUTION" not in page_text and "BEGIN HIDDEN TESTS" not in page_text
+    tests = [i for i, c in enumerate(cells) if c["metadata"].get("nbgrader", {}).get("grade")
+             and not c["metadata"]["nbgrader"].get("solution")]
+    assert tests
+    for i in tests:  # locked: JupyterLab shows the test cells read-only
+        content = nb.page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".cm-content")
+        expect(content).to_have_attribute("aria-readonly", "true")
+    shot(nb, tmp_path, "exercise_release", nb.page.locator(".jp-Notebook .jp-Cell").nth(answers[0]))
+
+
+def test_the_server_and_its_kernels_stop(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    server = LabServer(root, tmp_path).start()
+    try:
+        server.api("POST", "/api/kernels")
+        deadline = time.monotonic() + 30
+        while not descendants(server.proc.pid):  # the kernel's process
+            assert time.monotonic() < deadline, "no kernel process appeared"
+            time.sleep(0.1)
+        procs = [server.proc.pid, *descendants(server.proc.pid)]
+        assert list((tmp_path / "runtime").glob("kernel-*.json"))  # its runtime files are in the scratch folder
+    finally:
+        killed = server.stop()
+    assert killed == []  # /api/shutdown stopped the kernel and the server; nothing had to be killed
+    assert not any(alive(p) for p in procs)
