@@ -162,6 +162,8 @@ class ControlPanel:
         if both:
             raise ValueError(f"{sorted(both)} given both as controls and as fixed; keep one.")
         self.controls = {name: _control(name, value, base.steps) for name, value in controls.items()}
+        for widget in self.controls.values():
+            widget.style.description_width = "120px"  # the default cuts "init_scale 2^" and "growth_interval" short
         self.config = config_from(base, self.values())
         for variant in self.variants.values():
             dataclasses.replace(self.config, **variant)  # a bad variant fails here, not in a callback

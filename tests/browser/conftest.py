@@ -81,20 +81,19 @@ def notebooks(lab, browser):  # type: ignore[no-untyped-def]
     """
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     context.set_default_timeout(60_000)
+    page = context.new_page()  # one lab, the notebooks in its tabs
     opened: dict[str, tuple[Notebook, float]] = {}
 
     def get(path: str, run: bool = True) -> Notebook:
         if path not in opened:
-            nb = Notebook.open(context, lab, path)
+            nb = Notebook.open(page, lab, path)
             opened[path] = nb, nb.run_all() if run else 0.0
         nb = opened[path][0]
-        nb.page.bring_to_front()  # a background tab's timers are throttled to one a second
+        nb.activate()
         return nb
 
     get.seconds = lambda path: opened[path][1]  # type: ignore[attr-defined]
     try:
         yield get
     finally:
-        for nb, _ in opened.values():
-            nb.close()
-        context.close()
+        context.close()  # the kernels stop with the server (lab's teardown), all at once

@@ -105,7 +105,8 @@ class LabServer:
         argv = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
                 f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-                "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+                "--LabApp.expose_app_in_browser=True",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
         if os.geteuid() == 0:  # jupyter refuses to run as root without it; never pass it otherwise
             argv.append("--allow-root")
         with open(self.log, "wb") as log:
@@ -176,21 +177,41 @@ _FIND = """(path) => { for (const w of window.jupyterapp.shell.widgets('main'))
 
 
 class Notebook:
-    """One notebook open in its own JupyterLab page."""
+    """One notebook open in JupyterLab, in a Playwright page."""
 
     def __init__(self, page, server: LabServer, path: str) -> None:  # type: ignore[no-untyped-def]
         self.page, self.server, self.path = page, server, path
+        self._id: str | None = None
 
     @classmethod
-    def open(cls, context, server: LabServer, path: str, timeout: float = 90.0) -> Notebook:  # type: ignore[no-untyped-def]
-        """Open ``path`` in a new page (a workspace of its own) and wait until its kernel is idle."""
-        page = context.new_page()
+    def open(cls, page, server: LabServer, path: str, timeout: float = 90.0) -> Notebook:  # type: ignore[no-untyped-def]
+        """Open ``path`` in the lab on ``page`` (loading the lab first if the page is blank); wait for its kernel.
+
+        Later notebooks open as tabs of the same lab, as a student opens them: the lab's page
+        loads once (about 3 s on two cores), not once per notebook.
+        """
         nb = cls(page, server, path)
-        page.goto(server.url(f"/lab/workspaces/{uuid.uuid4().hex}/tree/{quote(path)}?reset"))
+        if page.url == "about:blank":
+            page.goto(server.url(f"/lab/workspaces/{uuid.uuid4().hex}/tree/{quote(path)}?reset"))
+        else:
+            page.evaluate("(path) => { window.jupyterapp.commands.execute('docmanager:open', {path}); }", path)
         nb._wait(f"""(path) => {{ const nb = ({_FIND})(path);
-                     return !!nb && nb.content.widgets.length > 0 && nb.sessionContext.kernelDisplayStatus === 'idle'; }}""",
+                     return !!nb && nb.content.widgets.length > 0
+                            && nb.sessionContext.kernelDisplayStatus === 'idle'; }}""",
                  timeout)
         return nb
+
+    @property
+    def root(self):  # type: ignore[no-untyped-def]
+        """The locator of this notebook's own panel (other notebooks' tabs hold the same classes)."""
+        if self._id is None:
+            self._id = self._eval("return nb.content.id;")
+        return self.page.locator(f'[id="{self._id}"]')
+
+    def activate(self) -> None:
+        """Bring this notebook's tab to the front (menus act on it; the mouse can reach its widgets)."""
+        self._eval("window.jupyterapp.shell.activateById(nb.id);")
+        self._wait(f"(path) => window.jupyterapp.shell.currentWidget === ({_FIND})(path)", 10.0)
 
     def _wait(self, predicate: str, timeout: float) -> None:
         self.page.wait_for_function(predicate, arg=self.path, timeout=timeout * 1000, polling=200)
@@ -201,6 +222,7 @@ class Notebook:
     def run_all(self, timeout: float = 150.0) -> float:
         """Click Run > Run All Cells, wait until every code cell has run; return the seconds it took."""
         start = time.perf_counter()
+        self.activate()
         self.page.get_by_role("menuitem", name="Run", exact=True).click()
         self.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         # Done = every code cell has an execution count and the kernel is idle again (a cell
@@ -224,7 +246,7 @@ class Notebook:
         """Return what the page shows as an error: error outputs, and widgets that failed to render."""
         found = [f"cell {i}: {o['ename']}: {o['evalue']}" for i, c in enumerate(self.cells())
                  for o in c["outputs"] if o["output_type"] == "error"]
-        found += [f"widget: {text}" for text in self.page.locator(".jp-Notebook").get_by_text(
+        found += [f"widget: {text}" for text in self.root.get_by_text(
             "Error displaying widget").all_inner_texts()]
         return found
 
@@ -233,7 +255,7 @@ class Notebook:
         sources = [c["source"] for c in self.cells()]
         index = next((i for i, s in enumerate(sources) if containing in s), None)
         assert index is not None, f"no cell of {self.path} contains {containing!r}"
-        return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+        return self.root.locator(".jp-Cell").nth(index)
 
     def kernel(self, code: str, timeout: float = 60.0) -> str:
         """Run ``code`` in the notebook's kernel (unrecorded) and return what it printed."""
@@ -260,15 +282,6 @@ class Notebook:
             near.scroll_into_view_if_needed()
         self.page.screenshot(path=str(path))
         return path
-
-    def close(self) -> None:
-        """Shut the notebook's kernel down and close its page."""
-        try:
-            for session in self.server.api("GET", "/api/sessions"):  # type: ignore[union-attr]
-                if session["path"] == self.path:
-                    self.server.api("DELETE", f"/api/sessions/{session['id']}")
-        finally:
-            self.page.close()
 
 
 def drag(slider, fraction: float) -> None:  # type: ignore[no-untyped-def]
@@ -297,7 +310,8 @@ def canvas_pixels(dashboard) -> np.ndarray:  # type: ignore[no-untyped-def]
     """Return the RGBA pixels the ipympl canvas shows now (its bottom layer: the figure)."""
     canvas = dashboard.locator("canvas").first
     url = canvas.evaluate("(c) => c.toDataURL('image/png')")
-    assert url.startswith("data:image/png;base64,"), f"the canvas is empty ({canvas.evaluate('(c) => [c.width, c.height]')})"
+    assert url.startswith("data:image/png;base64,"), \
+        f"the canvas is empty (width, height {canvas.evaluate('(c) => [c.width, c.height]')})"
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGBA"))
 
 
@@ -309,7 +323,10 @@ def changed_fraction(before: np.ndarray, after: np.ndarray) -> float:
 
 
 def wait_for_redraw(dashboard, before: np.ndarray, timeout: float = 20.0) -> float:  # type: ignore[no-untyped-def]
-    """Wait until the canvas differs from ``before`` (the new PNG arrives after the run); return the changed fraction."""
+    """Wait until the canvas differs from ``before``; return the fraction of pixels that changed.
+
+    The new picture reaches the page after the run that made it (the page asks for it).
+    """
     deadline = time.monotonic() + timeout
     while True:
         fraction = changed_fraction(before, canvas_pixels(dashboard))

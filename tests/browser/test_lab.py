@@ -13,7 +13,8 @@ import re
 import time
 
 import pytest
-from lab_driver import NOTEBOOKS, RELEASE, LabServer, alive, canvas_pixels, descendants, drag, type_into, wait_for_redraw
+from lab_driver import (NOTEBOOKS, RELEASE, LabServer, alive, canvas_pixels, descendants, drag, type_into,
+                        wait_for_redraw)
 from playwright.sync_api import expect
 
 pytestmark = pytest.mark.browser
@@ -50,8 +51,11 @@ def test_every_notebook_runs_in_jupyterlab_without_an_error(notebooks, path, tmp
     assert nb.errors() == []
     assert nb.value("__import__('sys').executable") == __import__("sys").executable  # the venv's kernel
     if any("%matplotlib widget" in c["source"] for c in code):  # its figures are live ipympl canvases
-        assert nb.page.locator(".jupyter-matplotlib canvas").count() >= 2
-    widgets = nb.page.locator(".labkit-panel")
+        assert nb.root.locator(".jupyter-matplotlib canvas").count() >= 2
+    widgets = nb.root.locator(".labkit-panel")
+    cut = widgets.locator(".widget-label").evaluate_all(
+        "(labels) => labels.filter((l) => l.scrollWidth > l.clientWidth).map((l) => l.textContent)")
+    assert cut == [], f"control labels cut short: {cut}"
     print(f"{path}: Run All Cells took {notebooks.seconds(path):.1f} s")
     shot(nb, tmp_path, path.replace("/", "_"), widgets.first if widgets.count() else None)
 
@@ -156,7 +160,7 @@ def test_the_student_release_shows_stubs_and_locks_the_tests(notebooks, tmp_path
     assert len(answers) == 6  # five code answers and one written one
     assert all(not c["outputs"] for c in cells)
     for i in answers:
-        editor = nb.page.locator(".jp-Notebook .jp-Cell").nth(i)
+        editor = nb.root.locator(".jp-Cell").nth(i)
         editor.scroll_into_view_if_needed()
         if cells[i]["type"] == "code":  # what the student sees in the editor, and may type into
             expect(editor.locator(".cm-content")).not_to_have_attribute("aria-readonly", "true")
@@ -164,15 +168,15 @@ def test_the_student_release_shows_stubs_and_locks_the_tests(notebooks, tmp_path
             expect(editor.locator(".cm-content")).to_contain_text("# YOUR CODE HERE")
         else:
             expect(editor).to_contain_text("YOUR ANSWER HERE")
-    page_text = nb.page.locator(".jp-Notebook").inner_text()
+    page_text = nb.root.inner_text()
     assert "BEGIN SOLUTION" not in page_text and "BEGIN HIDDEN TESTS" not in page_text
     tests = [i for i, c in enumerate(cells) if c["metadata"].get("nbgrader", {}).get("grade")
              and not c["metadata"]["nbgrader"].get("solution")]
     assert tests
     for i in tests:  # locked: JupyterLab shows the test cells read-only
-        content = nb.page.locator(".jp-Notebook .jp-Cell").nth(i).locator(".cm-content")
+        content = nb.root.locator(".jp-Cell").nth(i).locator(".cm-content")
         expect(content).to_have_attribute("aria-readonly", "true")
-    shot(nb, tmp_path, "exercise_release", nb.page.locator(".jp-Notebook .jp-Cell").nth(answers[0]))
+    shot(nb, tmp_path, "exercise_release", nb.root.locator(".jp-Cell").nth(answers[0]))
 
 
 def test_the_server_and_its_kernels_stop(tmp_path):
