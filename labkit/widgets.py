@@ -162,8 +162,6 @@ class ControlPanel:
         if both:
             raise ValueError(f"{sorted(both)} given both as controls and as fixed; keep one.")
         self.controls = {name: _control(name, value, base.steps) for name, value in controls.items()}
-        for widget in self.controls.values():
-            widget.style.description_width = "120px"  # the default cuts "init_scale 2^" and "growth_interval" short
         self.config = config_from(base, self.values())
         for variant in self.variants.values():
             dataclasses.replace(self.config, **variant)  # a bad variant fails here, not in a callback
@@ -186,6 +184,7 @@ class ControlPanel:
         # browser tests, which find a control by its name, not by its label's text.
         for name, widget in self.controls.items():
             widget.add_class(f"labkit-control-{name}")
+            widget.style.description_width = "120px"  # the default cuts "init_scale 2^" and "growth_interval" short
         for widget, role in ((self.run_button, "run"), (self.status, "status"), (self.table, "events"),
                              (self.dashboard.widget, "dashboard"), (self.widget, "panel")):
             widget.add_class(f"labkit-{role}")

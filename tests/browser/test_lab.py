@@ -51,7 +51,8 @@ def test_every_notebook_runs_in_jupyterlab_without_an_error(notebooks, path, tmp
     assert nb.errors() == []
     assert nb.value("__import__('sys').executable") == __import__("sys").executable  # the venv's kernel
     if any("%matplotlib widget" in c["source"] for c in code):  # its figures are live ipympl canvases
-        assert nb.root.locator(".jupyter-matplotlib canvas").count() >= 2
+        sizes = nb.root.locator(".jupyter-matplotlib canvas").evaluate_all("(cs) => cs.map((c) => c.width * c.height)")
+        assert len(sizes) >= 2 and all(sizes), f"a figure is blank (canvas areas {sizes})"
     widgets = nb.root.locator(".labkit-panel")
     cut = widgets.locator(".widget-label").evaluate_all(
         "(labels) => labels.filter((l) => l.scrollWidth > l.clientWidth).map((l) => l.textContent)")
