@@ -20,8 +20,8 @@ import warnings
 
 import torch
 
-from labkit.experiment import ExperimentConfig, run_experiment
-from labkit.widgets import ControlPanel
+from labkit.lab.experiment import ExperimentConfig, run_experiment
+from labkit.lab.widgets import ControlPanel
 
 LESSONS = {
     "01 clipping (2 runs)": (

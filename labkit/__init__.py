@@ -12,7 +12,7 @@ from .faults import Fault, FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler, ScalerConfig, update_scale
 from .step import TrainStep
-from .task import ToyTask
+from .tasks import ToyTask
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "demo":
         print(f"labkit: unknown command {argv[0]!r}; the only command is 'demo'", file=sys.stderr)
         return 2
-    from .demo import main as demo_main
+    from .lab.demo import main as demo_main
 
     return demo_main(argv[1:])
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from labkit import StepLog
-from labkit.demo import main
+from labkit.lab.demo import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -109,7 +109,7 @@ def test_jsonl_lines_are_valid_python_json(tmp_path):
 
 
 def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed():
-    from labkit.demo import describe
+    from labkit.lab.demo import describe
     from labkit.records import StepRecord
 
     named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="0.weight")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.experiment import ExperimentConfig, default_device, run_experiment
+from labkit.lab.experiment import ExperimentConfig, default_device, run_experiment
 
 
 def quiet(config, **kwargs):

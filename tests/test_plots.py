@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from labkit.plots import LiveDashboard, plot_log
+from labkit.lab.plots import LiveDashboard, plot_log
 from labkit.records import StepLog, StepRecord
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

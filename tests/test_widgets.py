@@ -6,9 +6,9 @@ import threading
 import numpy as np
 import pytest
 
-import labkit.widgets as widgets
-from labkit.experiment import ExperimentConfig, run_experiment
-from labkit.widgets import ControlPanel, config_from, episode, event_rows
+import labkit.lab.widgets as widgets
+from labkit.lab.experiment import ExperimentConfig, run_experiment
+from labkit.lab.widgets import ControlPanel, config_from, episode, event_rows
 
 BASE = ExperimentConfig(precision="fp32", steps=20, device="cpu")
 

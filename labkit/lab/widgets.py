@@ -25,9 +25,9 @@ import ipywidgets as W
 
 from .demo import describe
 from .experiment import ExperimentConfig, run_experiment
-from .faults import KINDS
+from ..faults import KINDS
 from .plots import PANELS, LiveDashboard
-from .records import StepLog
+from ..records import StepLog
 
 __all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows"]
 

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .distributed import is_distributed, rank
+from ..distributed import is_distributed, rank
 from .experiment import ExperimentConfig, default_device, run_experiment
-from .faults import FaultSchedule
+from ..faults import FaultSchedule
 from .plots import plot_log
-from .records import StepLog, StepRecord
-from .step import PRECISIONS
+from ..records import StepLog, StepRecord
+from ..step import PRECISIONS
 
 __all__ = ["build_parser", "describe", "init_distributed", "main", "run_demo"]
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 
-from .records import StepLog, StepRecord
+from ..records import StepLog, StepRecord
 
 __all__ = ["PANELS", "LiveDashboard", "plot_log"]
 

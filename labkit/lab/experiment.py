@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .clip import check_max_norm
-from .distributed import is_distributed, rank
-from .faults import FaultSchedule
-from .records import StepLog, StepRecord
-from .scaler import GradScaler
-from .step import PRECISIONS, TrainStep
-from .task import ToyTask
+from ..clip import check_max_norm
+from ..distributed import is_distributed, rank
+from ..faults import FaultSchedule
+from ..records import StepLog, StepRecord
+from ..scaler import GradScaler
+from ..step import PRECISIONS, TrainStep
+from ..tasks import ToyTask
 
 __all__ = ["ExperimentConfig", "default_device", "run_experiment"]
 
