@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, overload
 
 from .distributed import rank
+from .spikes import spike_score
 
 __all__ = ["StepLog", "StepRecord"]
 
@@ -44,6 +45,16 @@ class StepRecord:
     fault: str | None = None
     top_grads: list[tuple[str, float]] = field(default_factory=list)
     first_nonfinite: str | None = None
+    # issue 15: spike defenses. z-scores of loss and norm (NaN: no detector, or not enough history),
+    # the clipper's threshold (NaN: none, or a per-tensor rule), why it clipped, whether its lock-in
+    # guard fired, and rewinds: this step was undone (``rewound``), or it triggered one (``rewind_to``).
+    z_loss: float = math.nan
+    z_grad: float = math.nan
+    threshold: float = math.nan
+    clip_reason: str | None = None
+    lockin: bool = False
+    rewound: bool = False
+    rewind_to: int | None = None
 
     @property
     def post_clip_norm(self) -> float:
@@ -141,17 +152,23 @@ class StepLog(Sequence[StepRecord]):
         """Return counts a run report needs: steps, skips by reason, clip rate, scale range."""
         reasons = Counter(r.reason for r in self._records if r.skipped)
         stepped = [r for r in self._records if not r.skipped]
+        kept = [r for r in stepped if not r.rewound]
         scales = [r.scale for r in self._records] + [r.next_scale for r in self._records[-1:]]
         return {
             "steps": len(self),
             "skipped": sum(reasons.values()),
-            "skips_by_reason": {reason: reasons.get(reason, 0) for reason in REASONS},
+            "skips_by_reason": {reason: reasons.get(reason, 0) for reason in REASONS}
+            | {reason: n for reason, n in reasons.items() if reason not in REASONS},
             "clipped": sum(r.clipped for r in stepped),
             "clip_rate": sum(r.clipped for r in stepped) / len(stepped) if stepped else 0.0,
             "min_scale": min(scales) if scales else math.nan,
             "max_scale": max(scales) if scales else math.nan,
             "final_scale": scales[-1] if scales else math.nan,
             "final_loss": stepped[-1].loss if stepped else math.nan,
+            # OLMo 2's spike score (% of values >= 7 sigma from a rolling 1000-value mean), over stepped steps
+            "spike_score_loss": spike_score(r.loss for r in kept),
+            "spike_score_grad": spike_score(r.grad_norm for r in kept),
+            "rewinds": sum(r.rewind_to is not None for r in self._records),
         }
 
     def to_jsonl(self, path: str | os.PathLike) -> None:

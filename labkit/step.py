@@ -13,13 +13,15 @@ import torch
 from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
-from .clip import (
-    EPS, check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
-)
+from .clip import EPS, check_norm_type, first_nonfinite, per_tensor_norms, total_norm
+from .clippers import Clipper, NormClip
+from .clippers.base import scale_grads_
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
+from .rewind import Rewind
 from .scaler import GradScaler
+from .spikes import SpikeDetector
 
 __all__ = ["PRECISIONS", "TrainStep"]
 
@@ -76,6 +78,12 @@ class TrainStep:
     ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
 
+    Defenses beyond a fixed threshold compose in (issue 15): ``clipper=`` is the clip stage
+    (``max_norm=x`` means ``clipper=NormClip(x)``; see ``labkit.clippers``), ``detector=`` a
+    ``SpikeDetector`` scoring every step by rolling z and skipping or clipping at the step
+    decision, ``rewind=`` a ``Rewind`` that, after a record that calls for it, restores a
+    snapshot from N steps back (the training loop then feeds ``rewind.data_index(step_count)``).
+
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -102,6 +110,9 @@ class TrainStep:
         faults: FaultSchedule | dict | None = None,
         log_path: str | os.PathLike | None = None,
         process_group: ProcessGroup | None = None,
+        clipper: Clipper | None = None,
+        detector: SpikeDetector | None = None,
+        rewind: Rewind | None = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -121,7 +132,15 @@ class TrainStep:
             )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.precision = precision
-        self.max_norm = None if max_norm is None else check_max_norm(max_norm)
+        if clipper is not None and max_norm not in (None, 1.0):
+            raise ValueError(f"pass either max_norm ({max_norm!r}) or clipper ({clipper!r}), not both; for a fixed "
+                             f"threshold with a clipper object use clipper=NormClip({max_norm!r}).")
+        if clipper is not None and not isinstance(clipper, Clipper):
+            raise TypeError(f"clipper must be one of labkit.clippers (NormClip, ZClip, ...), got {type(clipper).__name__}.")
+        self.clipper = clipper if clipper is not None else (NormClip(max_norm) if max_norm is not None else None)
+        self.max_norm = self.clipper.max_norm if isinstance(self.clipper, NormClip) else None
+        self.detector, self.rewind = detector, rewind
+        self._releases = 0
         self.norm_type = check_norm_type(norm_type)
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
@@ -144,6 +163,8 @@ class TrainStep:
             for g, group in enumerate(optimizer.param_groups)
             for i, p in enumerate(group["params"])
         ]
+        if rewind is not None:
+            rewind.snapshot(self)  # step 0: a spike in the first `back` steps rewinds to the start
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = PRECISIONS[self.precision]
@@ -193,8 +214,12 @@ class TrainStep:
         record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, step)
         if not record.skipped:
             self.clip_alarm.observe(record.clipped, step)
-        self.log.append(record)
+        if self.detector is not None:  # after the decision: a skipped or non-finite step never enters the window
+            self.detector.observe(record.loss, record.grad_norm, admitted=not record.skipped)
         self.step_count += 1
+        if self.rewind is not None:  # may restore a snapshot: step_count goes back, this record is marked
+            self.rewind.after(self, record)
+        self.log.append(record)
         return record
 
     def _unscale_check_clip_step(self, step: int, loss: float, lr: float) -> StepRecord:
@@ -205,13 +230,24 @@ class TrainStep:
         norms = per_tensor_norms([g for _, g in named], self.norm_type)
         norm = total_norm(norms, self.norm_type)
         norm_value = norm.item()  # host sync: the step decision
-        coef, clipped = 1.0, False
+        coef, clipped, reason = 1.0, False, "nonfinite_grad"
+        z_loss, z_grad = self.detector.score(loss, norm_value) if self.detector is not None else (math.nan, math.nan)
+        spike = {"threshold": math.nan, "clip_reason": None, "lockin": False}
         if math.isfinite(norm_value):
-            if self.max_norm is not None:
-                clip_grads_with_norm_(self._params, self.max_norm, norm)
-                coef = min(1.0, self.max_norm / (norm_value + EPS))  # the same coefficient, for the record
+            # issue 15: the detector decides here, then the clipper is the clip stage
+            action, why = self.detector.decide(z_loss, z_grad) if self.detector is not None else (None, None)
+            if action == "skip":
+                stepped, reason = False, why  # the scaler still updates: the gradients were finite at this scale
+            else:
+                coef, spike = self._clip(norm, norms, norm_value, action == "clip")
+                stepped = scaler.step(opt)
+                if stepped and self.clipper is not None:
+                    after = self.clipper.after_step_([p for _, p in self._params])
+                    if after is not None:  # UpdateNormClip: the update was clipped, not the gradient
+                        coef, spike["threshold"] = after.tolist()
+                        spike["clip_reason"] = type(self.clipper).__name__ if coef < 1.0 else None
                 clipped = coef < 1.0
-            stepped = scaler.step(opt)
+                spike["lockin"] = clipped and self._lockin()
         else:
             stepped = False  # clipping cannot repair a NaN: never step on it
         if stepped and self.scheduler is not None:
@@ -219,20 +255,49 @@ class TrainStep:
         scaler.update()
         record = StepRecord(
             step, loss, grad_norm=norm_value, clip_coef=coef, clipped=clipped, scale=scale,
-            next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else "nonfinite_grad", lr=lr,
+            next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else reason, lr=lr,
+            z_loss=z_loss, z_grad=z_grad, **spike,
         )
         if record.skipped or clipped:
             record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
         return record
 
+    def _clip(self, norm: Tensor, norms: Tensor, norm_value: float, z_clip: bool) -> tuple[float, dict[str, Any]]:
+        """The clip stage (issue 15): the clipper, then the detector's z-clip; return the coefficient and why."""
+        coef, threshold, why = 1.0, math.nan, None
+        if self.clipper is not None:
+            report = self.clipper.clip_with_norms_([p for _, p in self._params], norms, norm)
+            coef, threshold = report.tolist()  # one read for the record; the decision's sync already waited
+            why = type(self.clipper).__name__ if coef < 1.0 else None
+        if z_clip and self.detector is not None:
+            limit, now = self.detector.clip_limit(), norm_value * coef
+            if now > limit:
+                extra = limit / (now + EPS)
+                scale_grads_([p.grad for _, p in self._params if p.grad is not None], torch.tensor(extra))
+                coef, why = coef * extra, "z_grad"
+        return coef, {"threshold": threshold, "clip_reason": why, "lockin": False}
+
+    def _lockin(self) -> bool:
+        """Whether the clipper's lock-in guard fired on this (clipped) step; rank 0 warns."""
+        releases = self.clipper.releases() if self.clipper is not None else 0
+        fired, self._releases = releases > self._releases, releases
+        if fired and rank() == 0:
+            self.clipper.check_lockin()  # type: ignore[union-attr]
+        return fired
+
     def state_dict(self) -> dict[str, Any]:
-        """Return the step counter, alarm streaks and scaler state (save model/optimizer/scheduler as usual)."""
-        return {
+        """Return the step counter, alarm streaks, scaler, clipper and detector state (save model/optimizer as usual)."""
+        state = {
             "step": self.step_count,
             "skip_alarm": self.skip_alarm.state_dict(),
             "clip_alarm": self.clip_alarm.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
+        if self.clipper is not None:
+            state["clipper"] = self.clipper.state_dict()
+        if self.detector is not None:
+            state["detector"] = self.detector.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next call continues the same step numbering and faults."""
@@ -242,4 +307,9 @@ class TrainStep:
         self.scaler.load_state_dict(state["scaler"])  # first: it validates before it writes
         self.skip_alarm.load_state_dict(state["skip_alarm"])
         self.clip_alarm.load_state_dict(state["clip_alarm"])
+        if self.clipper is not None and "clipper" in state:
+            self.clipper.load_state_dict(state["clipper"])
+            self._releases = self.clipper.releases()
+        if self.detector is not None and "detector" in state:
+            self.detector.load_state_dict(state["detector"])
         self.step_count = int(state["step"])

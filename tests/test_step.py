@@ -397,14 +397,14 @@ def test_accumulation_does_one_unscale_one_clip_one_step(make_step, task, monkey
         calls["unscale"] += 1
         return real_unscale(opt)
 
-    real_clip = labkit.step.clip_grads_with_norm_
+    real_clip = train.clipper.clip_with_norms_  # max_norm=0.1 is NormClip(0.1), the clip stage
 
     def clip(*args, **kwargs):
         calls["clip"] += 1
         return real_clip(*args, **kwargs)
 
     monkeypatch.setattr(train.scaler, "unscale_", unscale)
-    monkeypatch.setattr(labkit.step, "clip_grads_with_norm_", clip)
+    monkeypatch.setattr(train.clipper, "clip_with_norms_", clip)
     train.optimizer.register_step_post_hook(lambda *a: calls.__setitem__("step", calls["step"] + 1))
     train.model.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
 

@@ -176,6 +176,11 @@ class GlobalClipper(Clipper):
     def update(self, state: dict[str, Tensor], value: Tensor) -> dict[str, Tensor]:
         raise NotImplementedError
 
+    def coef(self, limit: Tensor, norm: Tensor) -> Tensor:
+        """Return torch's ``clamp(limit / (norm + 1e-6), max=1)``, and exactly 1 for a non-finite norm."""
+        coef = torch.clamp(limit / (norm + EPS), max=1.0)
+        return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
     # -- shared machinery -----------------------------------------------------------------------
     def _to(self, device: torch.device) -> None:
         if self.state["streak"].device != device:
@@ -209,9 +214,7 @@ class GlobalClipper(Clipper):
         norm = norm.to(torch.float32)
         threshold = self.threshold(self.state)
         limit = self.limit(self.state, norm)
-        # the coefficient of torch's clip_grad_norm_, and exactly 1 for a non-finite norm
-        coef = torch.clamp(limit / (norm + EPS), max=1.0)
-        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        coef = self.coef(limit, norm)
         scale_grads_([p.grad for p in params if p.grad is not None], coef)
         self.observe(norm, limit)
         return torch.stack([coef, threshold.to(coef.dtype)])

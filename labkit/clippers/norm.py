@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..clip import check_max_norm
+from ..clip import check_max_norm, clip_coef
 from .base import GlobalClipper
 
 __all__ = ["NormClip"]
@@ -33,6 +33,10 @@ class NormClip(GlobalClipper):
 
     def threshold(self, state: dict[str, Tensor]) -> Tensor:
         return torch.tensor(self.max_norm, dtype=torch.float32, device=state["streak"].device)
+
+    def coef(self, limit: Tensor, norm: Tensor) -> Tensor:
+        # with the Python float, as torch and labkit.clip_grad_norm_ do: bit for bit the same gradients
+        return clip_coef(norm, self.max_norm)
 
     def update(self, state: dict[str, Tensor], value: Tensor) -> dict[str, Tensor]:
         return state
