@@ -8,6 +8,7 @@ tensor(5.)
 
 from .alarms import LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
 from .clip import clip_grad_norm_, clip_grads_with_norm_, grad_norm
+from .clippers import clip_grad_value_
 from .faults import Fault, FaultSchedule
 from .records import StepLog, StepRecord
 from .scaler import GradScaler, ScalerConfig, update_scale
@@ -29,6 +30,7 @@ __all__ = [
     "ToyTask",
     "TrainStep",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "clip_grads_with_norm_",
     "grad_norm",
     "update_scale",

@@ -74,8 +74,8 @@ class AdaGC(Clipper):
             raise ValueError(f"beta must be in (0, 1), e.g. 0.98, got {beta!r}.")
         if not (lambda_rel > 0 and lambda_abs > 0):
             raise ValueError(f"lambda_rel and lambda_abs must be > 0, got {lambda_rel!r}, {lambda_abs!r}.")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}.")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be an int >= 1 (gamma starts from the warm-up norms), got {warmup!r}.")
         if feed not in FEEDS:
             raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}.")
         self.beta, self.lambda_rel, self.lambda_abs, self.warmup, self.eps = beta, lambda_rel, lambda_abs, warmup, eps
@@ -104,6 +104,7 @@ class AdaGC(Clipper):
         for i, g in enumerate(grads):
             scale_grads_([g], h[i])
         streak, release = lockin_guard(s["streak"], finite & cut.any(), self.max_consecutive_clips)
+        streak = torch.where(finite, streak, s["streak"])
         count = torch.where(release, torch.zeros_like(s["count"]), s["count"] + finite.long())
         self.state = {"gamma": torch.where(finite, gamma, s["gamma"]), "count": count, "streak": streak,
                       "releases": s["releases"] + release.long()}

@@ -199,6 +199,7 @@ class GlobalClipper(Clipper):
         rule = {k: v for k, v in state.items() if k not in ("streak", "releases")}
         new = self.update(rule, torch.where(admit, value, torch.zeros_like(value)))
         streak, release = lockin_guard(state["streak"], clipped, self.max_consecutive_clips)
+        streak = torch.where(torch.isfinite(norm), streak, state["streak"])  # a skipped step is no evidence
         fresh = self.update({k: v.to(norm.device) for k, v in self.initial().items()}, norm)
         out = {}
         for k, v in rule.items():
