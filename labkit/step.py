@@ -215,7 +215,8 @@ class TrainStep:
         if not record.skipped:
             self.clip_alarm.observe(record.clipped, step)
         if self.detector is not None:  # after the decision: a skipped or non-finite step never enters the window
-            self.detector.observe(record.loss, record.grad_norm, admitted=not record.skipped)
+            seen = record.post_clip_norm if record.clip_reason == "z_grad" else record.grad_norm  # its own cut
+            self.detector.observe(record.loss, seen, admitted=not record.skipped)
         self.step_count += 1
         if self.rewind is not None:  # may restore a snapshot: step_count goes back, this record is marked
             self.rewind.after(self, record)
