@@ -82,20 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SPIKE_REASONS = {"spike_loss": "loss z-score above skip_z", "spike_grad": "grad-norm z-score above skip_z"}
+
+
 def describe(record: StepRecord, max_norm: float | None) -> list[str]:
     """Return the event lines for one record: a skip, a clip, a change of loss scale."""
     lines, fault = [], f" [fault {record.fault}]" if record.fault else ""
-    if record.skipped:
+    if record.skipped and record.reason in SPIKE_REASONS:  # issue 15: the detector's skip
+        z = record.z_loss if record.reason == "spike_loss" else record.z_grad
+        lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {SPIKE_REASONS[record.reason]} at {z:+.1f} sigma{fault}")
+    elif record.skipped:
         what = "loss is not finite: backward skipped, scale untouched" if record.reason == "nonfinite_loss" else (
             f"gradient not finite (first: {record.first_nonfinite})" if record.first_nonfinite is not None else
             "gradient norm not finite, every gradient finite: their sum of squares overflowed float32")
         lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{fault}")
+    elif record.clipped and record.clip_reason not in (None, "NormClip"):  # issue 15: adaptive clippers
+        level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
+        lines.append(f"step {record.step:4d}  CLIP  {record.clip_reason}: norm {record.grad_norm:.4g}{level} "
+                     f"(x{record.clip_coef:.3g}){fault}")
     elif record.clipped:
         top = ", ".join(f"{n}={v:.3g}" for n, v in record.top_grads)
         lines.append(
             f"step {record.step:4d}  CLIP  norm {record.grad_norm:.4g} > max_norm {max_norm:g} "
             f"(x{record.clip_coef:.3g}); largest: {top}{fault}"
         )
+    if record.lockin:
+        lines.append(f"step {record.step:4d}  GUARD lock-in: clipped too many steps in a row, statistics restarted")
+    if record.rewind_to is not None:
+        lines.append(f"step {record.step:4d}  REWIND to step {record.rewind_to}: steps {record.rewind_to}-{record.step} "
+                     "undone (marked rewound), a data window skipped")
     if record.next_scale != record.scale:
         verb = "backoff" if record.next_scale < record.scale else "growth"
         lines.append(f"step {record.step:4d}  SCALE {record.scale:g} -> {record.next_scale:g} ({verb})")
