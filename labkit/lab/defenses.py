@@ -101,14 +101,14 @@ class Defenses:
 
 
 def ledger(log: Sequence[StepRecord]) -> list[str]:
-    """Return each record's outcome, one of ``OUTCOMES``.
+    """Return each record's outcome, one of ``OUTCOMES`` (the step that triggered a rewind shows why).
 
     >>> ledger([StepRecord(0, 1.0), StepRecord(1, 1.0, skipped=True, reason="spike_grad", rewound=True)])
     ['stepped', 'rewound']
     """
     out = []
     for r in log:
-        if r.rewound:
+        if r.rewound and r.rewind_to is None:  # the step that triggered the rewind keeps its own outcome
             out.append("rewound")
         elif r.skipped:
             out.append({"nonfinite_loss": OUTCOMES[2], "nonfinite_grad": OUTCOMES[3]}.get(r.reason or "", OUTCOMES[4]))
