@@ -158,7 +158,9 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float = 3
         top.plot([r.step for r in live], [r.grad_norm for r in live], color=color, lw=1.0, label=name)
         top.plot([r.step for r in live], [r.threshold for r in live], color=color, lw=0.8, ls="--")
         lows, highs = rolling_band(live, window, z)
-        top.fill_between([r.step for r in live], [max(v, 1e-12) for v in lows], highs, color=color, alpha=0.12, lw=0)
+        # a log axis cannot show mean - z sigma <= 0: the band then starts at half the smallest norm
+        floor = 0.5 * min((r.grad_norm for r in live if r.grad_norm > 0), default=1e-12)
+        top.fill_between([r.step for r in live], [max(v, floor) for v in lows], highs, color=color, alpha=0.12, lw=0)
         clipped = [r for r in live if r.clipped]
         top.plot([r.step for r in clipped], [r.grad_norm for r in clipped], "x", color=color, ms=5)
         if gone:
@@ -174,7 +176,8 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float = 3
         # rewound records share step numbers with their replacements: they fill the top half of the row
         for r, outcome in zip(log, ledger(log)):
             color = _COLORS[OUTCOMES.index(outcome)]
-            bottom.add_patch(Rectangle((r.step - 0.5, k), 1.0, 0.5 if r.rewound else 1.0, color=color, lw=0))
+            bottom.add_patch(Rectangle((r.step - 0.5, k), 1.0, 0.5 if r.rewound else 1.0, color=color, lw=0,
+                                       zorder=2 if r.rewound else 1))
     last = max((r.step for log in logs.values() for r in log), default=0)
     bottom.set_ylim(len(logs), 0)
     bottom.set_yticks([k + 0.5 for k in range(len(logs))], list(logs), fontsize=7)
@@ -182,7 +185,7 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float = 3
     bottom.set_xlabel("step")
     bottom.set_xlim(-0.5, last + 0.5)
     bottom.legend([Patch(color=c) for c in _COLORS], OUTCOMES, fontsize=6, ncols=6, loc="upper center",
-                  bbox_to_anchor=(0.5, -0.45))
+                  bbox_to_anchor=(0.5, -0.6))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
