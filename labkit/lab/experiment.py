@@ -94,7 +94,9 @@ class ExperimentConfig:
                 check_max_norm(self.max_norm)
             except ValueError:
                 raise ValueError(f"max_norm must be a number > 0 or None (no clipping), got {self.max_norm!r}.") from None
-        _positive_float("init_scale", self.init_scale)
+        if _positive_float("init_scale", self.init_scale) > torch.finfo(torch.float32).max:
+            raise ValueError(f"init_scale must be at most {torch.finfo(torch.float32).max:.4g} (the scale is a "
+                             f"float32), got {self.init_scale!r}; torch's default is 2.0**16.")
         _positive_int("growth_interval", self.growth_interval)
         _positive_int("steps", self.steps)
         _positive_float("lr", self.lr)
