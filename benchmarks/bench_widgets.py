@@ -14,7 +14,9 @@ slider moved back to a value already seen (the panel's run cache: no training).
 It prints the machine first: CPU model, whether it has AVX-512 and native fp16 arithmetic (CPU
 flags, and an fp16 vs fp32 matmul timed here: without native fp16, torch emulates it and it is
 many times slower), the torch threads and the load average, so a figure is never quoted without
-the machine it was taken on, or taken on a busy machine without saying so.
+the machine it was taken on, or taken on a busy machine without saying so. The process's CPU
+time per slider move is printed too: the runs use one thread, so on a busy machine it is a
+rough stand-in for the wall time an idle one would take.
 """
 
 from __future__ import annotations
@@ -110,13 +112,14 @@ def main() -> None:
         panel = ControlPanel(base, **kwargs)
         panel.run()  # warm-up: first-run costs (torch's lazy imports, font cache) are not a slider's
         first = panel.controls[control].value
-        times = []
+        times, cpu_times = [], []
         for value in values:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             panel.controls[control].value = value
             if not panel.auto_run:
                 panel.run_button.click()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         assert panel.error is None, panel.error
         start = time.perf_counter()
         panel.controls[control].value = first  # seen before: from the run cache
@@ -132,7 +135,7 @@ def main() -> None:
         med, bare_med = statistics.median(times), statistics.median(bare)
         verdict = "ok" if med <= BUDGET_S[name] else "OVER"
         print(f"{name:30s} {med:16.3f} s {BUDGET_S[name]:5.1f} s {bare_med:8.3f} s {med / bare_med:6.2f} "
-              f"{cached:19.3f} s  {verdict}")
+              f"{cached:19.3f} s  {verdict}  (CPU time {statistics.median(cpu_times):.3f} s)")
 
 
 if __name__ == "__main__":
