@@ -104,6 +104,8 @@ def test_variants_run_side_by_side_on_one_dashboard(runs):
     assert logs["clipped"][4].grad_norm == logs["unclipped"][4].grad_norm  # same data, same weights up to the spike
     assert len(panel.dashboard.line("loss", "unclipped").get_ydata()) == 20
     assert "<th>run</th>" in panel.table.value and "clipped" in panel.status.value
+    # each run's line says its own threshold: the unclipped run has none
+    assert "not clipped (max_norm none)" in panel.table.value and "below max_norm" not in panel.table.value
 
 
 def test_without_auto_run_only_the_button_runs_and_it_is_disabled_while_running(runs):
@@ -209,6 +211,7 @@ def test_an_invalid_combination_of_controls_is_reported_not_run(runs):
     ({"controls": {"fault": "nan"}, "fixed": {"fault": "inf"}}, ValueError, "both as controls and as fixed"),
     ({"controls": {}, "variants": {"bad": {"precision": "fp8"}}}, ValueError, "precision must be one of"),
     ({"controls": {}, "variants": {"bad": {"clip": 1}}}, TypeError, "clip"),
+    ({"controls": {}, "cache_size": -1}, ValueError, "cache_size must be an int >= 0"),
 ])
 def test_bad_panel_arguments_fail_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -82,8 +82,11 @@ def config_from(base: ExperimentConfig, values: Mapping[str, Any]) -> Experiment
     return dataclasses.replace(base, **changes)
 
 
-def event_rows(logs: Mapping[str, StepLog], max_norm: float | None, last: int = 8) -> list[tuple[str, str]]:
+def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str, float | None],
+               last: int = 8) -> list[tuple[str, str]]:
     """Return the last ``last`` events (skips, clips, faults, scale changes) as ``(run, line)`` rows.
+
+    ``max_norm`` is the threshold the runs clipped at, or ``{run: threshold}`` where they differ.
 
     With several runs each keeps a fair share: one run's many skips do not push out the other
     run's one clip (the rows are cut from whichever run has the most, oldest first).
@@ -94,11 +97,13 @@ def event_rows(logs: Mapping[str, StepLog], max_norm: float | None, last: int = 
     """
     if last <= 0:
         return []
-    per_run = {run: [(r.step, i, run, line) for r in log for line in describe(r, max_norm)][-last:]
+    thresholds = max_norm if isinstance(max_norm, Mapping) else {run: max_norm for run in logs}
+    per_run = {run: [(r.step, i, run, line) for r in log for line in describe(r, thresholds[run])][-last:]
                for i, (run, log) in enumerate(logs.items())}
     while sum(map(len, per_run.values())) > last:
         del max(per_run.values(), key=lambda rows: (len(rows), -rows[0][0] if rows else 0))[0]  # ties: the oldest
-    rows = sorted((row for rows in per_run.values() for row in rows), key=lambda row: row[:2])  # stable: a step's lines keep their order
+    # by step, then by run; sorted is stable, so the lines of one record keep their order
+    rows = sorted((row for rows in per_run.values() for row in rows), key=lambda row: row[:2])
     return [(run, line) for _, _, run, line in rows]
 
 
@@ -191,6 +196,8 @@ class ControlPanel:
         self.error: Exception | None = None
         self.seconds = math.nan
         # Logs by the exact config that made them (runs are a pure function of it): ~100 KB each.
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+            raise ValueError(f"cache_size must be an int >= 0 (logs kept; 0: none), got {cache_size!r}.")
         self.cache_size = cache_size
         self._cache: collections.OrderedDict[ExperimentConfig, tuple[StepLog, list[str]]] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -277,7 +284,7 @@ class ControlPanel:
         self.seconds = time.perf_counter() - start
         self.logs, self.alarms, self.error = logs, alarms, None
         self.status.value = self._status_html(config)
-        rows = event_rows(logs, config.max_norm, self.table_rows)
+        rows = event_rows(logs, {name: c.max_norm for name, c in configs.items()}, self.table_rows)
         self.table.value = _table_html(rows, multi=len(logs) > 1)
 
     def _status_html(self, config: ExperimentConfig) -> str:

@@ -150,14 +150,15 @@ def test_02_a_new_init_scale_starts_the_plotted_scale_curve_there(notebooks, tmp
     panel = panel_of(nb)
     status, dashboard = panel.locator(".labkit-status"), panel.locator(".labkit-dashboard")
     before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
-    assert "scale 4096 →" not in before_text
-    type_into(panel.locator(".labkit-control-init_scale"), "12")
+    assert "scale 1024 →" in before_text  # what the text describes: the notebook's checks put it back
+    type_into(panel.locator(".labkit-control-init_scale"), "24")
     after = finished(status, before_text)
-    assert "scale 4096 →" in after, after  # the label a student reads
-    assert nb.value("float(panel.dashboard.line('scale').get_ydata()[0])") == 4096.0  # the curve on the plot
-    assert nb.value("panel.logs['run'][0].scale") == 4096.0
+    assert "scale 2^24 →" in after, after  # the label a student reads (not 1.67772e+07)
+    assert nb.value("float(panel.dashboard.line('scale').get_ydata()[0])") == 2.0**24  # the curve on the plot
+    assert nb.value("panel.logs['run'].skipped_steps[:8]") == list(range(8))  # too high: skipped until it fits
     assert wait_for_redraw(dashboard, before_pixels) > 0.005
-    shot(nb, tmp_path, "02_init_scale_2^12", panel)
+    assert seen_problems(nb) == []
+    shot(nb, tmp_path, "02_init_scale_2^24", panel)
 
 
 def test_02_dragging_the_episode_moves_the_skips(notebooks, tmp_path):
@@ -193,7 +194,7 @@ def test_03_run_button_runs_the_new_settings_and_the_table_gains_the_skip(notebo
         assert time.monotonic() < deadline, "the kernel never saw the new settings"
         time.sleep(0.2)
     assert status.inner_text() == before_text  # auto_run=False: changing settings ran nothing
-    expect(events).not_to_contain_text(re.compile(r"step\s+150\s"))
+    expect(events).not_to_contain_text(re.compile(r"step\s+150\s+SKIP"))
     panel.locator(".labkit-run").click()
     after = finished(status, before_text)
     expect(events).to_contain_text(re.compile(r"step\s+150\s+SKIP\s+nonfinite_loss"))
