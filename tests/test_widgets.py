@@ -1,5 +1,6 @@
 """The control panel, headless: set a widget's value as a student's mouse would, check the run and the plot."""
 
+import html
 import math
 import threading
 
@@ -104,8 +105,16 @@ def test_variants_run_side_by_side_on_one_dashboard(runs):
     assert logs["clipped"][4].grad_norm == logs["unclipped"][4].grad_norm  # same data, same weights up to the spike
     assert len(panel.dashboard.line("loss", "unclipped").get_ydata()) == 20
     assert "<th>run</th>" in panel.table.value and "clipped" in panel.status.value
-    # each run's line says its own threshold: the unclipped run has none
-    assert "not clipped (max_norm none)" in panel.table.value and "below max_norm" not in panel.table.value
+
+
+def test_each_runs_event_lines_name_its_own_threshold():
+    panel = ControlPanel(BASE, {"max_norm": 1000.0}, fixed={"fault": "spike", "fault_step": 4, "fault_magnitude": 10.0},
+                         variants={"clipped": {}, "unclipped": {"max_norm": None}}, panels=("norm",))
+    panel.run()
+    rows = [line for _, line in event_rows(panel.logs, {"clipped": 1000.0, "unclipped": None})]
+    assert [line.split("injected: ")[1].split(", ", 1)[1] for line in rows] == [
+        "not clipped (below max_norm 1000)", "not clipped (max_norm none)"]
+    assert all(html.escape(line) in panel.table.value for line in rows)  # what the panel's table shows
 
 
 def test_without_auto_run_only_the_button_runs_and_it_is_disabled_while_running(runs):
