@@ -78,14 +78,19 @@ def cpu() -> tuple[str, set[str]]:
 
 def fp16_vs_fp32(n: int = 256, repeat: int = 20) -> float:
     """Return how many times slower a CPU fp16 matmul is than an fp32 one (about 1 where fp16 is native)."""
-    times = {}
-    for dtype in (torch.float32, torch.float16):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        start = time.perf_counter()
-        for _ in range(repeat):
+    # One thread and CPU time: on a busy machine, threads waiting for a core would blur the ratio.
+    times, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for dtype in (torch.float32, torch.float16):
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             a @ b
-        times[dtype] = time.perf_counter() - start
+            start = time.process_time()
+            for _ in range(repeat):
+                a @ b
+            times[dtype] = time.process_time() - start
+    finally:
+        torch.set_num_threads(threads)
     return times[torch.float16] / times[torch.float32]
 
 
