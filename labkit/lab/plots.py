@@ -199,8 +199,9 @@ class LiveDashboard:
     when the kernel is idle) calls ``draw_idle()``. With any other backend the figure is
     rendered to PNG into an ``ipywidgets.Image``: swapping its bytes replaces the picture in
     one piece (no blank frame, unlike ``Output.clear_output()`` without ``wait=True``), and,
-    unlike ``with output:``, it is safe from a widget callback's thread. A redraw costs
-    about 65 ms (ipympl) to 95 ms (PNG) on two CPU cores, so keep ``every`` at 10 or more.
+    unlike ``with output:``, it is safe from a widget callback's thread. A redraw is a full
+    Agg render (0.13 s of CPU time for two runs in two panels to PNG on a 2-core AMD EPYC
+    without AVX-512, measured under load), so keep ``every`` at 10 or more.
     Every repaint rescales each panel to all of its data and the threshold, and lists in each
     legend only what is drawn. ``loss_weight`` plots the loss divided by it (see
     ``ExperimentConfig.loss_weight``).
