@@ -12,6 +12,7 @@ by side on the same seed.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ from .alarms import LabkitWarning
 from .distributed import all_reduce_, is_distributed, rank
 
 __all__ = [
-    "REMEDIES", "RemedyRun", "StaleMonitor", "StaleUpdateWarning", "accumulate", "compare_remedies", "half_ulp",
-    "kahan_add", "stale_fraction", "stochastic_round_bf16",
+    "REMEDIES", "RemedyRun", "StaleMonitor", "StaleUpdateWarning", "accumulate", "compare_remedies", "kahan_add",
+    "stale_fraction", "stochastic_round_bf16",
 ]
 
 
@@ -33,23 +34,16 @@ class StaleUpdateWarning(LabkitWarning):
     """Most updates of a layer were rounded away for many steps: its weights are not training."""
 
 
-def half_ulp(weight: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """Return half the spacing of ``dtype`` (default: ``weight``'s) at each entry of ``weight``, in fp32.
-
-    ulp(w) = 2**(floor(log2|w|)) * eps for a normal w, and the smallest subnormal below the
-    smallest normal (zero included): the gap to the next representable value. An update of
-    less than half of it rounds back to w (round to nearest even).
-
-    >>> half_ulp(torch.tensor([1.0, 3.0, 0.0]), torch.bfloat16).tolist()
-    [0.00390625, 0.0078125, 4.591774807899561e-41]
-    """
-    dtype = dtype or weight.dtype
-    if not dtype.is_floating_point:
-        raise TypeError(f"half_ulp needs a floating-point dtype, got {dtype}.")
-    info = torch.finfo(dtype)
-    w = weight.detach().to(torch.float64).abs().clamp(min=info.tiny)  # subnormals share the smallest normal's ulp
-    _, exponent = torch.frexp(w)  # w = m * 2**exponent, m in [0.5, 1)
-    return (torch.ldexp(torch.ones_like(w), exponent - 1) * (info.eps / 2)).to(torch.float32)
+def _stale(update: Tensor, weight: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """Return where ``update`` is below half the gap from ``weight`` to its neighbour in the update's direction."""
+    w = weight.detach().to(dtype or weight.dtype)
+    if not w.dtype.is_floating_point:
+        raise TypeError(f"stale_fraction needs a floating-point weight dtype, got {w.dtype}.")
+    u = update.detach().to(torch.float64)
+    # The neighbour in the update's direction, in the weight's own dtype (real bits, no formula):
+    # at a power of two the gap below is half the gap above, so the direction matters.
+    neighbour = torch.nextafter(w, torch.where(u >= 0, math.inf, -math.inf).to(w.dtype))
+    return u.abs() < (neighbour.double() - w.double()).abs() / 2
 
 
 def stale_fraction(
@@ -57,6 +51,8 @@ def stale_fraction(
 ) -> Tensor:
     """Return the fraction of entries whose ``update`` is below half an ulp of ``weight`` (a 0-dim fp32 tensor).
 
+    Such an update rounds away: ``w + u`` is ``w`` again (the ulp is the gap to the next
+    representable value in the update's direction; below a power of two it is half as wide).
     ``dtype`` is the precision the weight is stored in (default: ``weight.dtype``): pass
     ``torch.bfloat16`` with fp32 weights to ask whether a bf16 copy would still train.
     ``mask`` (bool, like ``update``) limits the count to the entries meant to move, e.g.
@@ -68,7 +64,7 @@ def stale_fraction(
     """
     if update.shape != weight.shape:
         raise ValueError(f"update and weight must have the same shape, got {tuple(update.shape)} and {tuple(weight.shape)}.")
-    stale = update.detach().to(torch.float32).abs() < half_ulp(weight, dtype).to(update.device)
+    stale = _stale(update, weight, dtype)
     if mask is None:
         return stale.float().mean()
     if mask.shape != update.shape or mask.dtype != torch.bool:
@@ -128,7 +124,7 @@ class StaleMonitor:
                 continue
             moved = p.grad != 0
             update = p.detach().float() - old.float()
-            stale = (update.abs() < half_ulp(old, self.dtype)) & moved
+            stale = _stale(update, old, self.dtype) & moved
             names.append(name)
             counts.append(torch.stack([stale.sum(), moved.sum()]).double())
         if not names:
@@ -147,7 +143,7 @@ class StaleMonitor:
                     "layer does not train. Keep an fp32 master copy of the weights, or round the update "
                     "stochastically, or use Kahan-compensated updates (labkit.precision).",
                     StaleUpdateWarning,
-                    stacklevel=3,
+                    stacklevel=4,  # the line that called the TrainStep
                 )
 
     def state_dict(self) -> dict[str, Any]:
