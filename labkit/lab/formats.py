@@ -29,7 +29,7 @@ GRANULARITY_LABELS = {"tensor": "per tensor", "row": "per row", "tile128": "1x12
 
 
 def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height))
+    fig = Figure(figsize=(width, height), dpi=72)  # small PNGs in the committed notebook
     FigureCanvasAgg(fig)
     return fig
 
@@ -132,7 +132,7 @@ def stagnation_figure(runs: Mapping[str, RemedyRun], stale_by_layer: Mapping[str
                    width=width, label=name)
     ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], layers, rotation=45, fontsize=7)
     ax_bar.set_ylim(0, 1); ax_bar.set_ylabel("updates below half an ulp")
-    ax_bar.set_title("per layer, mean over steps", fontsize=9); ax_bar.legend(fontsize=7)
+    ax_bar.set_title("per layer, mean over steps", fontsize=9); ax_bar.legend(fontsize=6, loc="lower left")
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.22, top=0.9, wspace=0.3)
     return fig
 
