@@ -171,3 +171,18 @@ def test_bad_arguments_say_how_to_fix_them():
         Fp8Fault("spike")
     with pytest.raises(ValueError, match="column 7"):
         Fp8Fault("outlier_channel").apply(torch.ones(3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CPU is the tested path")
+def test_fp8_casts_are_the_same_bits_on_cuda_and_scaled_mm_runs_there():
+    torch.manual_seed(0)
+    a, w = torch.randn(32, 64), torch.randn(48, 64)
+    for granularity in ("tensor", "row", "mx32"):
+        cpu, gpu = quantize(a, granularity=granularity), quantize(a.cuda(), granularity=granularity)
+        assert torch.equal(cpu.data.view(torch.uint8), gpu.data.cpu().view(torch.uint8))
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs an sm_89+ GPU (Ada, Hopper, Blackwell)")
+    qa, qw = quantize(a.cuda()), quantize(w.cuda())
+    y = linear(qa, qw).cpu()
+    assert ((y - a @ w.t()).norm() / (a @ w.t()).norm()).item() < 0.06
