@@ -101,12 +101,12 @@ def _expand(scale: Tensor, granularity: str, shape: torch.Size) -> Tensor:
     return scale.repeat_interleave(128, dim=0) if granularity == "block128" else scale
 
 
-def _block_amax(x: Tensor, granularity: str) -> Tensor:
-    """Return each block's amax, shaped like the scale of ``granularity``."""
+def _block_amax(magnitude: Tensor, granularity: str) -> Tensor:
+    """Return each block's amax from ``magnitude`` (``x.abs()``), shaped like the scale of ``granularity``."""
     if granularity == "mx32":
-        _check_mx(x)
-        return x.abs().reshape(*x.shape[:-1], -1, 32).amax(dim=-1)
-    amax = _block_view(x, granularity).abs().amax(dim=-1)
+        _check_mx(magnitude)
+        return magnitude.reshape(*magnitude.shape[:-1], -1, 32).amax(dim=-1)
+    amax = _block_view(magnitude, granularity).amax(dim=-1)
     return amax.reshape(()) if granularity == "tensor" else amax.reshape(-1, 1) if granularity == "row" else amax
 
 
@@ -127,7 +127,7 @@ def check_amax(x: Tensor, granularity: str = "tensor") -> str | None:
     ('zero_amax', None)
     """
     _check_granularity(granularity)
-    amax = _block_amax(x.detach().float(), granularity)
+    amax = _block_amax(x.detach().float().abs(), granularity)
     if not bool(torch.isfinite(amax).all()):
         return "nonfinite_amax"
     return "zero_amax" if bool((amax == 0).any()) else None
@@ -163,22 +163,22 @@ def quantize(
         raise ValueError(f"delayed scaling (amax_history) is per tensor; got granularity {granularity!r}. "
                          "Finer granularities take the current amax of each block.")
     dtype, x32 = FORMATS[fmt], x.detach().float()
-    fmt_max = torch.finfo(dtype).max
+    magnitude, fmt_max = x32.abs(), torch.finfo(dtype).max
     if granularity == "mx32":
         data, scale = _mx(x32, dtype)
         limit = scale.float() * fmt_max  # exact: the scale is a power of two
     else:
-        limit = _block_amax(x32, granularity)
+        limit = _block_amax(magnitude, granularity)
         if amax_history is not None and amax_history.numel():
             limit = amax_history.detach().float().amax().to(x32.device)
         scale = torch.where(limit > 0, limit / fmt_max, torch.ones_like(limit))
         data = (x32 / _expand(scale, granularity, x32.shape)).clamp(-fmt_max, fmt_max).to(dtype)
     # saturated: above the amax the scale was made for (not x / scale > fmt_max, which the
     # division's rounding can make true for amax itself)
-    saturated = (x32.abs() > _expand(limit, granularity, x32.shape)).float().mean()
+    saturated = (magnitude > _expand(limit, granularity, x32.shape)).float().mean()
     flushed = ((x32 != 0) & (data.float() == 0)).float().mean()
     # host sync: the record of what the cast did is plain numbers
-    amax_value, saturated_value, flushed_value = torch.stack([x32.abs().amax(), saturated, flushed]).tolist()
+    amax_value, saturated_value, flushed_value = torch.stack([magnitude.amax(), saturated, flushed]).tolist()
     return Quantized(data, scale, fmt, granularity, amax_value, saturated_value, flushed_value)
 
 
