@@ -46,6 +46,8 @@ def _e2m1():  # type: ignore[no-untyped-def]
 def format_values(name: str, samples: int = 512) -> torch.Tensor:
     """Return the positive finite values of a format, sorted: all of them for e2m1/e4m3/e5m2, ``samples`` for fp16/bf16.
 
+    bf16 is sampled between 2^-26 and 2^20, the number line's window.
+
     Read from the bit patterns themselves (every byte viewed as the dtype), not from a formula.
 
     >>> format_values("e2m1").tolist()
@@ -58,7 +60,9 @@ def format_values(name: str, samples: int = 512) -> torch.Tensor:
     elif name in FORMATS:
         values = torch.arange(256, dtype=torch.uint8).view(FORMATS[name]).float()
     elif name in ("fp16", "bf16"):
-        patterns = torch.linspace(1, 0x7F7F if name == "bf16" else 0x7BFF, samples).round().to(torch.int16)
+        # bf16: sampled over the number line's window (its full range spans 2^-133 to 2^128)
+        first, last = (0x3280, 0x4980) if name == "bf16" else (1, 0x7BFF)
+        patterns = torch.linspace(first, last, samples).round().to(torch.int16)
         values = patterns.view(_DTYPES[name]).float()
     else:
         raise ValueError(f"name must be one of {NUMBER_LINE}, got {name!r}.")
@@ -99,8 +103,8 @@ def number_line(cursor: float | None = None, formats: Sequence[str] = NUMBER_LIN
             ax.annotate(f"{landed:g}", (shown, row), textcoords="offset points", xytext=(6, 6), fontsize=8)
     if cursor is not None and math.isfinite(cursor) and cursor > 0:
         ax.axvline(cursor, color="k", linestyle="--", linewidth=1)
-    ax.set_title("every representable value (fp16, bf16: sampled; bf16 runs on to 2^-133 and 2^128)"
-                 + (f"; the cursor {cursor:g} and where each format puts it" if cursor is not None else ""), fontsize=9)
+    ax.set_title("every value of each format (fp16, bf16: sampled; bf16 goes on to 2^-133 and 2^128)"
+                 + (f"; cursor {cursor:g}" if cursor is not None else ""), fontsize=9)
     ax.set_xscale("log", base=2)
     ax.set_xlim(*_XLIM)
     ax.set_yticks(range(len(formats)), list(formats))
