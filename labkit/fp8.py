@@ -24,9 +24,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from .distributed import all_reduce_, is_distributed
 
 __all__ = [
     "FAULT_KINDS", "FORMATS", "GRANULARITIES", "REASONS", "CastRecord", "Fp8Fault", "Fp8Guard", "Quantized",
@@ -315,6 +318,12 @@ class Fp8Guard:
     then ``flushed`` (more than ``flush_limit`` of the values flushed to 0). ``faults`` maps steps to ``Fp8Fault``\\ s.
     On ``nonfinite_amax`` the history is left alone: one bad tensor must not poison the scale.
 
+    ``sharded=True`` (per tensor) says ``x`` is this rank's shard of one tensor: under
+    torch.distributed the amax and the non-finite verdict are then reduced (max) over
+    ``process_group`` before the cast, so every rank uses the tensor's scale, not its shard's
+    (torchtitan#3109: TP shards with their own amax gave NaN from step 3). Cost: one
+    all-reduce of two numbers and one host sync per cast.
+
     >>> guard = Fp8Guard(history=4, faults={2: Fp8Fault("range_jump")})
     >>> x = torch.linspace(-1, 1, 256)
     >>> [(r.step, r.reason) for r in (guard(x) and guard.records[-1] for _ in range(3))]
@@ -327,6 +336,8 @@ class Fp8Guard:
     flush_limit: float = 0.01
     saturate_limit: float = 0.001
     faults: Mapping[int, Fp8Fault] | None = None
+    sharded: bool = False
+    process_group: Any = None
     records: list[CastRecord] = field(default_factory=list)
     amax_history: Tensor = field(default_factory=lambda: torch.zeros(0))
 
@@ -334,6 +345,9 @@ class Fp8Guard:
         _check_granularity(self.granularity)
         if self.history is not None and self.granularity != "tensor":
             raise ValueError("delayed scaling (history=) is per tensor; pass granularity='tensor' or history=None.")
+        if self.sharded and self.granularity != "tensor":
+            raise ValueError("sharded=True reduces one amax per tensor; pass granularity='tensor' (finer blocks "
+                             "are local to a shard).")
         for name in ("flush_limit", "saturate_limit"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1), got {getattr(self, name)!r}.")
@@ -344,16 +358,26 @@ class Fp8Guard:
         fault = (self.faults or {}).get(step)
         if fault is not None:
             x = fault.apply(x)
-        reason = check_amax(x, self.granularity)
         history = self.amax_history if self.history is not None else None
+        amax = None
+        if self.sharded and is_distributed():
+            local = x.detach().float().abs().amax()
+            stats = torch.stack([(~torch.isfinite(local)).float(), torch.nan_to_num(local, nan=0.0, posinf=0.0)])
+            bad, amax = all_reduce_(stats, "max", self.process_group).tolist()  # host sync: the verdict
+            reason = "nonfinite_amax" if bad else "zero_amax" if amax == 0 else None
+            if history is None:  # current scaling, from the whole tensor's amax
+                history = torch.tensor([amax])
+        else:
+            reason = check_amax(x, self.granularity)
         q = quantize(x, self.fmt, self.granularity, amax_history=history)
+        amax = q.amax if amax is None else amax
         if reason is None and q.saturated > self.saturate_limit:
             reason = "saturated"
         elif reason is None and q.flushed > self.flush_limit:
             reason = "flushed"
         scale_amax = float(history.amax()) if history is not None and history.numel() else q.amax
         if self.history is not None and reason != "nonfinite_amax":
-            self.amax_history = update_amax_history(self.amax_history, q.amax, self.history)
-        self.records.append(CastRecord(step, q.amax, scale_amax, q.saturated, q.flushed, reason,
+            self.amax_history = update_amax_history(self.amax_history, amax, self.history)
+        self.records.append(CastRecord(step, amax, scale_amax, q.saturated, q.flushed, reason,
                                        fault.label if fault is not None else None))
         return q

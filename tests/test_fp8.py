@@ -186,3 +186,30 @@ def test_fp8_casts_are_the_same_bits_on_cuda_and_scaled_mm_runs_there():
     qa, qw = quantize(a.cuda()), quantize(w.cuda())
     y = linear(qa, qw).cpu()
     assert ((y - a @ w.t()).norm() / (a @ w.t()).norm()).item() < 0.06
+
+
+def test_a_sharded_tensor_is_scaled_by_the_whole_tensors_amax(monkeypatch):
+    import labkit.fp8 as fp8
+
+    other_rank = {"stats": torch.tensor([0.0, 10.0])}  # [non-finite?, amax] on the other shard
+
+    def all_reduce_max(tensor, op, group=None):
+        assert op == "max"
+        return tensor.copy_(torch.maximum(tensor, other_rank["stats"]))
+
+    monkeypatch.setattr(fp8, "is_distributed", lambda: True)
+    monkeypatch.setattr(fp8, "all_reduce_", all_reduce_max)
+    shard = torch.linspace(-1, 1, 64)
+    local, sharded = Fp8Guard(), Fp8Guard(sharded=True)
+    q_local, q_sharded = local(shard), sharded(shard)
+    assert q_local.scale.item() == pytest.approx(1 / 448)
+    assert q_sharded.scale.item() == pytest.approx(10 / 448) and sharded.records[0].amax == 10.0
+    other_rank["stats"] = torch.tensor([1.0, 0.0])  # the other shard holds an inf
+    sharded(shard)
+    assert sharded.records[1].reason == "nonfinite_amax"
+    delayed = Fp8Guard(history=4, sharded=True)
+    other_rank["stats"] = torch.tensor([0.0, 10.0])
+    delayed(shard)
+    assert delayed.amax_history.tolist() == [10.0]  # the history holds the tensor's amax, not the shard's
+    with pytest.raises(ValueError, match="sharded=True reduces one amax per tensor"):
+        Fp8Guard(granularity="row", sharded=True)
