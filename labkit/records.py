@@ -45,6 +45,7 @@ class StepRecord:
     fault: str | None = None
     top_grads: list[tuple[str, float]] = field(default_factory=list)
     first_nonfinite: str | None = None
+    stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
     # issue 15: spike defenses. z-scores of loss and norm (NaN: no detector, or not enough history),
     # the clipper's threshold (NaN: none, or a per-tensor rule), why it clipped, whether its lock-in
     # guard fired, and rewinds: this step was undone (``rewound``), or it triggered one (``rewind_to``).
@@ -197,4 +198,5 @@ class StepLog(Sequence[StepRecord]):
             for r in self._records:
                 row = r.to_dict()
                 row["top_grads"] = ";".join(f"{name}={norm:.6g}" for name, norm in r.top_grads)
+                row["stale"] = ";".join(f"{name}={frac:.6g}" for name, frac in r.stale.items())
                 writer.writerow(row)

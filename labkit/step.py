@@ -84,6 +84,10 @@ class TrainStep:
     decision, ``rewind=`` a ``Rewind`` that, after a record that calls for it, restores a
     snapshot from N steps back (the training loop then feeds ``rewind.data_index(step_count)``).
 
+    ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
+    right before the optimizer step (``before_step(params, step)``) and with the record right
+    after it (``after_step(params, record)``); it may add to the record, never change the order.
+
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -113,6 +117,7 @@ class TrainStep:
         clipper: Clipper | None = None,
         detector: SpikeDetector | None = None,
         rewind: Rewind | None = None,
+        observer: Any = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -145,6 +150,7 @@ class TrainStep:
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
+        self.observer = observer  # sees the weights around the optimizer step (labkit.precision.StaleMonitor)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         if scaler is None:
@@ -241,6 +247,8 @@ class TrainStep:
                 stepped, reason = False, why  # the scaler still updates: the gradients were finite at this scale
             else:
                 coef, spike = self._clip(norm, norms, norm_value, action == "clip")
+                if self.observer is not None:
+                    self.observer.before_step(self._params, step)
                 stepped = scaler.step(opt)
                 if stepped and self.clipper is not None:
                     after = self.clipper.after_step_([p for _, p in self._params])
@@ -261,6 +269,8 @@ class TrainStep:
         )
         if record.skipped or clipped:
             record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
+        if self.observer is not None:
+            self.observer.after_step(self._params, record)
         return record
 
     def _clip(self, norm: Tensor, norms: Tensor, norm_value: float, z_clip: bool) -> tuple[float, dict[str, Any]]:
