@@ -170,10 +170,15 @@ class Telemetry:
             s.alert(step, title, text)
 
     def histograms(self, step: int, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
-        """Write a log2|g| histogram per parameter with a gradient (costs a pass over them: not every step)."""
+        """Write a log2|g| histogram per parameter with a gradient (costs a pass over them: not every step).
+
+        A parameter with no finite non-zero gradient entry (a skipped step) gets none.
+        """
         for name, p in named_parameters:
             if p.grad is not None:
                 hist = log2_histogram([p.grad])
+                if not any(hist.counts):
+                    continue
                 for s in self.sinks:
                     s.histogram(step, f"layers/{name}/log2_abs_grad", hist)
 

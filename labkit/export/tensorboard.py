@@ -25,7 +25,9 @@ class TensorBoardSink(Sink):
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer_cls, self.log_dir = SummaryWriter, os.fspath(log_dir)
-        self.writer = SummaryWriter(self.log_dir)
+        # purge_step=0 writes the session START a later purge needs: TensorBoard's readers take the first
+        # START as the run's beginning and only a second one as a restart (it also hides an older run here)
+        self.writer = SummaryWriter(self.log_dir, purge_step=0)
 
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         for tag, v in scalars.items():
@@ -35,16 +37,14 @@ class TensorBoardSink(Sink):
 
     def histogram(self, step: int, tag: str, hist: Histogram) -> None:
         num = sum(hist.counts)
-        if num == 0:
-            return
-        # the values are the binade exponents e (bin [e, e+1)): min, max and moments exact from the counts
+        # bucket [e, e+1) of log2|g| holds count c: min and max are the outer edges of the non-empty
+        # buckets (TensorBoard draws its end buckets up to them), the moments use the buckets' centres
         e = [x for x, c in zip(hist.edges, hist.counts) if c]
         self.writer.add_histogram_raw(
-            tag, min=e[0], max=e[-1], num=num,
-            sum=sum(x * c for x, c in zip(hist.edges, hist.counts)),
-            sum_squares=sum(x * x * c for x, c in zip(hist.edges, hist.counts)),
-            bucket_limits=[x + 1.0 for x in hist.edges[:len(hist.counts)]], bucket_counts=hist.counts,
-            global_step=step,
+            tag, min=e[0], max=e[-1] + 1.0, num=num,
+            sum=sum((x + 0.5) * c for x, c in zip(hist.edges, hist.counts)),
+            sum_squares=sum((x + 0.5) ** 2 * c for x, c in zip(hist.edges, hist.counts)),
+            bucket_limits=hist.edges[1:], bucket_counts=hist.counts, global_step=step,
         )
 
     def rewind(self, step: int) -> None:

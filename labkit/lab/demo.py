@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..distributed import is_distributed, rank
+from ..export.telemetry import check_trackers, parse_trackers
 from .experiment import ExperimentConfig, default_device, run_experiment
 from ..faults import FaultSchedule
 from .plots import plot_log
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-rank", type=int, metavar="R",
                    help="under torchrun: inject the faults on rank R only (default: every rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-to", metavar="TRACKERS",
+                   help="also stream the records to trackers under --out: tensorboard,trackio,mlflow,wandb "
+                   "(each an extra: pip install 'labkit[tensorboard]')")
     return p
 
 
@@ -111,7 +115,8 @@ def init_distributed(device: torch.device) -> torch.device:
     return device
 
 
-def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print) -> StepLog:
+def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print,
+             log_to: str | None = None) -> StepLog:
     """Run ``config``, echo one line per event, write the log files and the figure into ``out``.
 
     Under an initialized process group every rank trains (on its slice of each global batch)
@@ -136,7 +141,7 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        log = run_experiment(config, report, log_path=partial)
+        log = run_experiment(config, report, log_path=partial, log_to=log_to, log_dir=out)
     bar.close()
     for w in caught:
         echo(f"WARNING {w.category.__name__}: {w.message}")
@@ -182,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     if world == 1 and args.parallel is not None:
         parser.error("--parallel: launch under torchrun, e.g. torchrun --nproc_per_node=2 -m labkit demo --parallel "
                      f"{args.parallel}")
+    try:
+        check_trackers(parse_trackers(args.log_to))
+    except (ValueError, ModuleNotFoundError) as e:
+        parser.error(f"--log-to: {e}")
     if args.fault_rank is not None and not 0 <= args.fault_rank < world:
         parser.error(f"--fault-rank: must be a rank in 0..{world - 1}, got {args.fault_rank}")
     if world > 1:
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr, seed=args.seed, device=str(device), parallel=args.parallel, fault_rank=args.fault_rank,
     )
     try:
-        run_demo(config, args.out, progress=not args.no_progress)
+        run_demo(config, args.out, progress=not args.no_progress, log_to=args.log_to)
     finally:
         if world > 1:
             dist.destroy_process_group()
