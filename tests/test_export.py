@@ -366,3 +366,40 @@ def test_log2_histogram_counts_what_numpy_counts(values):
     want = np.histogram(exps, bins=np.array(LOG2_EDGES, dtype=np.float64))[0]
     assert h.counts == want.tolist()
     assert h.zeros == int(np.sum(x == 0)) and h.nonfinite == int(np.sum(~np.isfinite(x)))
+
+
+def test_a_hand_written_trainstep_loop_streams_through_its_log_as_the_quickstart_shows(tracker_env, tmp_path):
+    from labkit import ToyTask, TrainStep
+    from labkit.export import Telemetry
+
+    task = ToyTask(seed=0)
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp32",
+                     log_path=tmp_path / "log.jsonl")
+    step.log.sinks.append(Telemetry.open("tensorboard", tmp_path))
+    for i in range(3):
+        step(*task.batch(i))
+    step.log.close()
+    scalars, _, _ = read_tensorboard(tmp_path / "tensorboard" / tmp_path.name)
+    assert_same_bits(scalars, want_all(read_records(tmp_path / "log.jsonl")), "tensorboard, own loop")
+
+
+@pytest.mark.skipif(os.environ.get("LABKIT_MLFLOW_SQLITE") != "1",
+                    reason="MLflow's SQLite schema migrations take ~10 s (50 s under load): LABKIT_MLFLOW_SQLITE=1 runs it")
+def test_mlflow_default_store_is_sqlite_under_out(tracker_env, tmp_path, monkeypatch):
+    """The default store users get (no MLFLOW_TRACKING_URI): SQLite, MLflow's recommended local backend.
+    The other tests use MLflow's file store, which keeps the same values without the migrations."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    recs = [StepRecord(0, 0.1, grad_norm=1 / 3, lr=0.05).to_dict(),
+            StepRecord(1, math.inf, skipped=True, reason="nonfinite_loss").to_dict()]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert labkit_main(["export", str(tmp_path / "log.jsonl"), "--to", "mlflow"]) == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("labkit").experiment_id])
+    got = {(m.step, k): m.value for k in run.data.metrics for m in client.get_metric_history(run.info.run_id, k)}
+    want = want_all(recs)
+    assert want[(1, "train/loss")] == math.inf and got[(1, "train/loss")] == sys.float_info.max  # SQLite's clamp
+    want[(1, "train/loss")] = sys.float_info.max
+    assert_same_bits(got, want, "mlflow sqlite")
