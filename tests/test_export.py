@@ -384,6 +384,16 @@ def test_a_hand_written_trainstep_loop_streams_through_its_log_as_the_quickstart
     assert_same_bits(scalars, want_all(read_records(tmp_path / "log.jsonl")), "tensorboard, own loop")
 
 
+def test_demo_log_to_writes_the_run_into_the_tracker_under_out(tracker_env, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert demo_main(["--log-to", "tensorboard", "--out", str(out), "--steps", "6", "--inject", "2:nan",
+                      "--no-progress"]) == 0
+    scalars, texts, hists = read_tensorboard(out / "tensorboard" / "demo")
+    assert_same_bits(scalars, want_all(read_records(out / "log.jsonl")), "demo --log-to tensorboard")
+    assert texts == {(2, "amp/skip_reason"): "nonfinite_loss", (2, "train/fault"): "nan"}
+    assert {s for s, _ in hists} == {0}  # every 10 steps, from step 0
+
+
 @pytest.mark.skipif(os.environ.get("LABKIT_MLFLOW_SQLITE") != "1",
                     reason="MLflow's SQLite schema migrations take ~10 s (50 s under load): LABKIT_MLFLOW_SQLITE=1 runs it")
 def test_mlflow_default_store_is_sqlite_under_out(tracker_env, tmp_path, monkeypatch):

@@ -5,8 +5,8 @@ The store is ``MLFLOW_TRACKING_URI`` when set (MLflow's own setting), else a SQL
 ``mlflow ui --backend-store-uri sqlite:///out/mlflow.db``. MLflow keeps float64 metrics, so
 the values are the JSONL's bits, except that its SQLite store writes +-inf as +-max float.
 MLflow has no per-step text, histograms or alert API: texts (skip reasons, faults, rewinds)
-go to the run's ``events.txt`` artifact and alarms to ``alerts.txt`` and the run's
-``labkit.alerts`` tag (a count), as they happen.
+go to the run's ``events.txt`` artifact when the run closes, alarms to ``alerts.txt`` and the
+run's ``labkit.alerts`` tag (a count) as they happen.
 """
 
 from __future__ import annotations

@@ -16,13 +16,8 @@ from .schema import Histogram, Row, log2_histogram, row
 
 __all__ = ["TRACKERS", "Sink", "Telemetry", "check_trackers", "open_sink", "parse_trackers"]
 
-# name -> (module of labkit.export holding the sink, package it needs, the extra that installs it)
-TRACKERS = {
-    "tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
-    "trackio": ("trackio", "trackio", "trackio"),
-    "mlflow": ("mlflow", "mlflow", "mlflow"),
-    "wandb": ("wandb", "wandb", "wandb"),
-}
+# Each name is at once the sink's module in labkit.export, the package it imports and labkit's extra.
+TRACKERS = ("tensorboard", "trackio", "mlflow", "wandb")
 
 
 class Sink:
@@ -71,11 +66,9 @@ def parse_trackers(log_to: str | Iterable[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def install_hint(name: str) -> str:
-    """Return the message for a tracker whose package is missing: what to install, and how."""
-    _, package, extra = TRACKERS[name]
-    return (f"logging to {name} needs the {package} package, which is not installed: "
-            f"pip install 'labkit[{extra}]' (or pip install -r requirements-trackers.txt)")
+def _install_hint(name: str) -> str:
+    return (f"logging to {name} needs the {name} package, which is not installed: "
+            f"pip install 'labkit[{name}]' (or pip install -r requirements-trackers.txt)")
 
 
 def check_trackers(names: Iterable[str]) -> None:
@@ -84,19 +77,18 @@ def check_trackers(names: Iterable[str]) -> None:
     Looks the packages up without importing them, so a run fails before it starts.
     """
     for n in names:
-        package = TRACKERS[n][1]
         try:
-            found = importlib.util.find_spec(package) is not None
+            found = importlib.util.find_spec(n) is not None
         except ValueError:  # a module set to None in sys.modules: as good as missing
             found = False
         if not found:
-            raise ModuleNotFoundError(install_hint(n), name=package)
+            raise ModuleNotFoundError(_install_hint(n), name=n)
 
 
 def open_sink(name: str, out: str | os.PathLike, run_name: str) -> Sink:
     """Open the ``name`` tracker's sink, writing under ``out``; the tracker is imported here, not before."""
     check_trackers([name])
-    module = importlib.import_module(f".{TRACKERS[name][0]}", __package__)
+    module = importlib.import_module(f".{name}", __package__)
     return module.open(out, run_name)
 
 
