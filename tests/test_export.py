@@ -397,11 +397,13 @@ def test_demo_log_to_writes_the_run_into_the_tracker_under_out(tracker_env, tmp_
 @pytest.mark.skipif(os.environ.get("LABKIT_MLFLOW_SQLITE") != "1",
                     reason="MLflow's SQLite schema migrations take ~10 s (50 s under load): LABKIT_MLFLOW_SQLITE=1 runs it")
 def test_mlflow_default_store_is_sqlite_under_out(tracker_env, tmp_path, monkeypatch):
-    """The default store users get (no MLFLOW_TRACKING_URI): SQLite, MLflow's recommended local backend.
-    The other tests use MLflow's file store, which keeps the same values without the migrations."""
+    """The default store users get (no MLFLOW_TRACKING_URI): SQLite, MLflow's recommended local backend,
+    artifacts beside it (not in ./mlruns). The other tests use MLflow's file store, which keeps the same
+    values without the migrations."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path / "..")
     recs = [StepRecord(0, 0.1, grad_norm=1 / 3, lr=0.05).to_dict(),
             StepRecord(1, math.inf, skipped=True, reason="nonfinite_loss").to_dict()]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -413,3 +415,5 @@ def test_mlflow_default_store_is_sqlite_under_out(tracker_env, tmp_path, monkeyp
     assert want[(1, "train/loss")] == math.inf and got[(1, "train/loss")] == sys.float_info.max  # SQLite's clamp
     want[(1, "train/loss")] = sys.float_info.max
     assert_same_bits(got, want, "mlflow sqlite")
+    assert "nonfinite_loss" in open(client.download_artifacts(run.info.run_id, "events.txt")).read()
+    assert (tmp_path / "mlflow-artifacts").is_dir() and not (tmp_path / ".." / "mlruns").exists()

@@ -1,7 +1,8 @@
 """MLflow: a run in a local store, read with ``MlflowClient`` (``pip install labkit[mlflow]``).
 
 The store is ``MLFLOW_TRACKING_URI`` when set (MLflow's own setting), else a SQLite file,
-``sqlite:///out/mlflow.db``, MLflow's recommended local backend; view it with
+``sqlite:///out/mlflow.db`` (artifacts in ``out/mlflow-artifacts``), MLflow's recommended local
+backend; view it with
 ``mlflow ui --backend-store-uri sqlite:///out/mlflow.db``. MLflow keeps float64 metrics, so
 the values are the JSONL's bits, except that its SQLite store writes +-inf as +-max float.
 MLflow has no per-step text, histograms or alert API: texts (skip reasons, faults, rewinds)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from .telemetry import Sink
 
@@ -27,13 +29,15 @@ class MLflowSink(Sink):
 
     name = "mlflow"
 
-    def __init__(self, tracking_uri: str, run_name: str, experiment: str = EXPERIMENT) -> None:
+    def __init__(self, tracking_uri: str, run_name: str, experiment: str = EXPERIMENT,
+                 artifact_location: str | None = None) -> None:
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         self._metric, self.client = Metric, MlflowClient(tracking_uri=tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+            experiment, artifact_location=artifact_location)
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         self.pending: list = []
         self.events: list[str] = []
@@ -64,5 +68,9 @@ class MLflowSink(Sink):
 
 def open(out: str | os.PathLike, run_name: str) -> MLflowSink:  # noqa: A001 (the sinks' one entry point)
     """Open a sink for run ``run_name`` in ``MLFLOW_TRACKING_URI``, else in ``out/mlflow.db``."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(os.path.join(out, "mlflow.db"))
-    return MLflowSink(uri, run_name)
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return MLflowSink(os.environ["MLFLOW_TRACKING_URI"], run_name)
+    # a SQLite store's artifacts would otherwise go to ./mlruns, wherever the process happens to run
+    out = os.path.abspath(out)
+    return MLflowSink("sqlite:///" + os.path.join(out, "mlflow.db"), run_name,
+                      artifact_location=Path(out, "mlflow-artifacts").as_uri())
