@@ -27,8 +27,6 @@ BATCH = 900  # metrics per log_batch call (MLflow takes at most 1000): one write
 class MLflowSink(Sink):
     """Log to a new run ``run_name`` of ``experiment`` in the store at ``tracking_uri``."""
 
-    name = "mlflow"
-
     def __init__(self, tracking_uri: str, run_name: str, experiment: str = EXPERIMENT,
                  artifact_location: str | None = None) -> None:
         from mlflow.entities import Metric

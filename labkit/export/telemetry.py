@@ -26,8 +26,6 @@ class Sink:
     A tracker without an alert API gets alerts as text, one without histograms gets none.
     """
 
-    name = "sink"
-
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         """Write one step's scalars and texts."""
         raise NotImplementedError

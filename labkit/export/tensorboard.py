@@ -19,8 +19,6 @@ __all__ = ["TensorBoardSink", "open"]
 class TensorBoardSink(Sink):
     """Write to ``log_dir`` (open it with ``tensorboard --logdir`` on its parent)."""
 
-    name = "tensorboard"
-
     def __init__(self, log_dir: str | os.PathLike) -> None:
         from torch.utils.tensorboard import SummaryWriter
 

@@ -23,8 +23,6 @@ PROJECT = "labkit"
 class TrackioSink(Sink):
     """Log to a trackio run ``run_name`` in ``project``."""
 
-    name = "trackio"
-
     def __init__(self, run_name: str, project: str = PROJECT) -> None:
         import trackio
 

@@ -22,8 +22,6 @@ PROJECT = "labkit"
 class WandbSink(Sink):
     """Log to an offline W&B run ``run_name`` stored under ``directory``."""
 
-    name = "wandb"
-
     def __init__(self, directory: str | os.PathLike, run_name: str, project: str = PROJECT) -> None:
         import wandb
 
