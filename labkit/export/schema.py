@@ -41,9 +41,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LOG2_EDGES", "SCALARS", "TEXTS", "Histogram", "Row", "log2_histogram", "row"]
 
@@ -139,10 +140,13 @@ def log2_histogram(grads: Iterable[torch.Tensor]) -> Histogram:
     The exponent comes from ``torch.frexp`` (exact, where ``log2`` rounds near a power of
     two). Costs one pass over the gradients and one small host copy: call it every N steps.
 
+    >>> import torch
     >>> h = log2_histogram([torch.tensor([1.0, 1.5, 0.25, 0.0, float("inf")])])
     >>> h.counts[LOG2_EDGES.index(0)], h.counts[LOG2_EDGES.index(-2)], h.zeros, h.nonfinite
     (2, 1, 1, 1)
     """
+    import torch  # here, not above: labkit.export (the CLI's flag checks) loads without torch
+
     lo, bins = LOG2_EDGES[0], len(LOG2_EDGES) - 1
     counts, zeros, nonfinite = None, 0, 0
     stats = []

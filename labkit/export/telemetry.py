@@ -7,12 +7,13 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..alarms import ClipAlarm, SkipAlarm
 from .schema import Histogram, Row, log2_histogram, row
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TRACKERS", "Sink", "Telemetry", "check_trackers", "open_sink", "parse_trackers"]
 
