@@ -7,7 +7,7 @@ tensor(5.)
 """
 
 import importlib
-from typing import TYPE_CHECKING
+import typing
 
 # Imported on first use (PEP 562), not here: `python -m labkit demo --help` and the grading CLI
 # load this package first, and importing torch costs seconds before any flag is read.
@@ -22,7 +22,7 @@ _LAZY = {
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
-if TYPE_CHECKING:  # what type checkers and IDEs see
+if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .alarms import LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
     from .clip import clip_grad_norm_, clip_grads_with_norm_, grad_norm
     from .faults import Fault, FaultSchedule
