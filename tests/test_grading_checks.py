@@ -152,7 +152,7 @@ NORM_BUGS = {
     "float16 result": (lambda ps: good_norm(ps).half(), "returned a torch.float16 norm", "return float32"),
     "nan filtered": (lambda ps: torch.stack([torch.nan_to_num(p.grad.float(), 0.0, 0.0, 0.0).norm()
                                              for p in ps if p.grad is not None]).norm(),
-                     "a NaN gradient must give a NaN norm"),
+                     "a NaN gradient must give a NaN or inf norm"),
     "empty": (lambda ps: torch.stack([p.grad.float().norm() for p in ps if p.grad is not None]).norm(),
               "With no gradients at all the norm is 0: return torch.tensor(0.0)"),
     "calls labkit": (lambda ps: labkit.grad_norm(ps), "called labkit.grad_norm: this part asks you to compute the norm yourself"),
