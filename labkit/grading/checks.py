@@ -857,13 +857,20 @@ CHECKS = {
 }
 
 
-def run(check: str, fn: Callable, hidden: bool, seed: int) -> list[dict[str, Any]]:
+def run(check: str, fn: Callable, hidden: bool, seed: int,
+        outs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Call ``fn`` on every case of ``check``: the student's side, whose result is plain data.
 
-    Stops after the first case that raised or touched a banned function (later cases would
-    only repeat it).
+    Appends to ``outs`` as it goes (what came before a timeout is kept); stops after the
+    first case that raised or touched a banned function (later cases would only repeat it).
+
+    >>> outs = run("check_skip_decision", lambda loss, parameters: None, hidden=False, seed=0)
+    >>> [out["value"] for out in outs][:2]
+    [{'type': 'NoneType', 'py': None}, {'type': 'NoneType', 'py': None}]
+    >>> judge("check_skip_decision", "skip_reason", False, 0, outs)[:62]
+    "skip_reason returned None on the case 'NaN loss', expected 'no"
     """
-    outs = []
+    outs = [] if outs is None else outs
     for case in CHECKS[check].cases(hidden, seed):
         out = CHECKS[check].run(fn, case)
         out.pop("_exc", None)
@@ -886,7 +893,13 @@ def judge(check: str, name: str, hidden: bool, seed: int, outs: list[dict[str, A
             problems.append(problem)
             if not spec.every_case:
                 break
-    return f"{name}: " + " ".join(problems) if spec.every_case and problems else (problems[0] if problems else None)
+    return _joined(name, problems) if problems else None
+
+
+def _joined(name: str, problems: list[str]) -> str:
+    """Return the problems of several cases as one message (each said once)."""
+    text = " ".join(dict.fromkeys(problems))
+    return text if text.startswith(name) else f"{name}: {text}"
 
 
 def _check(check: str, fn: Callable, hidden: bool, seed: int | None) -> None:
@@ -902,7 +915,7 @@ def _check(check: str, fn: Callable, hidden: bool, seed: int | None) -> None:
                 raise AssertionError(problem) from out.get("_exc")
             problems.append(problem)
     if problems:
-        raise AssertionError(f"{name}: " + " ".join(problems))
+        raise AssertionError(_joined(name, problems))
 
 
 def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, seed: int | None = None) -> None:
