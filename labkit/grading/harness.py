@@ -2,8 +2,9 @@
 
 It runs the submission's code cells top to bottom in an IPython shell (no kernel, no test
 cells), then calls the student's functions on the cases each part's check builds from the
-seed in JOB, and writes what they returned as plain data: one ``part-<k>.pt`` per part
-(``torch.save``; the grader reads it with ``torch.load(weights_only=True)``), so nothing
+seed in JOB, and writes what they returned as plain data: ``cells.json`` (each cell's error),
+one ``part-<k>.pt`` per part (``torch.save``; the grader reads it with
+``torch.load(weights_only=True)``), so nothing
 the student's code defines ever runs in the grader. ``OUT/status`` names what is running,
 so a kill or an ``os._exit`` is blamed on the right cell. Whatever it prints is the
 student's output; the grader keeps the first part of it.
@@ -46,14 +47,21 @@ def _save(obj: Any, path: Path) -> None:
 def main(job_path: str, out_dir: str) -> int:
     job = json.loads(Path(job_path).read_text(encoding="utf-8"))
     out = Path(out_dir)
-    _status(out, "starting: importing torch and labkit")
-    import torch
-    from torch import Tensor
+    _status(out, "starting")
+    watched: dict[str, tuple[Any, str]] = {"builtins.__import__": (builtins, "__import__")}
+    if job["parts"]:  # only then is there something to protect, and torch to import (seconds)
+        import torch
+        from torch import Tensor
 
-    from . import checks
+        from . import checks
 
-    for names in checks.BANNED.values():  # before any student code: a saved reference is the wrapper too
-        checks._install(names)
+        for names in checks.BANNED.values():  # before any student code: a saved reference is the wrapper too
+            checks._install(names)
+        # what the student's code must leave alone; checked after it ran (a changed one is tampering)
+        watched.update({"torch.save": (torch, "save"), "checks.run": (checks, "run"), "checks._call": (checks, "_call"),
+                        "checks._ship": (checks, "_ship"), "checks._forbid": (checks, "_forbid"),
+                        "checks.CHECKS": (checks, "CHECKS")})
+        watched.update({f"Tensor.{n}": (Tensor, n) for n in checks.SYNCS})
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
 
@@ -61,11 +69,6 @@ def main(job_path: str, out_dir: str) -> int:
     config.HistoryManager.enabled = False
     config.InteractiveShell.colors = "nocolor"  # the output is kept as text
     shell = InteractiveShell.instance(config=config)
-    # what the student's code must leave alone; checked after it ran (a changed one is tampering)
-    watched = {"builtins.__import__": (builtins, "__import__"), "torch.save": (torch, "save"),
-               "checks.run": (checks, "run"), "checks._call": (checks, "_call"), "checks._ship": (checks, "_ship"),
-               "checks._forbid": (checks, "_forbid"), "checks.CHECKS": (checks, "CHECKS")}
-    watched.update({f"Tensor.{n}": (Tensor, n) for n in checks.SYNCS})
     before = {k: getattr(o, a) for k, (o, a) in watched.items()}
     signal.signal(signal.SIGALRM, _alarm)
     timeout = float(job["timeout"])
@@ -97,7 +100,8 @@ def main(job_path: str, out_dir: str) -> int:
             changed.append("the alarm signal handler")
         return changed
 
-    _save({"cells": cells, "tampered": tampered()}, out / "cells.pt")
+    (out / "cells.tmp").write_text(json.dumps({"cells": cells, "tampered": tampered()}), encoding="utf-8")
+    os.replace(out / "cells.tmp", out / "cells.json")
     for k, part in enumerate(job["parts"]):
         results = []
         for call in part["calls"]:

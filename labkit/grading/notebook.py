@@ -21,12 +21,16 @@ import json
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Part", "Report", "grade", "plan", "read", "release", "validate"]
 
+# judging builds reference models under torch's global RNG (seeded, then restored): one thread at a time,
+# or two graded at once (--jobs) would draw each other's weights
+_JUDGING = threading.Lock()
 CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 TEXT_STUB = "YOUR ANSWER HERE"
 Cell = dict[str, Any]
@@ -444,7 +448,12 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
             except Exception as e:  # not what the harness writes: forged or cut short
                 return {"unreadable": f"{type(e).__name__}: {e}"}
 
-        ran = load("cells.pt")
+        try:
+            ran = json.loads((work / "out" / "cells.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            ran = None
+        except ValueError as e:
+            ran = {"unreadable": f"cells.json: {e}"}
         results = {i: load(f"part-{i}.pt") for i in range(len(job["parts"]))}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -469,7 +478,8 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
             part = Part(p.grade_id, 0, p.points, stopped or "not graded: no result", status="not graded")
         else:
             try:
-                message = _judge_part(p, result, seeds[p.grade_id], cells, cell_errors, timeout)
+                with _JUDGING:
+                    message = _judge_part(p, result, seeds[p.grade_id], cells, cell_errors, timeout)
             except Exception as e:  # malformed data: only a harness that was tampered with ships that
                 report.tampering.append(f"the harness's results for {p.grade_id!r}: {type(e).__name__}: {e}")
                 message = "not scored: the results shipped for this part are malformed (tampering?)"
