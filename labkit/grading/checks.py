@@ -857,12 +857,13 @@ CHECKS = {
 }
 
 
-def run(check: str, fn: Callable, hidden: bool, seed: int,
-        outs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def run(check: str, fn: Callable, hidden: bool, seed: int, outs: list[dict[str, Any]] | None = None,
+        before_case: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """Call ``fn`` on every case of ``check``: the student's side, whose result is plain data.
 
-    Appends to ``outs`` as it goes (what came before a timeout is kept); stops after the
-    first case that raised or touched a banned function (later cases would only repeat it).
+    Appends to ``outs`` as it goes (what came before a timeout is kept), calls ``before_case()``
+    before each case (the harness restarts its alarm there); stops after the first case that
+    raised or touched a banned function (later cases would only repeat it).
 
     >>> outs = run("check_skip_decision", lambda loss, parameters: None, hidden=False, seed=0)
     >>> [out["value"] for out in outs][:2]
@@ -872,6 +873,8 @@ def run(check: str, fn: Callable, hidden: bool, seed: int,
     """
     outs = [] if outs is None else outs
     for case in CHECKS[check].cases(hidden, seed):
+        if before_case is not None:
+            before_case()
         out = CHECKS[check].run(fn, case)
         out.pop("_exc", None)
         outs.append(out)

@@ -226,6 +226,13 @@ def _calls(cell: Cell) -> tuple[Call, ...]:
     return tuple(calls)
 
 
+def _only_checks(source: str) -> bool:
+    try:
+        return bool(_calls({"source": source, "metadata": {}}))
+    except (ValueError, SyntaxError):
+        return False
+
+
 def plan(source: dict[str, Any]) -> list[Planned]:
     """Return the graded cells of a valid ``source`` in order, each with the calls the grader makes."""
     validate(source)
@@ -328,23 +335,22 @@ def _defines(source: str) -> set[str]:
 def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """Return the code cells the harness runs, top to bottom as the student's notebook has them, and warnings.
 
-    Test cells are left out (the grader makes their calls itself), also copies whose nbgrader
-    metadata was lost; locked cells run as the instructor wrote them; answer cells and the
+    Test cells are left out (the grader makes their calls itself), also the student's cells that
+    only import and call checks (a test cell whose metadata was lost); locked cells run as the instructor wrote them; answer cells and the
     student's own cells run as written, every copy, in order, so a function is graded as
     the notebook run top to bottom defines it.
     """
     locked = {_grade_id(c): c for c in source["cells"] if _meta(c).get("locked") and not _meta(c).get("solution")
               and not _is_test(c) and c["cell_type"] == "code"}
     tests = {_grade_id(c) for c in source["cells"] if _is_test(c)}
-    test_sources = {c["source"].strip() for c in release(source)["cells"] if _is_test(c)}
     answers = {_grade_id(c) for c in source["cells"] if _meta(c).get("solution")}
     cells, seen, copies, warnings = [], set(), {}, []
     for i, cell in enumerate(submission["cells"], 1):
         if cell.get("cell_type") != "code":
             continue
         gid, src = _grade_id(cell), _text(cell.get("source", ""))
-        if gid in tests or (gid is None and src.strip() in test_sources):
-            continue
+        if gid in tests or (gid is None and _only_checks(src)):
+            continue  # a test cell, or a copy that lost its metadata: the grader makes these calls itself
         if gid in locked:
             if gid in seen:
                 continue
