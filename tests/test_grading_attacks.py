@@ -18,7 +18,7 @@ from labkit.grading.__main__ import main
 from labkit.grading.notebook import grade
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_grading import AUTOGRADED, SOURCE, gid, solution, source, submission  # noqa: E402
+from test_grading import AUTOGRADED, SOURCE, sandboxed, solution, source, submission  # noqa: E402
 
 SOLVED = {a: solution(a) for a in ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")}
 LABKIT_FILE = Path(notebook.__file__).parents[1] / "clip.py"
@@ -30,20 +30,20 @@ TAMPERING = {
     "checks replaced, from-import": ("from labkit import grading\ngrading.check_clip = print",
                                      "line 1: imports labkit.grading (the grader)"),
     "builtins.__import__": ("import builtins\nbuiltins.__import__ = lambda *a, **k: None",
-                            "line 1: imports builtins (the builtins)"),
+                            "line 1: imports builtins (the builtins)", "line 2: reads __import__"),
     "an input transformer": ("get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])",
                              "line 1: uses get_ipython"),
     "sys.modules": ("import sys\nnorm = sys.modules['labkit.clip'].grad_norm", "line 1: imports sys (the interpreter)"),
     "the grader's command line": ("import os\nprint(open(f'/proc/{os.getppid()}/cmdline').read())",
-                                  "line 1: imports os (the process)"),
+                                  "line 1: imports os (the process)", "line 2: uses open"),
     "the instructor's solutions": ("exec(open('notebooks/exercises/ps1_clipping_and_scaling.ipynb').read())",
-                                   "line 1: uses exec"),
+                                   "line 1: uses exec", "line 1: uses open"),
     "a shell escape": ("!cat /proc/1/cmdline", "line 1: uses get_ipython"),
     "a cell magic": ("%%writefile /tmp/x.py\nprint(1)", "line 1: uses get_ipython"),
     "the wrapper's insides": ("import labkit\nnorm = labkit.grad_norm.__wrapped__", "line 2: reads __wrapped__"),
     "a name built at run time": ("import labkit\nnorm = getattr(labkit, 'grad' + '_norm')", "line 2: uses getattr"),
     "frames": ("try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    up = e.__traceback__.tb_frame.f_back",
-               "line 4: reads tb_frame (a frame)"),
+               "line 4: reads __traceback__", "line 4: reads f_back (a frame)", "line 4: reads tb_frame (a frame)"),
     "the alarm": ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)",
                   "line 1: imports signal (the grader's timers)"),
     "a setsid child": ("import subprocess\nsubprocess.Popen(['sleep', '100'], start_new_session=True)",
@@ -53,13 +53,13 @@ TAMPERING = {
 
 @pytest.mark.parametrize("attack", TAMPERING)
 def test_code_that_reaches_into_the_grader_is_reported_and_not_run(attack, monkeypatch):
-    code, finding = TAMPERING[attack]
+    code, *findings = TAMPERING[attack]
     monkeypatch.setattr(sandbox, "run", lambda *a, **k: pytest.fail("a tampering submission was run"))
     report = grade(source(), submission(SOLVED, prepend=[code]))
     assert report.score() == 0
-    assert report.tampering == [f"cell 2, {finding}"]
+    assert report.tampering == [f"cell 2, {finding}" for finding in findings]
     assert {p.status for p in report.parts if not p.manual} == {"tampering"}
-    assert report.format().startswith(f"TAMPERING (not scored): cell 2, {finding}")
+    assert report.format().startswith(f"TAMPERING (not scored): cell 2, {findings[0]}")
 
 
 # ---------------------------------------------------------------- past the reading: the traps and the harness
@@ -90,6 +90,7 @@ BANNED = {
 
 @pytest.fixture(scope="module")
 def banned_report():
+    sandboxed()
     return grade(source(), submission(BANNED, prepend=[SAVED]), timeout=30, student="mallory")
 
 
@@ -108,6 +109,7 @@ def test_library_calls_a_part_bans_earn_nothing_however_they_are_reached(banned_
 
 def test_a_harness_changed_at_run_time_is_reported_as_tampering_not_scored(monkeypatch):
     """Past the reading (switched off here), replacing the harness's caller would have given 11/11."""
+    sandboxed()
     monkeypatch.setattr(static, "tampering", lambda source: [])
     attack = "import labkit.grading.checks as c\nc.run = lambda *a, **k: None"
     report = grade(source(), submission(SOLVED, prepend=[attack]), timeout=30)
@@ -164,9 +166,9 @@ def _sleepers() -> list[int]:
     return out
 
 
-@pytest.mark.skipif(not sandbox.shutil.which("bwrap"), reason="bubblewrap is not installed (apt-get install bubblewrap)")
 def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path):
     """No instructor file, other submission, gradebook, network or writable labkit; limits; nothing survives."""
+    sandboxed()
     other = tmp_path / "submitted" / "bob" / "ps1" / "ps1.ipynb"
     other.parent.mkdir(parents=True)
     other.write_text("{}")

@@ -18,6 +18,9 @@ import pytest
 from labkit.grading.__main__ import main
 from labkit.grading.batch import find, read_manual, summary
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_grading import sandboxed  # noqa: E402
+
 N = 40
 SETUP = "import torch\nimport labkit"
 ANSWER = """def next_scale(scale, growth_tracker, hysteresis_left, found_inf, config):
@@ -98,6 +101,7 @@ def _harnesses():
 @pytest.fixture(scope="module")
 def graded(course):
     """Start the class with --jobs 2, kill the grader after a few results, then run the same command again."""
+    sandboxed()
     out = course / "grades"
     args = ["grade", str(course / "source" / "ps0" / "ps0.ipynb"), str(course / "submitted"), "--out", str(out),
             "--jobs", "2", "--manual", str(course / "manual.csv"), "--timeout", "30"]
