@@ -46,6 +46,13 @@ TAMPERING = {
                "line 4: reads __traceback__", "line 4: reads f_back (a frame)", "line 4: reads tb_frame (a frame)"),
     "the alarm": ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)",
                   "line 1: imports signal (the grader's timers)"),
+    "an attribute named in a string": ("from operator import attrgetter\ng = attrgetter('__globals__')",
+                                       "line 1: imports operator (attributes by name)",
+                                       "line 2: names __globals__ in a string"),
+    "a pickle that imports": ("import torch\nobj = torch.load(PAYLOAD, weights_only=False)",
+                              "line 2: uses torch.load (loads code or reaches C)"),
+    "C through numpy": ("import numpy\napi = numpy.ctypeslib.ctypes.pythonapi",
+                        "line 2: uses numpy.ctypeslib (loads code or reaches C)"),
     "a setsid child": ("import subprocess\nsubprocess.Popen(['sleep', '100'], start_new_session=True)",
                        "line 1: imports subprocess (other processes)"),
 }
@@ -181,10 +188,10 @@ def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path):
     code = f"PATHS = {paths!r}\nLABKIT_FILE = {str(LABKIT_FILE)!r}\n" + HOSTILE
     (job / "job.json").write_text(json.dumps({"timeout": 2, "cells": [{"label": "cell 3", "source": code}],
                                               "parts": []}))
-    limits = sandbox.Limits(wall=12)
+    limits = sandbox.Limits(wall=8)
     outcome = sandbox.run(sandbox.command(job, out, limits), limits)
 
-    assert outcome.timed_out and 12 <= outcome.seconds < 20
+    assert outcome.timed_out and 8 <= outcome.seconds < 16
     assert (out / "status").read_text() == "cell cell 3"  # the cell that was running is the one blamed
     found = json.loads(outcome.output.split("FOUND ", 1)[1].split("\n", 1)[0])
     assert found["seen"] == [] and found["labkit_writable"] is False and found["network"] is False
@@ -219,3 +226,9 @@ def test_no_sandbox_runs_the_same_harness_in_its_own_session(tmp_path):
     assert outcome.returncode == 0 and not outcome.timed_out and "42" in outcome.output
     assert (out / "status").read_text() == "done"
     assert json.loads((out / "cells.json").read_text())["cells"][0]["error"] is None
+
+
+def test_a_sandbox_that_cannot_start_stops_grading_instead_of_giving_zeros(monkeypatch):
+    monkeypatch.setattr(sandbox, "command", lambda job, out, limits: ["sh", "-c", "echo 'bwrap: No permissions'; exit 1"])
+    with pytest.raises(sandbox.SandboxError, match=r"did not start the harness \(exit code 1\): bwrap: No permissions"):
+        grade(source(), submission(SOLVED))

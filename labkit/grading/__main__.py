@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         print(f"labkit.grading: --jobs must be at least 1, got {args.jobs}.", file=sys.stderr)
         return 2
-    from .sandbox import SandboxMissing
+    from .sandbox import SandboxError
 
     options = {"timeout": args.timeout, "wall": args.wall, "seed": args.seed, "sandbox": not args.no_sandbox}
     try:
         if args.submission.is_dir():
             return _grade_class(args, options)
         return _grade_one(args, source, options)
-    except (ValueError, SandboxMissing) as e:  # a malformed source, a bad --manual file, no bwrap
+    except (ValueError, SandboxError) as e:  # a malformed source, a bad --manual file, no or broken bwrap
         print(f"labkit.grading: {e}", file=sys.stderr)
         return 1
 

@@ -37,7 +37,7 @@ from labkit.records import StepRecord
 from labkit.scaler import GradScaler, ScalerConfig, update_scale
 from labkit.step import TrainStep
 
-__all__ = ["CHECKS", "check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision",
+__all__ = ["BANNED", "CHECKS", "check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision",
            "check_update_scale", "judge", "run"]
 
 HALF = (torch.float16, torch.bfloat16)

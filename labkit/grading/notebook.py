@@ -442,7 +442,10 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
                 else box.unsandboxed(work / "job", work / "out", limits))
         outcome = box.run(argv, limits)
         status_file = work / "out" / "status"
-        status = status_file.read_text(encoding="utf-8", errors="replace")[:300] if status_file.exists() else "start"
+        if not status_file.exists():  # the harness writes it before any student code: the sandbox itself failed
+            raise box.SandboxError(f"the sandbox did not start the harness (exit code {outcome.returncode}): "
+                                   f"{outcome.output[-2000:]}")
+        status = status_file.read_text(encoding="utf-8", errors="replace")[:300]
         import torch
 
         def load(name: str) -> Any:

@@ -25,13 +25,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Limits", "Outcome", "SandboxMissing", "command", "run"]
+__all__ = ["Limits", "Outcome", "SandboxError", "SandboxMissing", "command", "run", "unsandboxed"]
 
 NOBODY = 65534
 INSTALL = "apt-get install bubblewrap"
 
 
-class SandboxMissing(RuntimeError):
+class SandboxError(RuntimeError):
+    """The sandbox could not run the harness: grading stops rather than give the student zeros."""
+
+
+class SandboxMissing(SandboxError):
     """bwrap (or setpriv, for a root grader) is not installed: grading student code would be unsafe."""
 
 

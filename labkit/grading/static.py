@@ -14,6 +14,7 @@ the library function a part asks the student to write loses that part, whatever 
 from __future__ import annotations
 
 import ast
+import re
 
 __all__ = ["banned_calls", "python_source", "tampering"]
 
@@ -28,12 +29,15 @@ MODULES = {
     "atexit": "the exit", "faulthandler": "the process", "resource": "the limits", "io": "files",
     "pathlib": "files", "shutil": "files", "tempfile": "files", "glob": "files", "sysconfig": "the install",
     "site": "the import system", "dis": "code objects", "weakref": "live objects",
+    "operator": "attributes by name", "copyreg": "arbitrary objects", "shelve": "arbitrary objects",
 }
 NAMES = {"exec", "eval", "compile", "__import__", "open", "globals", "locals", "vars", "breakpoint", "get_ipython",
          "getattr", "setattr", "delattr", "__builtins__", "input", "exit", "quit"}
 # the dunders a norm or a step may use; any other reaches into objects' insides (code, globals, frames)
 DUNDERS = {"__init__", "__name__", "__call__", "__len__", "__iter__", "__next__", "__repr__", "__str__"}
 FRAMES = {"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame"}
+# attributes of torch and numpy that load code or objects, or reach C: pickle's __reduce__ runs any import
+LOADERS = {"load", "loads", "load_library", "load_inline", "cpp_extension", "ctypeslib", "_C", "multiprocessing"}
 MAGICS = {"matplotlib"}
 
 
@@ -89,12 +93,17 @@ def tampering(source: str) -> list[str]:
                     found.append(f"line {line}: imports labkit.grading (the grader)")
         elif isinstance(node, ast.Name) and node.id in NAMES and id(node) not in allowed:
             found.append(f"line {line}: uses {node.id}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value != "__main__" \
+                and re.fullmatch(r"__\w+__", node.value):
+            found.append(f"line {line}: names {node.value} in a string")
         elif isinstance(node, ast.Attribute):
             dotted = _dotted(node) or ""
             if node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in DUNDERS:
                 found.append(f"line {line}: reads {node.attr}")
             elif node.attr in FRAMES:
                 found.append(f"line {line}: reads {node.attr} (a frame)")
+            elif node.attr in LOADERS:
+                found.append(f"line {line}: uses {dotted or node.attr} (loads code or reaches C)")
             elif dotted.startswith("labkit.grading"):
                 found.append(f"line {line}: reaches labkit.grading (the grader)")
     return sorted(set(found), key=lambda s: (int(s.split(":")[0].split()[1]), s))
