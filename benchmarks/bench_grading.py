@@ -1,12 +1,14 @@
 """Time grading a class of the real problem set: is 300 submissions in <= 30 min on 2 cores in reach?
 
-    python benchmarks/bench_grading.py [--students 300] [--jobs 2] [--label "idle"]
+    python benchmarks/bench_grading.py [--students 300] [--jobs 2] [--one-by-one 5] [--label "idle"]
 
 Builds a class of ``--students`` submissions of notebooks/exercises/ps1 in nbgrader's layout
 (the instructor's solutions, and each classic bug in turn), grades it with
 ``python -m labkit.grading grade ... --jobs N`` exactly as an instructor would (sandboxed),
 and prints the grader's start, the wall time, seconds per submission and the time 300 would
-take at that rate. Quote the result with the CPU (lscpu) and whether the machine was idle.
+take at that rate; ``--one-by-one K`` then grades K of them alone (``grade`` on one notebook,
+``--seed`` from the gradebook) and checks each gets the batch's grade part by part. Quote the
+result with the CPU (lscpu) and whether the machine was idle.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--students", type=int, default=300)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--one-by-one", type=int, default=0, help="regrade this many alone and compare")
     parser.add_argument("--label", default="", help="e.g. 'idle' or 'under load' (printed with the figures)")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -79,6 +82,15 @@ def main() -> None:
                        stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - start
         book = json.loads((folder / "grades" / "gradebook.json").read_text())
+        same = 0
+        for entry in book["students"][: args.one_by_one]:
+            alone = folder / f"{entry['student']}.json"
+            subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(SOURCE),
+                            str(folder / "submitted" / entry["student"] / "ps1" / SOURCE.name), "--json", str(alone),
+                            "--seed", str(entry["seed"]), "--include-manual"], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            batch = json.loads((folder / "grades" / "results" / f"{entry['student']}.json").read_text())["parts"]
+            same += json.loads(alone.read_text())["parts"] == batch
     scores = sorted({s["score"] for s in book["students"]})
     per = wall / args.students
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
@@ -87,6 +99,8 @@ def main() -> None:
     print(f"python -m labkit.grading --help: {cli:.2f} s")
     print(f"{args.students} submissions, --jobs {args.jobs}: {wall:.1f} s wall, {per:.2f} s per submission; "
           f"300 would take {300 * per / 60:.1f} min (goal <= 30); scores seen: {scores}")
+    if args.one_by_one:
+        print(f"graded alone with the batch's seed: {same} of {args.one_by_one} got the batch's grade part by part")
 
 
 if __name__ == "__main__":

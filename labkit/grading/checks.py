@@ -806,21 +806,38 @@ def _step_problem(i: int, sc: _Scenario, ref: StepRecord, rec: dict[str, Any], m
     return None
 
 
-def _judge_step(name: str, sc: _Scenario, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
+_REFERENCES: dict[str, tuple[list[Tensor], list[tuple[StepRecord, dict[str, Any]]]]] = {}
+
+
+def _reference(sc: _Scenario) -> tuple[list[Tensor], list[tuple[StepRecord, dict[str, Any]]]]:
+    """Return TrainStep's run of ``sc``: the initial parameters, then each step's record and state.
+
+    The visible scenarios are the same for every student: a class computes them once.
+    """
+    key = repr(sc)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
     mine = _Run(sc)
     reference = TrainStep(mine.model, mine.optimizer, mine.loss_fn, precision="fp16", max_norm=sc.max_norm,
                           scaler=mine.scaler, scheduler=mine.scheduler, skip_alarm=None, clip_alarm=None)
     params = list(mine.model.parameters())
-    before = [p.detach().clone() for p in params]
-    steps = out.get("steps", [])
-    for i, (x, y, fault) in enumerate(_batches(sc)):
-        if i >= len(steps):
-            return None  # the harness stopped early only after a problem it shipped; nothing more to compare
+    initial, steps = [p.detach().clone() for p in params], []
+    for x, y, fault in _batches(sc):
         mine.fault = fault
-        ref = reference(x, y)
+        steps.append((reference(x, y), _state(mine, params)))
+    if len(_REFERENCES) > 16:  # hidden scenarios differ per student: keep the cache small
+        _REFERENCES.clear()
+    _REFERENCES[key] = (initial, steps)
+    return initial, steps
+
+
+def _judge_step(name: str, sc: _Scenario, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
+    before, reference = _reference(sc)
+    steps = out.get("steps", [])
+    for i, (ref, mine) in enumerate(reference[: len(steps)]):  # the harness stops only after a problem
         theirs = steps[i]
         raised = _raised(name, theirs, _where(f"{sc.name}, step {i}", hidden, seed))
-        problem = raised or _step_problem(i, sc, ref, theirs["record"], _state(mine, params), theirs, before)
+        problem = raised or _step_problem(i, sc, ref, theirs["record"], mine, theirs, before)
         if problem is not None:
             return problem if raised else f"[{sc.name}{'' if not hidden else f', seed={seed}'}] {problem}"
         before = theirs["params"]
