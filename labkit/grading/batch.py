@@ -39,8 +39,8 @@ def find(folder: Path, notebook: str, assignment: str | None = None) -> list[Sub
     """Return the submissions in ``folder``, by student name: flat ``*.ipynb`` or nbgrader's layout.
 
     >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / "ada.ipynb").write_text("{}")
-    >>> find(d, "ps1.ipynb")
-    [Submission(student='ada', path=PosixPath('.../ada.ipynb'))]
+    >>> [(s.student, s.path.name) for s in find(d, "ps1.ipynb")]
+    [('ada', 'ada.ipynb')]
     """
     flat = sorted(p for p in folder.glob("*.ipynb") if p.is_file())
     if flat:
