@@ -186,7 +186,7 @@ def _hint(message: str) -> str:
     """Return a message with its case, seed and numbers taken out, so the same hint counts once."""
     message = re.sub(r" on the (hidden )?case '[^']*'( \(seed=\d+\))?", "", message)
     message = re.sub(r"\[[^\]]*\] ", "", message)
-    message = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "#", message)
+    message = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", message)
     return message.split(": ", 1)[-1][:140]
 
 
