@@ -119,7 +119,10 @@ def command(job: Path, out: Path, limits: Limits) -> list[str]:
 
 
 def unsandboxed(job: Path, out: Path, limits: Limits) -> list[str]:
-    """Return the argv for ``--no-sandbox``: the same harness, limits and session, but the grader's view and user."""
+    """Return the argv for ``--no-sandbox``: the same harness, limits and session, but the grader's view and user.
+
+    Without a PID namespace a child that calls ``setsid`` leaves the session and can outlive the kill.
+    """
     prlimit = shutil.which("prlimit")
     python = [sys.executable, "-m", "labkit.grading.harness", str(job / "job.json"), str(out)]
     if prlimit is None:
