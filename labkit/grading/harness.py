@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -28,6 +29,17 @@ class CellTimeout(BaseException):
 
 def _alarm(signum: int, frame: Any) -> None:
     raise CellTimeout
+
+
+def _orphaned() -> bool:
+    """Return whether the grader is gone: the read end of our stdout pipe is closed.
+
+    bwrap --die-with-parent kills the sandbox when the grader dies, except when the grader dies
+    before bwrap has set that up: then this check, at the start and between cells, ends the run.
+    """
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(event & select.POLLERR for _, event in poll.poll(0))
 
 
 def _status(out: Path, text: str) -> None:
@@ -47,6 +59,8 @@ def _save(obj: Any, path: Path) -> None:
 def main(job_path: str, out_dir: str) -> int:
     job = json.loads(Path(job_path).read_text(encoding="utf-8"))
     out = Path(out_dir)
+    if _orphaned():
+        return 3
     _status(out, "starting")
     watched: dict[str, tuple[Any, str]] = {"builtins.__import__": (builtins, "__import__")}
     if job["parts"]:  # only then is there something to protect, and torch to import (seconds)
@@ -75,6 +89,8 @@ def main(job_path: str, out_dir: str) -> int:
 
     cells = []
     for cell in job["cells"]:
+        if _orphaned():
+            return 3
         _status(out, f"cell {cell['label']}")
         start = time.monotonic()
         signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -103,6 +119,8 @@ def main(job_path: str, out_dir: str) -> int:
     (out / "cells.tmp").write_text(json.dumps({"cells": cells, "tampered": tampered()}), encoding="utf-8")
     os.replace(out / "cells.tmp", out / "cells.json")
     for k, part in enumerate(job["parts"]):
+        if _orphaned():
+            return 3
         results = []
         for call in part["calls"]:
             _status(out, f"part {part['grade_id']}: {call['check']}({call['fn']}, hidden={call['hidden']})")
