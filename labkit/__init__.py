@@ -7,10 +7,10 @@ tensor(5.)
 """
 
 from .alarms import LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
-from .clip import clip_grad_norm_, clip_grads_with_norm_, grad_norm
+from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
 from .faults import Fault, FaultSchedule
 from .records import StepLog, StepRecord
-from .scaler import GradScaler, ScalerConfig, update_scale
+from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
 from .step import TrainStep
 from .tasks import ToyTask
 
@@ -23,6 +23,8 @@ __all__ = [
     "LabkitWarning",
     "RepeatedClippingWarning",
     "ScalerConfig",
+    "ScalerUsageError",
+    "ScalerValueError",
     "SkipStreakWarning",
     "StepLog",
     "StepRecord",
@@ -30,6 +32,7 @@ __all__ = [
     "TrainStep",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "get_total_norm",
     "grad_norm",
     "update_scale",
 ]
