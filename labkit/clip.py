@@ -217,13 +217,23 @@ def clip_grads_with_norm_(
     grads, _ = named_grads(parameters)
     if not grads:
         return
-    grads = [local_tensor(g) for g in grads]  # views: scaling a shard in place scales the DTensor
-    coef = clip_coef(total_norm, max_norm)
+    scale_grads_(grads, clip_coef(total_norm, max_norm), foreach)
+
+
+def scale_grads_(grads: list[Tensor], factor: Tensor, foreach: bool | None = None) -> None:
+    """Multiply every gradient in place by the 0-dim tensor ``factor``: one read-write pass, no sync.
+
+    ``DTensor`` gradients are scaled shard by shard (their local views), with no collective.
+
+    >>> g = [torch.tensor([2.0, 4.0])]; scale_grads_(g, torch.tensor(0.5)); g
+    [tensor([1., 2.])]
+    """
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
+        g = local_tensor(g)  # a view: scaling a shard in place scales the DTensor
         by_device.setdefault(g.device, []).append(g)
     for device, group in by_device.items():
-        c = coef.to(device)
+        c = factor.to(device)
         # Multiplying by 1 costs a read and a write but no sync; torch makes the same trade.
         if (device.type in ("cpu", "cuda")) if foreach is None else foreach:
             torch._foreach_mul_(group, c)

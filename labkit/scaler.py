@@ -296,15 +296,32 @@ class GradScaler:
         >>> s.scale(w.sum()).backward(); s.inf_check_(opt, torch.tensor(1.0), unscaled=False); s.update(); s.get_scale()
         32768.0
         """
-        if not self._enabled:
-            return
-        self._require_state("inf_check_")
+        if self._enabled:  # disabled, it still records: a disabled scaler still skips on what TrainStep found
+            self._require_state("inf_check_")
         opt_state = self._opt_state(optimizer)
         if opt_state["stage"] != _READY:
             raise RuntimeError(f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage']}.")
         found = found_inf.to(dtype=torch.float32).reshape(())
         all_reduce_(found, "max", self.process_group)
         opt_state.update(found_inf=found, has_grads=True, stage=_UNSCALED if unscaled else _CHECKED)
+
+    def will_skip(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Return whether ``step`` will skip ``optimizer`` (one host sync; ``step`` then reuses it).
+
+        >>> s = GradScaler("cpu"); w = torch.ones(1, requires_grad=True); opt = torch.optim.SGD([w], lr=1.0)
+        >>> s.scale(w.sum()).backward(); s.unscale_(opt); s.will_skip(opt)
+        False
+        """
+        opt_state = self._per_optimizer.get(id(optimizer))
+        if opt_state is None or opt_state["found_inf"] is None:
+            if self._enabled:
+                self.unscale_(optimizer)
+                opt_state = self._opt_state(optimizer)
+            else:
+                return False
+        if "host" not in opt_state:
+            opt_state["host"] = bool(opt_state["found_inf"])
+        return opt_state["host"]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Unscale if not done yet, then step the optimizer unless a gradient was inf/NaN.
@@ -328,17 +345,18 @@ class GradScaler:
         >>> s.scale(w.sum()).backward(); s.step_async(opt)
         tensor(0.)
         """
-        if not self._enabled:
+        checked = self._per_optimizer.get(id(optimizer), {}).get("found_inf") is not None
+        if not self._enabled and not checked:
             optimizer.step(*args, **kwargs)
             return torch.zeros(())
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        state = self._require_state("step")
+        scale = self._require_state("step")["scale"] if self._enabled else None
         opt_state = self._opt_state(optimizer)
         if opt_state["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, opt_state, state["scale"], args, kwargs)
+            return self._fused_step(optimizer, opt_state, scale, args, kwargs)
         if opt_state["stage"] == _READY:
             self.unscale_(optimizer)
         elif opt_state["stage"] == _CHECKED:
@@ -349,13 +367,13 @@ class GradScaler:
                 "Call scaler.scale(loss).backward() before step(), and check the optimizer holds the model's parameters."
             )
         found_inf = opt_state["found_inf"]
-        if not bool(found_inf):  # host sync: a plain optimizer can only be skipped from the host
+        if not self.will_skip(optimizer):  # host sync: a plain optimizer can only be skipped from the host
             optimizer.step(*args, **kwargs)
         opt_state["stage"] = _STEPPED
         return found_inf
 
     def _fused_step(
-        self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any], scale: Tensor, args: tuple, kwargs: dict
+        self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any], scale: Tensor | None, args: tuple, kwargs: dict
     ) -> Tensor:
         """torch's contract for ``_step_supports_amp_scaling`` optimizers (``torch.amp.GradScaler.step``)."""
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:  # torch's older contract
@@ -368,12 +386,12 @@ class GradScaler:
             )
             optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             opt_state["stage"] = _STEPPED
-            return torch.zeros((), device=scale.device) if opt_state["found_inf"] is None else opt_state["found_inf"]
+            return torch.zeros(()) if opt_state["found_inf"] is None else opt_state["found_inf"]
         if opt_state["stage"] == _READY:  # check only (inv_scale 1): the optimizer's kernel unscales
             self._check_only(optimizer, opt_state)
         # a grad_scale the caller set (TrainStep's clip coefficient) multiplies the loss scale, as in torch
         user = getattr(optimizer, "grad_scale", None)
-        if opt_state["stage"] == _UNSCALED:
+        if opt_state["stage"] == _UNSCALED or scale is None:
             grad_scale = user
         else:
             grad_scale = scale if user is None else scale * user
@@ -405,9 +423,15 @@ class GradScaler:
         all_reduce_(found_inf, "max", self.process_group)
         opt_state.update(found_inf=found_inf, has_grads=bool(groups), stage=_CHECKED)
 
-    def update(self, new_scale: float | Tensor | None = None) -> None:
-        """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``)."""
+    def update(self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | None = None) -> None:
+        """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``).
+
+        ``keep_if`` (labkit's): a 0-dim device bool; where true the state is left exactly as
+        it was, without a host sync (``TrainStep`` passes "the loss was NaN/inf": a bad
+        batch is no scaling problem).
+        """
         if not self._enabled:
+            self._per_optimizer = {}
             return
         state = self._require_state("update")
         if new_scale is not None:
@@ -425,10 +449,11 @@ class GradScaler:
             found_inf = torch.stack([f.to(state["scale"].device) for f in found]).sum()
             new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
             for key, value in zip(("scale", "growth_tracker", "hysteresis_left"), new):
-                state[key].copy_(value)
+                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
             skipped = (found_inf != 0).long()
-            state["skip_count"].add_(skipped)
-            state["skip_streak"].mul_(skipped).add_(skipped)
+            counters = {"skip_count": state["skip_count"] + skipped, "skip_streak": state["skip_streak"] * skipped + skipped}
+            for key, value in counters.items():
+                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
         self._per_optimizer = {}
 
     # -- reading it ---------------------------------------------------------------------
@@ -437,6 +462,18 @@ class GradScaler:
         if not self._enabled:
             return 1.0 if key == "scale" else 0
         return initial if self._state is None else self._state[key].item()
+
+    def get_scale_async(self) -> Tensor:
+        """Return the current scale as a 0-dim float32 tensor on its device, without a sync (1.0 when disabled).
+
+        >>> GradScaler("cpu", init_scale=8.0).get_scale_async()
+        tensor(8.)
+        """
+        if not self._enabled:
+            return torch.ones(())
+        if self._state is None:
+            return torch.tensor(self._init_scale, dtype=torch.float32)
+        return self._state["scale"]
 
     def get_scale(self) -> float:
         """Return the current scale as a float (1.0 when disabled); costs a host sync."""
