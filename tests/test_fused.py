@@ -263,3 +263,24 @@ def test_clip_coef_takes_a_device_threshold():
     """An adaptive clipper's threshold is a 0-dim tensor: the coefficient stays on the device."""
     norm = torch.tensor(4.0)
     assert torch.equal(labkit.clip.clip_coef(norm, torch.tensor(2.0)), labkit.clip.clip_coef(norm, 2.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU count is test_host_syncs_per_step")
+def test_fused_deferred_step_never_syncs_on_cuda(task):
+    """torch's own sync detector: with a fused optimizer and sync_every, no step synchronizes until the copy."""
+    torch.manual_seed(0)
+    model = task.model("cuda")
+    train = labkit.TrainStep(model, make_optimizer("adamw-fused", model.parameters()), task.loss_fn,
+                             precision="fp16", sync_every=4)
+    batches = [task.batch(i, "cuda") for i in range(4)]
+    train(*batches[0])
+    train.flush()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches[1:]:
+            train(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [r.step for r in train.log] == [0, 1, 2, 3]
