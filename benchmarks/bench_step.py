@@ -224,7 +224,7 @@ def main() -> None:
     device = torch.device(args.device)
     numel, width, steps, repeat = (2_000_000, 512, 16, 5) if args.quick else (50_000_000, 4096, 50, 9)
     if device.type == "cpu":
-        torch.set_num_threads(min(torch.get_num_threads(), 2) if args.quick else torch.get_num_threads())
+        torch.set_num_threads(1 if args.quick else torch.get_num_threads())  # --quick: 1 thread, steadier on a shared machine
     where = torch.cuda.get_device_name() if device.type == "cuda" else cpu_name()
     print(f"# {where}; torch {torch.__version__}; {torch.get_num_threads()} threads; medians, interleaved")
 

@@ -113,6 +113,9 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
             out = torch._foreach_norm(group, norm_type, dtype=acc)
         else:
             out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
+        if len(idx) == len(grads):  # one device and dtype, none empty (the usual case): one stack, no per-norm copies
+            stacked = torch.stack(out)
+            return reduce_sharded_norms_(stacked if stacked.dtype == out_dtype else stacked.to(out_dtype), sharded, norm_type)
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=out_dtype)
     return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
