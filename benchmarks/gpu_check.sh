@@ -25,14 +25,14 @@ fi
 rc=0
 if [ "$gpu" = 1 ]; then
   part "cuda tests (tests marked cuda, incl. tests/test_fused.py's)"
-  timeout 150 "$PY" -m pytest -q -p no:randomly -m cuda tests || rc=1
+  timeout 120 "$PY" -m pytest -q -p no:randomly -m cuda tests || rc=1
 
   part "notebooks under nbval (they run on CUDA when torch.cuda.is_available())"
-  timeout 150 "$PY" -m pytest -q -p no:randomly notebooks/*.ipynb || rc=1
+  timeout 120 "$PY" -m pytest -q -p no:randomly notebooks/*.ipynb || rc=1
 fi
 
 part "host syncs per step (set_sync_debug_mode('warn') on CUDA; trapped host reads on CPU)"
-timeout 60 "$PY" - <<'EOF' || rc=1
+timeout 90 "$PY" - <<'EOF' || rc=1
 import sys
 import warnings
 
@@ -46,7 +46,7 @@ sys.path.insert(0, "benchmarks")
 from bench_step import SyncCounter  # noqa: E402  (the CPU fallback: counts .item()/bool()/... from labkit)
 
 
-def run(fused, sync_every, steps=12):
+def run(fused, sync_every, steps=9):
     torch.manual_seed(0)
     task = labkit.ToyTask()
     model = task.model(device)
@@ -78,12 +78,12 @@ def run(fused, sync_every, steps=12):
 
 for fused in (False, True):
     for every in (None, 8):
-        print(f"  AdamW {'fused  ' if fused else 'foreach'} sync_every={str(every):<4} {run(fused, every):5.2f} syncs/step")
+        print(f"  AdamW {'fused  ' if fused else 'foreach'} sync_every={str(every):<4} {run(fused, every):5.2f} syncs/step", flush=True)
 EOF
 
 part "benchmarks"
 if [ "$gpu" = 1 ]; then
-  timeout 240 "$PY" benchmarks/bench_step.py --device cuda || rc=1
+  timeout 150 "$PY" benchmarks/bench_step.py --device cuda || rc=1
 else
   timeout 600 "$PY" benchmarks/bench_step.py --device cpu --quick || rc=1
 fi
