@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.faults import FaultSchedule
 
-STEPS = 8
+STEPS = 6
 
 
 @pytest.fixture
@@ -135,7 +134,7 @@ def test_scaled_norm_overflow_is_where_they_differ():
 # ---------------------------------------------------------------- fused optimizers
 
 
-@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "no-clip"])
+@pytest.mark.parametrize("max_norm", [0.05], ids=["clips"])
 def test_fused_adamw_matches_textbook(task, max_norm):
     """scale/coef as the fused kernel's grad_scale: the textbook's parameters within fp32 rounding."""
     ref, norms, scales, skipped = textbook(task, "adamw-fused", max_norm)
