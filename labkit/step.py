@@ -113,6 +113,10 @@ class TrainStep:
     ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
 
+    ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
+    right before the optimizer step (``before_step(params, step)``) and with the record right
+    after it (``after_step(params, record)``); it may add to the record, never change the order.
+
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -140,6 +144,7 @@ class TrainStep:
         log_path: str | os.PathLike | None = None,
         process_group: ProcessGroup | None = None,
         sync_every: int | None = None,
+        observer: Any = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -170,6 +175,7 @@ class TrainStep:
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
+        self.observer = observer  # sees the weights around the optimizer step (labkit.precision.StaleMonitor)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         if scaler is None:
@@ -240,21 +246,25 @@ class TrainStep:
             scale = scaler.get_scale()
             record = StepRecord(step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss", lr=lr)
         elif deferred:
-            values, norms = self._unscale_check_clip_step(torch.as_tensor(loss_total).reshape(()), loss_bad)
+            values, norms = self._unscale_check_clip_step(step, torch.as_tensor(loss_total).reshape(()), loss_bad)
             if self.scheduler is not None:
                 self.scheduler.step()  # every call, as torch's recipe: whether it stepped is still on the device
             record = DeferredRecord(step, math.nan, lr=lr, fault=fault.label if fault is not None else None)
             object.__setattr__(record, "_flush", self.flush)
             self._pending.append((record, values, norms, [n for n, _ in self._named_grads]))
+            if self.observer is not None:  # on the steps it observes, reading record.skipped copies the records
+                self.observer.after_step(self._params, record)
             self.step_count += 1
             if len(self._pending) >= self.sync_every:
                 self.flush()
             return record
         else:
-            values, norms = self._unscale_check_clip_step(torch.tensor(float(loss_total)), None)
+            values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
             record = self._record(step, lr, values.tolist(), norms)  # one batched copy
             if not record.skipped and self.scheduler is not None:
                 self.scheduler.step()
+            if self.observer is not None:
+                self.observer.after_step(self._params, record)
         record.fault = fault.label if fault is not None else None
         self._observe(record)
         self.step_count += 1
@@ -306,7 +316,7 @@ class TrainStep:
         self.flush()
         return self._log
 
-    def _unscale_check_clip_step(self, loss: Tensor, loss_bad: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _unscale_check_clip_step(self, step: int, loss: Tensor, loss_bad: Tensor | None) -> tuple[Tensor, Tensor]:
         """Unscale, check, clip, step or skip, update; return the record's numbers and the per-tensor norms, on the device."""
         scaler, opt = self.scaler, self.optimizer
         scale = scaler.get_scale_async().clone()  # update() writes the state in place
@@ -328,12 +338,16 @@ class TrainStep:
             # fused optimizer: its kernel divides by grad_scale = scale / coef and skips on found_inf
             scaler.inf_check_(opt, found_inf, unscaled=False)
             opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
+            if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
+                self.observer.before_step(self._params, step)
             found = scaler.step_async(opt)
         else:
             scaler.inf_check_(opt, found_inf, unscaled=True)
             if not scaler.will_skip(opt):  # host sync: a plain optimizer can only be skipped from the host
                 # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
                 scale_grads_(grads, (coef * inv_scale.to(coef.device)).to(coef.dtype))
+                if self.observer is not None:
+                    self.observer.before_step(self._params, step)
             found = scaler.step_async(opt)
         if loss_bad is None:
             scaler.update()
