@@ -116,7 +116,7 @@ def test_scaled_norm_overflow_is_where_they_differ():
     # the stage itself, on the scaled gradients backward would have left: what TrainStep does next
     w.grad = torch.full((2048,), 1e17 * 2.0**16)
     train.scaler.scale(torch.ones(()))
-    values, _ = train._unscale_check_clip_step(torch.tensor(0.0), None)
+    values, _ = train._unscale_check_clip_step(0, torch.tensor(0.0), None)
     loss, _, norm, coef, scale, next_scale, found = values.tolist()
     assert found == 1.0 and next_scale == scale / 2 and torch.equal(w, torch.zeros(2048))
 
@@ -283,3 +283,19 @@ def test_fused_deferred_step_never_syncs_on_cuda(task):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [r.step for r in train.log] == [0, 1, 2, 3]
+
+
+def test_deferred_records_keep_the_observer(task):
+    """observer= (StaleMonitor) composes with sync_every: the same record.stale as the per-step mode."""
+    from labkit.precision import StaleMonitor
+
+    def run(sync_every):
+        torch.manual_seed(0)
+        model = task.model().to(torch.bfloat16)
+        train = labkit.TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-3), task.loss_fn,
+                                 precision="bf16", sync_every=sync_every, observer=StaleMonitor(patience=100, every=2))
+        return [train(*(t.to(torch.bfloat16) for t in task.batch(i))) for i in range(4)]
+
+    per_step, deferred = run(None), run(4)
+    assert [r.stale for r in deferred] == [r.stale for r in per_step]
+    assert per_step[0].stale and per_step[1].stale == {}, "every=2: steps 0 and 2 are observed"
