@@ -13,24 +13,25 @@ import torch
 from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
-from .clip import EPS, check_norm_type, first_nonfinite, per_tensor_norms, total_norm
-from .clippers import Clipper, NormClip
-from .clippers.base import scale_grads_
+from .clip import (
+    check_max_norm, check_norm_type, clip_coef, first_nonfinite, per_tensor_norms, scale_grads_, total_norm,
+)
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
-from .records import StepLog, StepRecord
+from .clippers import Clipper, GlobalClipper, NormClip, UpdateNormClip
+from .records import FIELDS, StepLog, StepRecord
 from .rewind import Rewind
-from .scaler import GradScaler
 from .spikes import SpikeDetector
+from .scaler import GradScaler
 
-__all__ = ["PRECISIONS", "TrainStep"]
+__all__ = ["PRECISIONS", "DeferredRecord", "TrainStep"]
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOP_K = 3
 
 
 def _forensics(
-    named: list[tuple[str, Tensor]], norms: Tensor, group: ProcessGroup | None
+    named: list[tuple[str, Tensor | None]], norms: Tensor | list[float], group: ProcessGroup | None
 ) -> tuple[list[tuple[str, float]], str | None]:
     """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
 
@@ -38,13 +39,15 @@ def _forensics(
     gradients unless a norm is non-finite (then the gradients themselves are asked, since
     an inf norm may be an fp32 overflow of finite values).
     """
-    values = norms.tolist()
+    values = norms.tolist() if isinstance(norms, Tensor) else list(norms)
     finite = [math.isfinite(v) for v in values]
     ranked = sorted(range(len(values)), key=lambda i: (not finite[i], values[i] if finite[i] else 0.0), reverse=True)
     top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
     if all(finite):
         return top, None
     names = [n for n, _ in named]
+    if any(g is None for _, g in named):  # gradients no longer at hand (deferred records)
+        return top, names[finite.index(False)]
     culprit = first_nonfinite([g for _, g in named], names)
     if is_distributed():
         # With FSDP2 the culprit may sit in another rank's shard: agree on the first by position
@@ -53,6 +56,26 @@ def _forensics(
         position = int(all_reduce_(first, "min", group).item())
         culprit = names[position] if position < len(names) else None
     return top, culprit
+
+
+# What the stage leaves on the device for the record, in this order (one batched copy reads them).
+_DEVICE_FIELDS = ("loss", "loss_bad", "grad_norm", "clip_coef", "scale", "next_scale", "skipped")
+_LAZY = frozenset(FIELDS) - {"step"}
+
+
+class DeferredRecord(StepRecord):
+    """A ``StepRecord`` whose numbers are still on the device (``TrainStep(sync_every=N)``).
+
+    Reading any field but ``step`` first copies every pending record of its ``TrainStep``
+    over, in one batched copy; after that it is a plain ``StepRecord``.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LAZY:
+            flush = object.__getattribute__(self, "_flush")
+            if flush is not None:
+                flush()
+        return object.__getattribute__(self, name)
 
 
 class TrainStep:
@@ -64,10 +87,25 @@ class TrainStep:
     norm of the unscaled gradients (logged unclipped) -> **gradients not finite: skip** (the
     scale backs off) -> clip to ``max_norm`` -> step -> scheduler, only if the optimizer
     stepped -> scaler update. ``fp32`` and ``bf16`` use a disabled ``GradScaler``, so they go
-    through the same lines. Host syncs per step: one per micro-batch for the loss check
-    (backward is skipped on the host), one for the step decision on the norm, one in the
-    scaler's ``step`` (fp16 only, as in torch) and two small scale reads for the record;
-    none per parameter. Forensics read the per-tensor norms only on a skip or a clip.
+    through the same lines.
+
+    Unscale, check and clip take three passes over the gradients, not torch's five: one read
+    yields the per-tensor norms of the *scaled* gradients (a NaN/inf among them is the inf
+    check), then one read-write multiplies by ``coef / scale``; a skipped step writes
+    nothing. An optimizer built with ``fused=True`` (torch's Adam, AdamW, SGD, Adagrad) does
+    that multiply itself: ``scale / coef`` is handed over as its ``grad_scale`` with
+    ``found_inf``, so the gradients are read once and the step needs no host sync.
+
+    Host syncs per step (``sync_every=None``): one per micro-batch for the loss check
+    (backward is skipped on the host), one for the step decision (none with a fused
+    optimizer) and one batched copy of the record's numbers. With ``sync_every=N`` the
+    loss check and the skip decision stay on the device (a NaN/inf loss still skips the
+    step and leaves the scale untouched; backward then runs on it), the records are
+    ``DeferredRecord`` and are copied over in one batch every N steps, or when one is read;
+    with a fused optimizer that is 0 syncs per step, otherwise 1 (a plain optimizer can
+    only be skipped from the host). In that mode the scheduler steps every call, as in
+    torch's AMP recipe, and the alarms and ``log`` see the records at each copy.
+    Forensics read the per-tensor norms only on a skip or a clip.
 
     Under ``torch.distributed`` (DDP or FSDP2; nothing changes when it is not initialized)
     every rank takes the same decision: the loss check all-reduces the loss (one number per
@@ -77,12 +115,6 @@ class TrainStep:
     is global (sharded gradients are reduced across their mesh), the default scaler reduces
     ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
-
-    Defenses beyond a fixed threshold compose in (issue 15): ``clipper=`` is the clip stage
-    (``max_norm=x`` means ``clipper=NormClip(x)``; see ``labkit.clippers``), ``detector=`` a
-    ``SpikeDetector`` scoring every step by rolling z and skipping or clipping at the step
-    decision, ``rewind=`` a ``Rewind`` that, after a record that calls for it, restores a
-    snapshot from N steps back (the training loop then feeds ``rewind.data_index(step_count)``).
 
     ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
     right before the optimizer step (``before_step(params, step)``) and with the record right
@@ -114,10 +146,11 @@ class TrainStep:
         faults: FaultSchedule | dict | None = None,
         log_path: str | os.PathLike | None = None,
         process_group: ProcessGroup | None = None,
+        sync_every: int | None = None,
+        observer: Any = None,
         clipper: Clipper | None = None,
         detector: SpikeDetector | None = None,
         rewind: Rewind | None = None,
-        observer: Any = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -137,16 +170,26 @@ class TrainStep:
             )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.precision = precision
+        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"sync_every must be None (read every step) or an int >= 1, got {sync_every!r}.")
+        # issue 15: the clip stage is a clipper (labkit.clippers); a float max_norm means NormClip(max_norm)
         if clipper is not None and max_norm not in (None, 1.0):
             raise ValueError(f"pass either max_norm ({max_norm!r}) or clipper ({clipper!r}), not both; for a fixed "
                              f"threshold with a clipper object use clipper=NormClip({max_norm!r}).")
         if clipper is not None and not isinstance(clipper, Clipper):
             raise TypeError(f"clipper must be one of labkit.clippers (NormClip, ZClip, ...), got {type(clipper).__name__}.")
-        self.clipper = clipper if clipper is not None else (NormClip(max_norm) if max_norm is not None else None)
+        self.clipper = clipper if clipper is not None else (NormClip(check_max_norm(max_norm)) if max_norm is not None else None)
         self.max_norm = self.clipper.max_norm if isinstance(self.clipper, NormClip) else None
+        if sync_every is not None and (detector is not None or rewind is not None or self.max_norm is None and clipper is not None):
+            raise ValueError("sync_every defers the records, but an adaptive clipper, a detector or a rewind decides from "
+                             "them every step: use sync_every=None with clipper=/detector=/rewind=.")
         self.detector, self.rewind = detector, rewind
         self._releases = 0
         self.norm_type = check_norm_type(norm_type)
+        if not self.norm_type > 0:  # the inf check rides on the norms: only a p > 0 norm is inf/NaN on inf/NaN
+            raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got {norm_type!r}.")
+        self.sync_every = sync_every
+        self._pending: list[tuple[DeferredRecord, Tensor, Tensor, list[str]]] = []
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
@@ -161,7 +204,7 @@ class TrainStep:
         self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
         if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
             self.skip_alarm.threshold = self.clip_alarm.rate = None
-        self.log = StepLog(stream=log_path)
+        self._log = StepLog(stream=log_path)
         self.step_count = 0
         names = {id(p): n for n, p in model.named_parameters()}
         self._params = [
@@ -191,7 +234,9 @@ class TrainStep:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
         opt.zero_grad(set_to_none=True)
-        loss_total, bad_loss = 0.0, None
+        deferred = self.sync_every is not None
+        loss_total: Tensor | float = 0.0
+        bad_loss, loss_bad = None, None
         for x, y in zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k)):
             if fault is not None:
                 x = fault.corrupt_inputs(x)
@@ -203,90 +248,108 @@ class TrainStep:
             if loss.numel() != 1:
                 raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
             weight = len(x) / len(inputs)  # exact for a mean-reduced loss, even with unequal splits
-            # host sync, needed: on a bad batch backward must not run at all, on any rank
-            value = mean_across(loss.detach(), self.process_group).item()
-            if not math.isfinite(value):
-                bad_loss = value
-                break
-            loss_total += value * weight
+            mean = mean_across(loss.detach(), self.process_group)
+            if deferred:  # the check stays on the device; backward runs on a bad batch and its step is skipped
+                bad = ~torch.isfinite(mean)
+                loss_bad = bad if loss_bad is None else loss_bad | bad
+            else:
+                # host sync, needed: on a bad batch backward must not run at all, on any rank
+                value = mean.item()
+                if not math.isfinite(value):
+                    bad_loss = value
+                    break
+                mean = value
+            loss_total = loss_total + mean * weight
             scaler.scale(loss * weight).backward()
 
         if bad_loss is not None:
             scale = scaler.get_scale()
             record = StepRecord(step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss", lr=lr)
+        elif deferred:
+            values, norms = self._unscale_check_clip_step(step, torch.as_tensor(loss_total).reshape(()), loss_bad)
+            if self.scheduler is not None:
+                self.scheduler.step()  # every call, as torch's recipe: whether it stepped is still on the device
+            record = DeferredRecord(step, math.nan, lr=lr, fault=fault.label if fault is not None else None)
+            object.__setattr__(record, "_flush", self.flush)
+            self._pending.append((record, values, norms, [n for n, _ in self._named_grads]))
+            if self.observer is not None:  # on the steps it observes, reading record.skipped copies the records
+                self.observer.after_step(self._params, record)
+            self.step_count += 1
+            if len(self._pending) >= self.sync_every:
+                self.flush()
+            return record
         else:
-            record = self._unscale_check_clip_step(step, loss_total, lr)
+            values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
+            record = self._record(step, lr, values.tolist(), norms)  # one batched copy
+            self._annotate(record)
+            if not record.skipped and self.scheduler is not None:
+                self.scheduler.step()
+            if self.observer is not None:
+                self.observer.after_step(self._params, record)
         record.fault = fault.label if fault is not None else None
-        record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, step)
-        if not record.skipped:
-            self.clip_alarm.observe(record.clipped, step)
+        self._observe(record, append=False)
         if self.detector is not None:  # after the decision: a skipped or non-finite step never enters the window
             seen = record.post_clip_norm if record.clip_reason == "z_grad" else record.grad_norm  # its own cut
             self.detector.observe(record.loss, seen, admitted=not record.skipped)
         self.step_count += 1
         if self.rewind is not None:  # may restore a snapshot: step_count goes back, this record is marked
             self.rewind.after(self, record)
-        self.log.append(record)
+        self._log.append(record)
         return record
 
-    def _unscale_check_clip_step(self, step: int, loss: float, lr: float) -> StepRecord:
-        scaler, opt = self.scaler, self.optimizer
-        scale = scaler.get_scale()
-        scaler.unscale_(opt)
-        named = [(n, p.grad) for n, p in self._params if p.grad is not None]
-        norms = per_tensor_norms([g for _, g in named], self.norm_type)
-        norm = total_norm(norms, self.norm_type)
-        norm_value = norm.item()  # host sync: the step decision
-        coef, clipped, reason = 1.0, False, "nonfinite_grad"
-        z_loss, z_grad = self.detector.score(loss, norm_value) if self.detector is not None else (math.nan, math.nan)
-        spike = {"threshold": math.nan, "clip_reason": None, "lockin": False}
-        if math.isfinite(norm_value):
-            # issue 15: the detector decides here, then the clipper is the clip stage
-            action, why = self.detector.decide(z_loss, z_grad) if self.detector is not None else (None, None)
-            if action == "skip":
-                stepped, reason = False, why  # the scaler still updates: the gradients were finite at this scale
-            else:
-                coef, spike = self._clip(norm, norms, norm_value, action == "clip")
-                if self.observer is not None:
-                    self.observer.before_step(self._params, step)
-                stepped = scaler.step(opt)
-                if stepped and self.clipper is not None:
-                    after = self.clipper.after_step_([p for _, p in self._params])
-                    if after is not None:  # UpdateNormClip: the update was clipped, not the gradient
-                        coef, spike["threshold"] = after.tolist()
-                        spike["clip_reason"] = type(self.clipper).__name__ if coef < 1.0 else None
-                clipped = coef < 1.0
-                spike["lockin"] = clipped and self._lockin()
-        else:
-            stepped = False  # clipping cannot repair a NaN: never step on it
-        if stepped and self.scheduler is not None:
-            self.scheduler.step()
-        scaler.update()
-        record = StepRecord(
-            step, loss, grad_norm=norm_value, clip_coef=coef, clipped=clipped, scale=scale,
-            next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else reason, lr=lr,
-            z_loss=z_loss, z_grad=z_grad, **spike,
-        )
-        if record.skipped or clipped:
-            record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
-        if self.observer is not None:
-            self.observer.after_step(self._params, record)
-        return record
+    def _observe(self, record: StepRecord, append: bool = True) -> None:
+        record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, record.step)
+        if not record.skipped:
+            self.clip_alarm.observe(record.clipped, record.step)
+        if append:
+            self._log.append(record)
 
-    def _clip(self, norm: Tensor, norms: Tensor, norm_value: float, z_clip: bool) -> tuple[float, dict[str, Any]]:
-        """The clip stage (issue 15): the clipper, then the detector's z-clip; return the coefficient and why."""
-        coef, threshold, why = 1.0, math.nan, None
-        if self.clipper is not None:
-            report = self.clipper.clip_with_norms_([p for _, p in self._params], norms, norm)
-            coef, threshold = report.tolist()  # one read for the record; the decision's sync already waited
-            why = type(self.clipper).__name__ if coef < 1.0 else None
-        if z_clip and self.detector is not None:
-            limit, now = self.detector.clip_limit(), norm_value * coef
-            if now > limit:
-                extra = limit / (now + EPS)
-                scale_grads_([p.grad for _, p in self._params if p.grad is not None], torch.tensor(extra))
-                coef, why = coef * extra, "z_grad"
-        return coef, {"threshold": threshold, "clip_reason": why, "lockin": False}
+    def _defenses(self, loss: Tensor, norm: Tensor, norms: Tensor, found_inf: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """Issue 15: the detector's decision and the clipper's coefficient; return ``(coef, found_inf, keep_scale)``.
+
+        The detector reads loss and norm on the host (one read, only with a detector). A z-score
+        skip sets ``found_inf`` (the optimizer skips) and keeps the scale. Global-norm clippers give
+        the coefficient from their state and observe the norm; per-tensor ones act after unscaling.
+        """
+        spike = {"z_loss": math.nan, "z_grad": math.nan, "threshold": None, "why": None, "reason": None}
+        self._spike = spike
+        action = None
+        if self.detector is not None:
+            loss_value, norm_value = torch.stack([loss.double().cpu(), norm.double().cpu()]).tolist()
+            if math.isfinite(norm_value):
+                spike["z_loss"], spike["z_grad"] = self.detector.score(loss_value, norm_value)
+                action, why = self.detector.decide(spike["z_loss"], spike["z_grad"])
+                if action == "skip":
+                    spike["reason"] = why
+                    return torch.ones_like(norm), torch.ones_like(found_inf), True
+        coef = torch.ones_like(norm)
+        clipper = self.clipper
+        if isinstance(clipper, NormClip):
+            coef = clip_coef(norm, clipper.max_norm)  # threshold and reason: set in _record, with no read
+        elif isinstance(clipper, GlobalClipper) and not isinstance(clipper, UpdateNormClip):
+            clipper._to(norm.device)
+            spike["threshold"] = clipper.threshold(clipper.state)
+            limit = clipper.limit(clipper.state, norm.float())
+            coef = clipper.coef(limit, norm.float())
+            clipper.observe(norm.float(), limit)
+        if action == "clip":
+            z_coef = clip_coef(norm, self.detector.clip_limit())  # type: ignore[union-attr]
+            spike["z_clip"] = bool((z_coef < coef).item())
+            coef = torch.minimum(coef, z_coef)
+        return coef, found_inf, False
+
+    def _annotate(self, record: StepRecord) -> None:
+        """Issue 15: add the detector's z-scores and the clipper's threshold, reason and guard to ``record``."""
+        spike = self._spike
+        record.z_loss, record.z_grad = spike["z_loss"], spike["z_grad"]
+        if spike["reason"] is not None and record.skipped:
+            record.reason = spike["reason"]
+        if spike["threshold"] is not None:  # adaptive clippers only: one small read, after the step's sync
+            record.threshold = float(spike["threshold"])
+        if record.clipped:
+            record.clip_reason = "z_grad" if spike.get("z_clip") else type(self.clipper).__name__
+            if getattr(self.clipper, "max_consecutive_clips", None) is not None:  # a guard to read
+                record.lockin = self._lockin()
 
     def _lockin(self) -> bool:
         """Whether the clipper's lock-in guard fired on this (clipped) step; rank 0 warns."""
@@ -296,15 +359,116 @@ class TrainStep:
             self.clipper.check_lockin()  # type: ignore[union-attr]
         return fired
 
+    def _record(
+        self, step: int, lr: float, values: list[float], norms: Tensor | list[float], names: list[str] | None = None
+    ) -> StepRecord:
+        loss, loss_bad, norm, coef, scale, next_scale, skipped = values
+        skipped, clipped = bool(skipped), coef < 1.0
+        reason = ("nonfinite_loss" if loss_bad else "nonfinite_grad") if skipped else None
+        record = StepRecord(
+            step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped and not skipped, scale=scale,
+            next_scale=next_scale, skipped=skipped, reason=reason, lr=lr,
+        )
+        if self.max_norm is not None and reason != "nonfinite_loss":  # issue 15: NormClip's threshold, no read
+            record.threshold = self.max_norm
+            record.clip_reason = "NormClip" if record.clipped else None
+        if reason == "nonfinite_grad" or record.clipped:
+            if names is None:  # the gradients are still there: ask them
+                record.top_grads, record.first_nonfinite = _forensics(self._named_grads, norms, self.process_group)
+            else:  # deferred: the gradients are gone; the first non-finite norm names the parameter
+                record.top_grads, record.first_nonfinite = _forensics([(n, None) for n in names], norms, None)
+        return record
+
+    def flush(self) -> None:
+        """Copy every pending ``DeferredRecord`` over in one batch, then feed the alarms and the log."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        width = len(_DEVICE_FIELDS)
+        sizes = [width + n.numel() for _, _, n, _ in pending]
+        flat = torch.cat([torch.cat([v, n.to(v)]) for _, v, n, _ in pending]).tolist()  # the one host sync
+        offset = 0
+        for (record, _, _, names), size in zip(pending, sizes):
+            row, offset = flat[offset:offset + size], offset + size
+            object.__setattr__(record, "_flush", None)
+            done = self._record(record.step, record.lr, row[:width], row[width:], names)
+            for name in _LAZY - {"lr", "fault"}:
+                setattr(record, name, getattr(done, name))
+            self._observe(record)
+
+    @property
+    def log(self) -> StepLog:
+        """The records so far (with ``sync_every``, reading it copies the pending ones over first)."""
+        self.flush()
+        return self._log
+
+    def _unscale_check_clip_step(self, step: int, loss: Tensor, loss_bad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Unscale, check, clip, step or skip, update; return the record's numbers and the per-tensor norms, on the device."""
+        scaler, opt = self.scaler, self.optimizer
+        scale = scaler.get_scale_async().clone()  # update() writes the state in place
+        named = [(n, p.grad) for n, p in self._params if p.grad is not None]
+        self._named_grads = named
+        grads = [g for _, g in named]
+        # pass 1 (read): the per-tensor norms of the *scaled* gradients; a NaN/inf among them is the inf check
+        scaled_norms = per_tensor_norms(grads, self.norm_type)
+        inv_scale = scale.double().reciprocal().float()  # as torch's unscale_: exact for powers of two
+        norms = scaled_norms * inv_scale.to(scaled_norms.device)
+        norm = total_norm(norms, self.norm_type)
+        # A scaled norm can overflow float32 where the unscaled one would not (|g| * scale > 3.4e38):
+        # then this skips (and backs off) where torch's unscale-then-norm would not. See tests/test_fused.py.
+        found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm)).float()
+        if loss_bad is not None:
+            found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
+        # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
+        coef, found_inf, keep = self._defenses(loss, norm, norms, found_inf)
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            # fused optimizer: its kernel divides by grad_scale = scale / coef and skips on found_inf
+            scaler.inf_check_(opt, found_inf, unscaled=False)
+            if self.clipper is not None and not isinstance(self.clipper, GlobalClipper) or \
+                    isinstance(self.clipper, UpdateNormClip):
+                raise ValueError(f"{type(self.clipper).__name__} clips the gradients or the update itself: use a "
+                                 "non-fused optimizer with it (fused=False).")
+            opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
+            if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
+                self.observer.before_step(self._params, step)
+            found = scaler.step_async(opt)
+        else:
+            scaler.inf_check_(opt, found_inf, unscaled=True)
+            if not scaler.will_skip(opt):  # host sync: a plain optimizer can only be skipped from the host
+                # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
+                scale_grads_(grads, (coef * inv_scale.to(coef.device)).to(coef.dtype))
+                if self.clipper is not None and not isinstance(self.clipper, GlobalClipper):  # per tensor: on unscaled grads
+                    coef, self._spike["threshold"] = self.clipper.clip_with_norms_([p for _, p in self._params], norms, norm)
+                if self.observer is not None:
+                    self.observer.before_step(self._params, step)
+                if isinstance(self.clipper, UpdateNormClip):
+                    self.clipper.begin_([p for _, p in self._params])
+            found = scaler.step_async(opt)
+            if isinstance(self.clipper, UpdateNormClip) and not scaler.will_skip(opt):
+                coef, self._spike["threshold"] = self.clipper.after_step_([p for _, p in self._params])
+        if keep:  # a z-score skip is not a scaling problem: the scale stays
+            scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=scale.device))
+        elif loss_bad is None:
+            scaler.update()
+        else:
+            scaler.update(keep_if=loss_bad.to(scale.device))
+        f32 = dict(dtype=torch.float64, device=norm.device)
+        values = torch.stack([
+            loss.to(**f32), (loss_bad if loss_bad is not None else torch.zeros(())).to(**f32), norm.to(**f32),
+            coef.to(**f32), scale.to(**f32), scaler.get_scale_async().to(**f32), found.to(**f32),
+        ])
+        return values, norms
+
     def state_dict(self) -> dict[str, Any]:
-        """Return the step counter, alarm streaks, scaler, clipper and detector state (save model/optimizer as usual)."""
+        """Return the step counter, alarm streaks and scaler state (save model/optimizer/scheduler as usual)."""
+        self.flush()
         state = {
             "step": self.step_count,
             "skip_alarm": self.skip_alarm.state_dict(),
             "clip_alarm": self.clip_alarm.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
-        if self.clipper is not None:
+        if self.clipper is not None:  # issue 15
             state["clipper"] = self.clipper.state_dict()
         if self.detector is not None:
             state["detector"] = self.detector.state_dict()
@@ -318,7 +482,7 @@ class TrainStep:
         self.scaler.load_state_dict(state["scaler"])  # first: it validates before it writes
         self.skip_alarm.load_state_dict(state["skip_alarm"])
         self.clip_alarm.load_state_dict(state["clip_alarm"])
-        if self.clipper is not None and "clipper" in state:
+        if self.clipper is not None and "clipper" in state:  # issue 15
             self.clipper.load_state_dict(state["clipper"])
             self._releases = self.clipper.releases()
         if self.detector is not None and "detector" in state:
