@@ -27,6 +27,8 @@ from ..step import PRECISIONS
 __all__ = ["build_parser", "describe", "init_distributed", "main", "run_demo"]
 
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
+# The GPT needs no injected fault (its overflows come by themselves) and SGD's lr for it is higher.
+TASK_DEFAULTS = {"toy": {"faults": DEFAULT_FAULTS, "lr": 0.05}, "gpt": {"faults": [], "lr": 0.3}}
 
 
 def _max_norm(text: str) -> float | None:
@@ -65,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-scale", type=_positive(float), default=2.0**10, help="initial loss scale (default 1024)")
     p.add_argument("--growth-interval", type=_positive(int), default=50, help="clean steps before the scale grows (default 50)")
     p.add_argument("--steps", type=_positive(int), default=300)
-    p.add_argument("--lr", type=_positive(float), default=0.05)
+    p.add_argument("--lr", type=_positive(float), help="learning rate (default 0.05 for toy, 0.3 for gpt)")
+    p.add_argument("--task", choices=list(TASK_DEFAULTS), default="toy",
+                   help="toy (regression, default) or gpt (a small GPT on the Python stdlib's source, no faults by default)")
     p.add_argument("--device", default=default_device())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -167,7 +171,8 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    specs = args.inject if args.inject is not None else DEFAULT_FAULTS
+    task_defaults = TASK_DEFAULTS[args.task]
+    specs = args.inject if args.inject is not None else task_defaults["faults"]
     try:
         FaultSchedule.parse([] if specs == ["none"] else specs)
     except ValueError as e:
@@ -189,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     config = ExperimentConfig(
         precision=args.precision, max_norm=args.max_norm, init_scale=args.init_scale,
         growth_interval=args.growth_interval, faults=[] if specs == ["none"] else specs, steps=args.steps,
-        lr=args.lr, seed=args.seed, device=str(device), parallel=args.parallel, fault_rank=args.fault_rank,
+        lr=args.lr if args.lr is not None else task_defaults["lr"], seed=args.seed, device=str(device),
+        parallel=args.parallel, fault_rank=args.fault_rank, task=args.task,
     )
+    fingerprint = getattr(config.make_task(), "fingerprint", None)
+    if fingerprint is not None and rank() == 0:  # the data a run saw: equal fingerprints, equal text
+        print(f"task {args.task}: data sha256 {fingerprint}")
     try:
         run_demo(config, args.out, progress=not args.no_progress)
     finally:

@@ -90,9 +90,10 @@ class GradientProbe:
     ([0, 1, 2], ['wte', 'wpe'], 3)
     """
 
-    def __init__(self, sample: int = 2048) -> None:
+    def __init__(self, sample: int = 65536) -> None:
         self.sample = sample
         self._handles: list = []
+        self.model: nn.Module | None = None
         self.listeners: list[Callable[[GradientProbe], None]] = []
         self._reset()
 
@@ -133,7 +134,10 @@ class GradientProbe:
 
     @property
     def values(self) -> Tensor:
-        """The last step's sampled activation gradients, unscaled, float32 (entries that flushed are 0)."""
+        """The last step's gradients, unscaled, float32: the activation gradients and the weight gradients.
+
+        At most ``sample`` entries (evenly strided) of each; entries that flushed are 0.
+        """
         self.close()
         return self._values
 
@@ -143,6 +147,7 @@ class GradientProbe:
             h.remove()
         self._handles.clear()
         self._reset()
+        self.model = model  # the model this probe watches: e.g. for its validation loss after the run
         groups: dict[str, list[nn.Parameter]] = {}
         for name, p in model.named_parameters():
             groups.setdefault(_module_of(name), []).append(p)
@@ -168,13 +173,18 @@ class GradientProbe:
         buf = self._buffers()
         buf["zeros"].append((g == 0).sum())
         buf["numel"] += g.numel()
+        buf["samples"].append(self._sample(g))
+
+    def _sample(self, g: Tensor) -> Tensor:
         stride = max(1, g.numel() // self.sample)
-        buf["samples"].append(g.detach().flatten()[::stride].float())
+        return g.detach().flatten()[::stride].float()
 
     def _param_grad(self, module: str, p: Tensor) -> None:
-        sq = self._buffers()["sq"]
-        s = p.grad.detach().float().pow(2).sum()
-        sq[module] = sq[module] + s if module in sq else s
+        buf = self._buffers()
+        g = p.grad.detach()
+        s = g.float().pow(2).sum()
+        buf["sq"][module] = buf["sq"][module] + s if module in buf["sq"] else s
+        buf["samples"].append(self._sample(g))
 
     def loss_hook(self, loss: Tensor) -> Tensor:
         """Record the gradient that reaches ``loss`` in backward: the loss scale (times the micro-batch's weight)."""
@@ -247,3 +257,220 @@ class Probed:
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         # what the task has beyond the interface (val_loss, fingerprint, corpus) is still there
         return getattr(self.task, name)
+
+
+_BANDS = (  # (label, lo, hi, color) in log2|x|
+    ("bf16 (normal)", BF16_RANGE[1], BF16_RANGE[2], "C2"),
+    ("fp16 subnormal", FP16_RANGE[0], FP16_RANGE[1], "C1"),
+    ("fp16 normal", FP16_RANGE[1], FP16_RANGE[2], "C0"),
+)
+
+
+def _log2_abs(values: Tensor) -> Tensor:
+    a = values.detach().abs().double().flatten()
+    return a[a > 0].log2()
+
+
+class GradHistogram:
+    """A histogram of log2|gradient| over fp16's and bf16's ranges, with a loss-scale slider.
+
+    The bands are fp16's subnormal range [2**-24, 2**-14), its normal range up to 65504, and
+    bf16's normal range (2**-126 .. 3.4e38, wider than the axis: bf16 flushes nothing here).
+    Moving the slider multiplies the gradients by ``2**log2_scale``, shifting the histogram,
+    and the title says what fp16 would flush to zero and to inf. ``update(values)`` takes new
+    gradients (``probe.values``; pass ``every=`` and attach it with ``probe.listeners.append``
+    to follow a run live). Rendered like ``LiveDashboard``: ipympl's canvas, else a PNG image.
+
+    >>> h = GradHistogram(torch.tensor([2.0**-30, 2.0**-20, 1.0]), log2_scale=0)
+    >>> h.title()
+    'scale 2^0: 33.3% flush to 0, 0.0% overflow (fp16)'
+    >>> h.set_scale(10); h.title()
+    'scale 2^10: 0.0% flush to 0, 0.0% overflow (fp16)'
+    """
+
+    def __init__(self, values: Tensor | None = None, log2_scale: int = 0, *, every: int = 10,
+                 xlim: tuple[float, float] = (-48.0, 24.0), figsize: tuple[float, float] = (8, 3.2)) -> None:
+        import ipywidgets as W
+
+        self.every, self.xlim = every, xlim
+        self.interactive = _ipympl_active()
+        if self.interactive:
+            import matplotlib.pyplot as plt
+
+            with plt.ioff():
+                fig = plt.figure(figsize=figsize)
+            fig.canvas.header_visible = False
+            fig.canvas.syncing_data_url = False  # see LiveDashboard: the page asks for the first frame
+        else:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            fig = Figure(figsize=figsize)
+            FigureCanvasAgg(fig)
+            self._image = W.Image(format="png")
+        fig.subplots_adjust(left=0.08, right=0.98, top=0.88, bottom=0.17)
+        self.figure, self.ax = fig, fig.add_subplot()
+        ax = self.ax
+        self.bands = {label: ax.axvspan(lo, hi, color=color, alpha=0.12 if "bf16" in label else 0.25, lw=0, label=label)
+                      for label, lo, hi, color in _BANDS}
+        self.edges = torch.arange(xlim[0], xlim[1] + 0.5, 0.5, dtype=torch.float64)
+        self.bars = ax.stairs([0.0] * (len(self.edges) - 1), self.edges.tolist(), fill=True, color="k", alpha=0.6,
+                              label="gradients x scale")
+        ax.set_xlim(*xlim)
+        ax.set_xlabel("log2 |gradient x scale|")
+        ax.set_ylabel("fraction")
+        ax.legend(loc="upper left", fontsize=7)
+        self.slider = W.IntSlider(value=log2_scale, min=-8, max=40, description="scale 2^", continuous_update=True)
+        self.slider.observe(lambda change: self.set_scale(change["new"]), names="value")
+        self.slider.add_class("labkit-control-hist_scale")
+        self._values = torch.zeros(0)
+        self._seen = 0
+        self.widget = W.VBox([self.slider, fig.canvas if self.interactive else self._image])
+        self.widget.add_class("labkit-histogram")
+        self.update(values if values is not None else torch.zeros(0), draw=False)
+
+    @property
+    def log2_scale(self) -> int:
+        return self.slider.value
+
+    def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
+        self._paint(idle=True)
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def fractions(self) -> tuple[float, float]:
+        """The fractions fp16 flushes to 0 and to inf at the slider's scale."""
+        return flush_fractions(self._values, self.log2_scale)
+
+    def title(self) -> str:
+        under, over = self.fractions()
+        return f"scale 2^{self.log2_scale}: {under:.1%} flush to 0, {over:.1%} overflow (fp16)"
+
+    def set_scale(self, log2_scale: int) -> None:
+        """Shift the histogram to ``gradients * 2**log2_scale`` and redraw."""
+        if self.slider.value != log2_scale:
+            self.slider.value = log2_scale  # its observer comes back here
+            return
+        self._redraw(idle=True)
+
+    def update(self, values: Tensor, draw: bool = True) -> None:
+        """Show new gradient values (e.g. ``probe.values``)."""
+        self._values = values.detach().float().cpu().flatten()
+        if draw:
+            self._redraw(idle=False)
+        else:
+            self._set_data()
+
+    def __call__(self, probe: GradientProbe) -> None:
+        """A probe listener: every ``every`` steps, show the probe's latest gradients (inside the run)."""
+        self._seen += 1
+        if self._seen % self.every == 0:
+            self.update(probe.values)
+
+    def _set_data(self) -> None:
+        x = _log2_abs(self._values) + self.log2_scale
+        counts = torch.histogram(x.clamp(self.xlim[0], self.xlim[1] - 1e-9), self.edges).hist
+        total = max(1, len(self._values))
+        self.bars.set_data((counts / total).tolist())
+        self.ax.set_ylim(0, max(0.05, float(counts.max()) / total * 1.15) if counts.numel() else 1.0)
+        self.ax.set_title(self.title(), fontsize=9)
+
+    def _redraw(self, idle: bool) -> None:
+        self._set_data()
+        self._paint(idle)
+
+    def _paint(self, idle: bool) -> None:
+        if not self.interactive:
+            buf = io.BytesIO()
+            self.figure.savefig(buf, format="png", dpi=80)
+            self._image.value = buf.getvalue()
+        elif idle:
+            self.figure.canvas.draw_idle()
+        else:
+            self.figure.canvas.draw()
+
+
+def plot_u_curve(values: Tensor, log2_scales: Sequence[int] = range(-8, 41), trajectory: Sequence[float] = (),
+                 backoffs: Sequence[float] = ()) -> Figure:
+    """Return the U-curve: the fraction fp16 flushes to 0 and to inf against log2 of the loss scale.
+
+    ``trajectory`` (the scales a run used, e.g. ``log.column("scale")``) is drawn on the curve,
+    darker for later steps; ``backoffs`` (the scales that overflowed) as red crosses.
+
+    >>> fig = plot_u_curve(torch.tensor([2.0**-30, 1.0]), trajectory=[2.0**10, 2.0**11])
+    >>> [line.get_label() for line in fig.axes[0].get_lines()][:2]
+    ['flushed to 0', 'overflow (inf)']
+    """
+    fig = Figure(figsize=(7, 3.4), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    xs = list(log2_scales)
+    under, over = u_curve(values, xs)
+    ax.plot(xs, under, color="C0", label="flushed to 0")
+    ax.plot(xs, over, color="C3", label="overflow (inf)")
+    ax.plot(xs, [u + o for u, o in zip(under, over)], color="k", lw=0.8, ls=":", label="lost")
+    if len(trajectory):
+        t = [math.log2(s) for s in trajectory]
+        lost = [sum(flush_fractions(values, s)) for s in t]
+        ax.scatter(t, lost, c=range(len(t)), cmap="viridis", s=14, zorder=3, label="dynamic scaler's steps")
+    if len(backoffs):
+        b = [math.log2(s) for s in backoffs]
+        ax.scatter(b, [sum(flush_fractions(values, s)) for s in b], marker="x", color="C3", s=40, zorder=4,
+                   label="backoff (overflowed)")
+    ax.set_xlabel("log2(loss scale)")
+    ax.set_ylabel("fraction of gradient entries")
+    ax.legend(fontsize=7, loc="upper center")
+    return fig
+
+
+def plot_layer_heatmap(probe: GradientProbe, title: str = "") -> Figure:
+    """Return the layers x steps heatmap of log10 gradient norm (unscaled, before clipping).
+
+    >>> p = GradientProbe(); p.layers = ["a", "b"]; p._norms = {"a": [1.0, 10.0], "b": [0.1, 0.1]}; p._steps = [0, 1]
+    >>> plot_layer_heatmap(p).axes[0].get_yticklabels()[1].get_text()
+    'b'
+    """
+    layers, steps, z = probe.heatmap()
+    fig = Figure(figsize=(8, 0.25 * len(layers) + 1.4), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    finite = z[torch.isfinite(z)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5) if steps else None
+    im = ax.imshow(z.numpy(), aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi, extent=extent)
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ax.set_xlabel("step")
+    fig.colorbar(im, ax=ax, label="log10 grad norm")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def plot_sawtooth(log: StepLog, title: str = "") -> Figure:
+    """Return the loss scale against step (log2 axis) with each backoff marked.
+
+    >>> from labkit.records import StepRecord
+    >>> log = StepLog([StepRecord(0, 1.0, scale=4.0, next_scale=8.0), StepRecord(1, 1.0, scale=8.0, next_scale=4.0,
+    ...                skipped=True, reason="nonfinite_grad")])
+    >>> fig = plot_sawtooth(log); fig.axes[0].get_lines()[1].get_xdata().tolist()
+    [1]
+    """
+    fig = Figure(figsize=(8, 2.8), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    steps, scales = log.column("step"), log.column("scale")
+    ax.plot(steps, scales, drawstyle="steps-post", color="C4", lw=1.2, label="loss scale")
+    back = [r for r in log if r.next_scale < r.scale]
+    ax.plot([r.step for r in back], [r.scale for r in back], "v", color="C3", ms=6, ls="none",
+            label=f"backoff: gradient overflowed ({len(back)})")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale")
+    ax.legend(fontsize=7, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def _agg(fig: Figure) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
