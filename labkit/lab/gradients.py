@@ -49,23 +49,30 @@ def flush_fractions(values: Tensor, log2_scale: float) -> tuple[float, float]:
     >>> flush_fractions(g, 0), flush_fractions(g, 20)
     ((0.3333333333333333, 0.0), (0.0, 0.3333333333333333))
     """
-    a = values.detach().abs().double().flatten()
-    a = a[a > 0]
-    if a.numel() == 0:
-        return 0.0, 0.0
-    a = a * 2.0**log2_scale
-    return float((a <= _FLUSH).double().mean()), float((a >= _OVERFLOW).double().mean())
+    under, over = u_curve(values, [log2_scale])
+    return under[0], over[0]
 
 
 def u_curve(values: Tensor, log2_scales: Sequence[float]) -> tuple[list[float], list[float]]:
     """Return the flushed and the overflowing fraction of ``values`` at each log2 scale: the U's two arms.
 
+    One sort, then two binary searches per scale: a slider or a 50-point curve over 10**5
+    gradients costs milliseconds.
+
     >>> under, over = u_curve(torch.tensor([2.0**-30, 1.0]), [0, 10, 20])
     >>> under, over
     ([0.5, 0.0, 0.0], [0.0, 0.0, 0.5])
     """
-    pairs = [flush_fractions(values, s) for s in log2_scales]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+    a = values.detach().abs().double().flatten()
+    a = a[a > 0].sort().values
+    n = a.numel()
+    if n == 0:
+        return [0.0] * len(log2_scales), [0.0] * len(log2_scales)
+    s = torch.tensor([2.0**k for k in log2_scales], dtype=torch.float64)
+    # |g| * s <= FLUSH  <=>  |g| <= FLUSH / s (exact: s is a power of two), likewise for overflow
+    flushed = torch.searchsorted(a, _FLUSH / s, right=True)
+    kept = torch.searchsorted(a, _OVERFLOW / s, right=False)
+    return (flushed.double() / n).tolist(), ((n - kept).double() / n).tolist()
 
 
 def _module_of(param_name: str) -> str:
