@@ -263,6 +263,8 @@ class Probed:
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         # what the task has beyond the interface (val_loss, fingerprint, corpus) is still there
+        if name.startswith("__") or name in ("task", "probe"):  # not while copying or unpickling
+            raise AttributeError(name)
         return getattr(self.task, name)
 
 
