@@ -82,8 +82,8 @@ def _module_of(param_name: str) -> str:
 class GradientProbe:
     """Record per-layer gradient norms, flushed fractions and gradient samples of a model, by hooks.
 
-    ``attach(model)`` hooks every ``nn.Linear`` output (its gradient is the activation gradient
-    that fp16 carries in backward) and every parameter (its gradient's norm, grouped by module),
+    ``attach(model)`` hooks every ``nn.Linear``'s input and output (their gradients are the
+    activation gradients that fp16 carries in backward) and every parameter (its gradient's norm, grouped by module),
     and the task's loss (its gradient is the loss scale, so no scaler is needed to unscale).
     ``begin(step)`` closes the previous step: one host sync per step, the probe's own cost
     (a few small tensors), not the training step's. Attaching again forgets the old run.
@@ -129,7 +129,7 @@ class GradientProbe:
 
     @property
     def zero_fraction(self) -> list[float]:
-        """Per step: the fraction of activation-gradient entries (``nn.Linear`` outputs) that were exactly 0."""
+        """Per step: the fraction of activation-gradient entries (``nn.Linear`` inputs and outputs) that were exactly 0."""
         self.close()
         return self._zero_fraction
 
@@ -172,9 +172,12 @@ class GradientProbe:
             self._pending = {"sq": {}, "zeros": [], "numel": 0, "samples": [], "scale": None}
         return self._pending
 
-    def _linear_output(self, module: nn.Module, args: object, out: Tensor) -> None:
-        if out.requires_grad:
-            out.register_hook(self._activation_grad)
+    def _linear_output(self, module: nn.Module, args: tuple, out: Tensor) -> None:
+        # Both sides of every Linear: under autocast its input is the fp16 cast, whose gradient
+        # (out_grad @ W, in fp16) is where a backward overflows first, before any weight gradient.
+        for t in (args[0], out):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(self._activation_grad)
 
     def _activation_grad(self, g: Tensor) -> None:
         buf = self._buffers()
