@@ -61,8 +61,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer: token ids ``(B, T)`` in, next-token logits ``(B, T, vocab)`` out.
 
-    >>> torch.manual_seed(0); m = GPT(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)  # doctest: +ELLIPSIS
-    <...>
+    >>> m = GPT(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)
     >>> m(torch.zeros(3, 5, dtype=torch.long)).shape
     torch.Size([3, 5, 10])
     """
