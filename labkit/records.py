@@ -44,6 +44,7 @@ class StepRecord:
     fault: str | None = None
     top_grads: list[tuple[str, float]] = field(default_factory=list)
     first_nonfinite: str | None = None
+    stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
 
     @property
     def post_clip_norm(self) -> float:
@@ -180,4 +181,5 @@ class StepLog(Sequence[StepRecord]):
             for r in self._records:
                 row = r.to_dict()
                 row["top_grads"] = ";".join(f"{name}={norm:.6g}" for name, norm in r.top_grads)
+                row["stale"] = ";".join(f"{name}={frac:.6g}" for name, frac in r.stale.items())
                 writer.writerow(row)

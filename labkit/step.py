@@ -76,6 +76,10 @@ class TrainStep:
     ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
 
+    ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
+    right before the optimizer step (``before_step(params, step)``) and with the record right
+    after it (``after_step(params, record)``); it may add to the record, never change the order.
+
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -102,6 +106,7 @@ class TrainStep:
         faults: FaultSchedule | dict | None = None,
         log_path: str | os.PathLike | None = None,
         process_group: ProcessGroup | None = None,
+        observer: Any = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
@@ -126,6 +131,7 @@ class TrainStep:
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
+        self.observer = observer  # sees the weights around the optimizer step (labkit.precision.StaleMonitor)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         if scaler is None:
@@ -211,6 +217,8 @@ class TrainStep:
                 clip_grads_with_norm_(self._params, self.max_norm, norm)
                 coef = min(1.0, self.max_norm / (norm_value + EPS))  # the same coefficient, for the record
                 clipped = coef < 1.0
+            if self.observer is not None:
+                self.observer.before_step(self._params, step)
             stepped = scaler.step(opt)
         else:
             stepped = False  # clipping cannot repair a NaN: never step on it
@@ -223,6 +231,8 @@ class TrainStep:
         )
         if record.skipped or clipped:
             record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
+        if self.observer is not None:
+            self.observer.after_step(self._params, record)
         return record
 
     def state_dict(self) -> dict[str, Any]:
