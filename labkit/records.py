@@ -85,14 +85,18 @@ class StepLog(Sequence[StepRecord]):
     With ``stream=path`` each record is also appended to a JSONL file and flushed as it
     arrives, so a crash loses nothing already recorded. Under ``torch.distributed`` files
     are written by rank 0 only, unless the path holds ``{rank}`` (see ``rank_path``).
+    Each of ``sinks`` (anything with ``write(record)`` and ``close()``, e.g. a
+    ``labkit.export.Telemetry``) is given every record as it is appended, and closed with the log.
 
     >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, math.nan, skipped=True, reason="nonfinite_loss")])
     >>> log.skipped_steps, log.column("loss")[0]
     ([1], 1.0)
     """
 
-    def __init__(self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None) -> None:
+    def __init__(self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None,
+                 sinks: Sequence[Any] = ()) -> None:
         self._records: list[StepRecord] = list(records)
+        self.sinks: list[Any] = list(sinks)
         path = rank_path(stream) if stream is not None else None
         self._stream: IO[str] | None = open(path, "a", encoding="utf-8") if path is not None else None
 
@@ -117,12 +121,16 @@ class StepLog(Sequence[StepRecord]):
         if self._stream is not None:
             self._stream.write(json.dumps(record.to_dict()) + "\n")
             self._stream.flush()
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
-        """Close the JSONL stream, if any."""
+        """Close the JSONL stream, if any, and the sinks."""
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        for sink in self.sinks:
+            sink.close()
 
     def column(self, name: str) -> list[Any]:
         """Return one field of every record, e.g. ``log.column("scale")``."""
