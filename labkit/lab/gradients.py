@@ -324,13 +324,16 @@ class GradHistogram:
         ax = self.ax
         self.bands = {label: ax.axvspan(lo, hi, color=color, alpha=0.12 if "bf16" in label else 0.25, lw=0, label=label)
                       for label, lo, hi, color in _BANDS}
+        # Named in place, not in a legend: a band's name belongs where the band is.
+        for label, lo, hi, color in _BANDS:
+            x = (max(lo, xlim[0]) + min(hi, xlim[1])) / 2 if "bf16" not in label else xlim[0] + 1
+            ax.text(x, 0.97, label, transform=ax.get_xaxis_transform(), ha="center" if "bf16" not in label else "left",
+                    va="top", fontsize=7, color=color)
         self.edges = torch.arange(xlim[0], xlim[1] + 0.5, 0.5, dtype=torch.float64)
-        self.bars = ax.stairs([0.0] * (len(self.edges) - 1), self.edges.tolist(), fill=True, color="k", alpha=0.6,
-                              label="gradients x scale")
+        self.bars = ax.stairs([0.0] * (len(self.edges) - 1), self.edges.tolist(), fill=True, color="k", alpha=0.6)
         ax.set_xlim(*xlim)
         ax.set_xlabel("log2 |gradient x scale|")
         ax.set_ylabel("fraction")
-        ax.legend(loc="upper left", fontsize=7)
         self.slider = W.IntSlider(value=log2_scale, min=-8, max=40, description="scale 2^", continuous_update=True)
         self.slider.observe(lambda change: self.set_scale(change["new"]), names="value")
         self.slider.add_class("labkit-control-hist_scale")
