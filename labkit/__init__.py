@@ -13,10 +13,10 @@ import typing
 # load this package first, and importing torch costs seconds before any flag is read.
 _LAZY = {
     ".alarms": ("LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"),
-    ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "grad_norm"),
+    ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"),
     ".faults": ("Fault", "FaultSchedule"),
     ".records": ("StepLog", "StepRecord"),
-    ".scaler": ("GradScaler", "ScalerConfig", "update_scale"),
+    ".scaler": ("GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"),
     ".step": ("TrainStep",),
     ".tasks": ("ToyTask",),
 }
@@ -24,10 +24,10 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .alarms import LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
-    from .clip import clip_grad_norm_, clip_grads_with_norm_, grad_norm
+    from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
     from .faults import Fault, FaultSchedule
     from .records import StepLog, StepRecord
-    from .scaler import GradScaler, ScalerConfig, update_scale
+    from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
     from .step import TrainStep
     from .tasks import ToyTask
 
@@ -59,6 +59,8 @@ __all__ = [
     "LabkitWarning",
     "RepeatedClippingWarning",
     "ScalerConfig",
+    "ScalerUsageError",
+    "ScalerValueError",
     "SkipStreakWarning",
     "StepLog",
     "StepRecord",
@@ -66,6 +68,7 @@ __all__ = [
     "TrainStep",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "get_total_norm",
     "grad_norm",
     "update_scale",
 ]
