@@ -1,0 +1,9 @@
+"""One intra-op thread per test process: the suite runs in two pytest-xdist workers (pyproject's
+addopts), and two workers each running torch on both cores oversubscribe a 2-core machine so badly
+that a 120-step toy run took 11 s instead of 0.7 s (AMD EPYC, 2 cores). Set before torch is imported,
+so notebook kernels started by nbval and the browser tests inherit it. LABKIT_TEST_THREADS overrides.
+"""
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = os.environ.get("LABKIT_TEST_THREADS", "1")
