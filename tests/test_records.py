@@ -15,7 +15,7 @@ NAN = float("nan")
 INF = float("inf")
 FIELDS = [
     "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
-    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite",
+    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite", "lrs",
 ]
 
 
