@@ -341,6 +341,14 @@ class GradScaler:
         opt_state["stage"] = _STEPPED
         return stepped
 
+    def _abandon_iteration(self) -> None:
+        """Forget this iteration's unscale/step stages, so the next one starts clean.
+
+        ``TrainStep`` calls it when the user's model, loss or optimizer raised mid-iteration;
+        without it the next ``unscale_`` would refuse ("already called since the last update()").
+        """
+        self._per_optimizer = {}
+
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``)."""
         if not self._enabled:

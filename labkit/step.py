@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from .clip import (
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
 from .records import StepLog, StepRecord
-from .scaler import GradScaler
+from .scaler import F32, GradScaler, check_device
 
 __all__ = ["PRECISIONS", "TrainStep"]
 
@@ -51,6 +51,114 @@ def _forensics(
         position = int(all_reduce_(first, "min", group).item())
         culprit = names[position] if position < len(names) else None
     return top, culprit
+
+
+def _check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, device: Any) -> torch.device:
+    """Raise a clear error for parts ``TrainStep`` cannot drive; return the device to train on."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS needs a closure that re-evaluates the loss, which a guarded step (check, clip, then one step) "
+            "cannot give it: use a first-order optimizer (SGD, Adam...) with TrainStep."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets), got {type(loss_fn).__name__}.")
+    if scheduler is not None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric at each step: pass scheduler=None and call "
+                "scheduler.step(metric) yourself after the steps whose record says skipped=False."
+            )
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must have a step() method (a torch LR scheduler), got {type(scheduler).__name__}.")
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("scheduler was built on another optimizer: build it on the optimizer given to TrainStep.")
+    sparse = [type(m).__name__ for m in model.modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(
+            f"{sparse[0]}(sparse=True) gives sparse gradients, which the global norm and clipping do not take: "
+            "build it with sparse=False (the default)."
+        )
+    first = next(model.parameters(), None)
+    home = first.device if first is not None else torch.device("cpu")
+    if device is None:
+        return home
+    dev = check_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available() or dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r}, but there is no {dev.type} device here: use 'cpu' (or device=None, the model's).")
+    if first is not None and dev.type != home.type:
+        raise ValueError(f"device={device!r}, but the model is on {home}: move it first (model.to({str(dev)!r})).")
+    return dev
+
+
+def _batch_size(inputs: Any, targets: Any, k: int) -> int:
+    """Return the batch size, or raise saying how to pass the batch (before anything is touched)."""
+    if isinstance(inputs, Mapping):
+        sizes = {key: v.shape[0] if v.dim() else None for key, v in inputs.items() if isinstance(v, Tensor)}
+        if not sizes or None in sizes.values() or len(set(sizes.values())) != 1:
+            raise ValueError(
+                "a dict batch (model(**batch)) needs tensors that share their first (batch) dimension, "
+                f"got sizes {sizes}."
+            )
+        n, what = next(iter(sizes.values())), "samples in the dict batch"
+    elif isinstance(inputs, Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("inputs is a 0-d tensor: a batch needs a first (batch) dimension, e.g. x.unsqueeze(0).")
+        n, what = len(inputs), "inputs"
+    else:
+        raise TypeError(
+            f"inputs must be a torch.Tensor or a dict of tensors (passed as model(**batch)), got "
+            f"{type(inputs).__name__}; convert it with torch.as_tensor(...)."
+        )
+    if targets is not None:
+        if not isinstance(targets, Tensor) or targets.dim() == 0:
+            raise TypeError(
+                f"targets must be a torch.Tensor with a batch dimension, or None for a one-argument loss_fn(output), "
+                f"got {type(targets).__name__ if not isinstance(targets, Tensor) else '0-d tensor'}."
+            )
+        if len(targets) != n:
+            raise ValueError(f"need as many targets as {what}; got {n} {what} and {len(targets)} targets.")
+    if n < k:
+        raise ValueError(f"need at least accumulation_steps={k} samples to split, got {n}.")
+    return n
+
+
+def _split(batch: Any, k: int) -> list[Any]:
+    """Return ``k`` micro-batches of a tensor, a dict of tensors (other values repeated) or None."""
+    if batch is None:
+        return [None] * k
+    if isinstance(batch, Tensor):
+        return list(torch.tensor_split(batch, k))
+    parts = {key: torch.tensor_split(v, k) if isinstance(v, Tensor) else [v] * k for key, v in batch.items()}
+    return [{key: p[i] for key, p in parts.items()} for i in range(k)]
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: _to(v, device) for key, v in batch.items()}
+    return batch
+
+
+def _check_loss(loss: Any) -> Tensor:
+    if not isinstance(loss, Tensor):
+        hint = " (return the loss alone, not a tuple)" if isinstance(loss, (tuple, list)) else ""
+        raise TypeError(
+            f"loss_fn must return a tensor that requires grad, got {type(loss).__name__}{hint}; a Python number "
+            "carries no gradient: return e.g. nn.functional.mse_loss(output, targets)."
+        )
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: it was detached (.item(), .detach(), torch.no_grad()) or no "
+            "trainable parameter was used; return the loss tensor straight from the model's output."
+        )
+    return loss
 
 
 class TrainStep:
@@ -99,10 +207,11 @@ class TrainStep:
         skip_alarm: int | None = 8,
         clip_alarm: float | None = 0.5,
         clip_window: int = 100,
-        faults: FaultSchedule | dict | None = None,
+        faults: FaultSchedule | dict | list[str] | None = None,
         log_path: str | os.PathLike | None = None,
         process_group: ProcessGroup | None = None,
     ) -> None:
+        device = _check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -126,24 +235,36 @@ class TrainStep:
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
-        first = next(model.parameters(), None)
-        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        self.device = device
+        faults = FaultSchedule.coerce(faults)
+        skip, clip = SkipAlarm(skip_alarm), ClipAlarm(clip_alarm, clip_window)
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
-        self.scaler = scaler
-        self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults)
-        self.skip_alarm = SkipAlarm(skip_alarm)
-        self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
+        self.scaler, self.faults, self.skip_alarm, self.clip_alarm = scaler, faults, skip, clip
         if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
             self.skip_alarm.threshold = self.clip_alarm.rate = None
-        self.log = StepLog(stream=log_path)
+        self.log = StepLog(stream=log_path)  # last: it opens the file, once everything else is valid
         self.step_count = 0
-        names = {id(p): n for n, p in model.named_parameters()}
-        self._params = [
-            (names.get(id(p), f"group{g}.param{i}"), p)
-            for g, group in enumerate(optimizer.param_groups)
-            for i, p in enumerate(group["params"])
-        ]
+        self._params_key: tuple = ()
+        self._params: list[tuple[str, nn.Parameter]] = []
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """Return ``(name, param)`` of every parameter the optimizer holds now (progressive unfreezing too).
+
+        Read from ``optimizer.param_groups`` each step; the list is rebuilt only when a group is
+        added or its parameter list changes (a tuple compare per step, no pass over the model).
+        """
+        groups = self.optimizer.param_groups
+        key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if key != self._params_key:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self._params = [
+                (names.get(id(p), f"group{g}.param{i}"), p)
+                for g, group in enumerate(groups)
+                for i, p in enumerate(group["params"])
+            ]
+            self._params_key = key
+        return self._params
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = PRECISIONS[self.precision]
@@ -151,95 +272,156 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def __call__(self, inputs: Tensor, targets: Tensor) -> StepRecord:
-        """Train on one batch (split into ``accumulation_steps`` micro-batches) and record it."""
+    def __call__(self, inputs: Tensor | Mapping[str, Any], targets: Tensor | None = None) -> StepRecord:
+        """Train on one batch (split into ``accumulation_steps`` micro-batches) and record it.
+
+        ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors (``model(**inputs)``,
+        e.g. a Hugging Face batch); with ``targets=None`` the loss is ``loss_fn(output)`` (e.g.
+        ``lambda out: out.loss``). Bad arguments raise before anything changes. An error from
+        the model, the loss or the optimizer passes through unchanged, with the parameters,
+        buffers, scaler and counters as they were; the scheduler's error is raised after the
+        step it follows is complete and recorded.
+        """
         k = self.accumulation_steps
-        if len(inputs) < k or len(inputs) != len(targets):
-            raise ValueError(
-                f"need as many targets as inputs and at least accumulation_steps={k} samples; "
-                f"got {len(inputs)} inputs and {len(targets)} targets."
-            )
+        n = _batch_size(inputs, targets, k)
         step, fault, scaler, opt = self.step_count, self.faults.get(self.step_count), self.scaler, self.optimizer
-        lr = float(opt.param_groups[0]["lr"])
-        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        lrs = [float(g["lr"]) for g in opt.param_groups]
+        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        if fault is not None:
+            inputs = fault.corrupt_batch(inputs)  # before anything changes: it may refuse the batch
+        # A skipped step must leave BatchNorm's running statistics (any buffer) as they were, but
+        # the forward changes them before the loss can be checked: one copy of the buffers per
+        # step (2 numbers per BatchNorm channel; nothing for a model without buffers), put back on a skip.
+        buffers = list(self.model.buffers())
+        saved = [b.detach().clone() for b in buffers]
 
-        opt.zero_grad(set_to_none=True)
-        loss_total, bad_loss = 0.0, None
-        for x, y in zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k)):
-            if fault is not None:
-                x = fault.corrupt_inputs(x)
-            with self._autocast():
-                out = self.model(x)
-                if fault is not None:
-                    out = fault.corrupt_output(out)
-                loss = self.loss_fn(out, y)
-            if loss.numel() != 1:
-                raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
-            weight = len(x) / len(inputs)  # exact for a mean-reduced loss, even with unequal splits
-            # host sync, needed: on a bad batch backward must not run at all, on any rank
-            value = mean_across(loss.detach(), self.process_group).item()
-            if not math.isfinite(value):
-                bad_loss = value
-                break
-            loss_total += value * weight
-            scaler.scale(loss * weight).backward()
+        try:
+            opt.zero_grad(set_to_none=True)
+            loss_total, bad_loss = 0.0, None
+            for x, y in zip(_split(inputs, k), _split(targets, k)):
+                with self._autocast():
+                    out = self.model(**x) if isinstance(x, Mapping) else self.model(x)
+                    if fault is not None:
+                        out = fault.corrupt_output(out)
+                    loss = _check_loss(self.loss_fn(out) if y is None else self.loss_fn(out, y))
+                weight = _batch_size(x, None, 1) / n  # exact for a mean-reduced loss, even with unequal splits
+                # host sync, needed: on a bad batch backward must not run at all, on any rank
+                value = mean_across(loss.detach(), self.process_group).item()
+                if not math.isfinite(value):
+                    bad_loss = value
+                    break
+                loss_total += value * weight
+                scaler.scale(loss * weight).backward()
 
-        if bad_loss is not None:
-            scale = scaler.get_scale()
-            record = StepRecord(step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss", lr=lr)
-        else:
-            record = self._unscale_check_clip_step(step, loss_total, lr)
+            if bad_loss is not None:
+                scale = scaler.get_scale()
+                record = StepRecord(step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss")
+                late_error = None
+            else:
+                record, late_error = self._unscale_check_clip_step(step, loss_total)
+        except BaseException:
+            # the user's model, loss or optimizer raised (or a bad loss): nothing of this step is kept
+            scaler._abandon_iteration()
+            _restore(buffers, saved)
+            raise
+        if record.skipped:
+            _restore(buffers, saved)
+        record.lr, record.lrs = lrs[0], lrs
         record.fault = fault.label if fault is not None else None
         record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, step)
         if not record.skipped:
             self.clip_alarm.observe(record.clipped, step)
-        self.log.append(record)
-        self.step_count += 1
+        self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
+        try:
+            self.log.append(record)  # raises LogWriteError on a full disk; the record is kept in memory
+        finally:
+            if late_error is not None:
+                raise late_error
         return record
 
-    def _unscale_check_clip_step(self, step: int, loss: float, lr: float) -> StepRecord:
+    def _unscale_check_clip_step(self, step: int, loss: float) -> tuple[StepRecord, BaseException | None]:
         scaler, opt = self.scaler, self.optimizer
         scale = scaler.get_scale()
+        params = self._named_params()
+        named = [(n, p.grad) for n, p in params if p.grad is not None]
+        if any(g.is_sparse for _, g in named):
+            raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the model.")
         scaler.unscale_(opt)
-        named = [(n, p.grad) for n, p in self._params if p.grad is not None]
         norms = per_tensor_norms([g for _, g in named], self.norm_type)
         norm = total_norm(norms, self.norm_type)
         norm_value = norm.item()  # host sync: the step decision
         coef, clipped = 1.0, False
         if math.isfinite(norm_value):
             if self.max_norm is not None:
-                clip_grads_with_norm_(self._params, self.max_norm, norm)
+                clip_grads_with_norm_(params, self.max_norm, norm)
                 coef = min(1.0, self.max_norm / (norm_value + EPS))  # the same coefficient, for the record
                 clipped = coef < 1.0
             stepped = scaler.step(opt)
         else:
             stepped = False  # clipping cannot repair a NaN: never step on it
+        late_error = None
         if stepped and self.scheduler is not None:
-            self.scheduler.step()
+            try:
+                self.scheduler.step()
+            except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
+                late_error = e
         scaler.update()
+        # a scale below float32's normal range (set by hand: the default floor forbids it) skips every step
+        dead = scaler.is_enabled() and not scale >= F32.tiny
+        reason = None if stepped else ("dead_scale" if dead else "nonfinite_grad")
         record = StepRecord(
             step, loss, grad_norm=norm_value, clip_coef=coef, clipped=clipped, scale=scale,
-            next_scale=scaler.get_scale(), skipped=not stepped, reason=None if stepped else "nonfinite_grad", lr=lr,
+            next_scale=scaler.get_scale(), skipped=not stepped, reason=reason,
         )
         if record.skipped or clipped:
             record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
-        return record
+        return record, late_error
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the step counter, alarm streaks and scaler state (save model/optimizer/scheduler as usual)."""
+        """Return the step counter, alarm streaks, scaler state and the log's summary totals.
+
+        Save the model, optimizer and scheduler as usual, next to it.
+        """
         return {
             "step": self.step_count,
             "skip_alarm": self.skip_alarm.state_dict(),
             "clip_alarm": self.clip_alarm.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "log": self.log.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next call continues the same step numbering and faults."""
+        """Resume from ``state_dict()``: the next call continues the same step numbering, faults and summary.
+
+        Everything is validated before anything is written: a damaged state raises and leaves
+        this ``TrainStep`` as it was. A state saved without ``"log"`` (older labkit) resumes
+        with a summary that covers the resumed steps only.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"TrainStep state must be a dict from TrainStep.state_dict(), got {type(state).__name__}.")
         missing = {"step", "skip_alarm", "clip_alarm", "scaler"} - state.keys()
         if missing:
             raise KeyError(f"TrainStep state_dict lacks {sorted(missing)}; pass what TrainStep.state_dict() returned.")
-        self.scaler.load_state_dict(state["scaler"])  # first: it validates before it writes
-        self.skip_alarm.load_state_dict(state["skip_alarm"])
-        self.clip_alarm.load_state_dict(state["clip_alarm"])
-        self.step_count = int(state["step"])
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"TrainStep state['step'] must be an int >= 0, got {step!r}.")
+        skip = SkipAlarm.parse_state(state["skip_alarm"])
+        clip = ClipAlarm.parse_state(state["clip_alarm"])
+        if self.scaler.is_enabled():
+            self.scaler._parse_state(state["scaler"])
+        log = StepLog()
+        if "log" in state:
+            log.load_state_dict(state["log"])
+        # all valid: now write
+        self.scaler.load_state_dict(state["scaler"])
+        self.skip_alarm.load_state_dict({"streak": skip[0], "reasons": skip[1]})
+        self.clip_alarm.load_state_dict({"recent": clip[0], "fired": clip[1]})
+        if "log" in state:
+            self.log.load_state_dict(state["log"])
+        self.step_count = step
+
+
+def _restore(buffers: list[Tensor], saved: list[Tensor]) -> None:
+    with torch.no_grad():
+        for b, s in zip(buffers, saved):
+            b.copy_(s)
