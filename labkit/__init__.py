@@ -6,10 +6,10 @@
 tensor(5.)
 """
 
-from .alarms import LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
+from .alarms import DeadScaleWarning, LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
 from .clip import clip_grad_norm_, clip_grads_with_norm_, grad_norm
 from .faults import Fault, FaultSchedule
-from .records import StepLog, StepRecord
+from .records import LogWriteError, StepLog, StepRecord
 from .scaler import GradScaler, ScalerConfig, update_scale
 from .step import TrainStep
 from .tasks import ToyTask
@@ -17,10 +17,12 @@ from .tasks import ToyTask
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeadScaleWarning",
     "Fault",
     "FaultSchedule",
     "GradScaler",
     "LabkitWarning",
+    "LogWriteError",
     "RepeatedClippingWarning",
     "ScalerConfig",
     "SkipStreakWarning",
