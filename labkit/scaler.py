@@ -312,6 +312,10 @@ class GradScaler:
                 # torch's fused kernel: one read + one write per gradient, sets local_inf on inf/NaN.
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
                 found_inf += local_inf.to(found_inf.device)
+        # torch's kernel checks the gradients before multiplying: a dead scale (1/scale = inf, set by
+        # hand) would turn finite gradients into inf unflagged. Flag it (no sync), so it skips, is
+        # counted and backs off onto the floor, which revives it.
+        found_inf += (~torch.isfinite(inv_scale)).float().to(found_inf.device)
         # before step() reads it: a rank with finite shards must still skip when another overflowed
         all_reduce_(found_inf, "max", self.process_group)
         opt_state["found_inf"] = found_inf
