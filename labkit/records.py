@@ -85,6 +85,7 @@ class StepRecord:
         for name in FLOATS:
             d[name] = _to_json(d[name])
         d["top_grads"] = [[n, _to_json(v)] for n, v in d["top_grads"]]
+        d["lrs"] = _to_json(d["lrs"])
         return json.dumps(d, allow_nan=False)
 
     @classmethod
