@@ -184,6 +184,11 @@ class TrainStep:
     ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
 
+    The parameters guarded are the optimizer's at each step (groups added later included).
+    Bad arguments raise before anything changes; a skipped or failed step leaves the
+    parameters, the optimizer, the scaler and the module's buffers as they were.
+    ``log_window=N`` keeps only the last N records in ``log`` (its summary stays exact).
+
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -209,6 +214,7 @@ class TrainStep:
         clip_window: int = 100,
         faults: FaultSchedule | dict | list[str] | None = None,
         log_path: str | os.PathLike | None = None,
+        log_window: int | None = None,
         process_group: ProcessGroup | None = None,
     ) -> None:
         device = _check_parts(model, optimizer, loss_fn, scheduler, device)
@@ -243,7 +249,7 @@ class TrainStep:
         self.scaler, self.faults, self.skip_alarm, self.clip_alarm = scaler, faults, skip, clip
         if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
             self.skip_alarm.threshold = self.clip_alarm.rate = None
-        self.log = StepLog(stream=log_path)  # last: it opens the file, once everything else is valid
+        self.log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, once all else is valid
         self.step_count = 0
         self._params_key: tuple = ()
         self._params: list[tuple[str, nn.Parameter]] = []
