@@ -242,11 +242,12 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
         self.device = device
-        faults = FaultSchedule.coerce(faults)
-        skip, clip = SkipAlarm(skip_alarm), ClipAlarm(clip_alarm, clip_window)
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
-        self.scaler, self.faults, self.skip_alarm, self.clip_alarm = scaler, faults, skip, clip
+        self.scaler = scaler
+        self.faults = FaultSchedule.coerce(faults)
+        self.skip_alarm = SkipAlarm(skip_alarm)
+        self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
         if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
             self.skip_alarm.threshold = self.clip_alarm.rate = None
         self.log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, once all else is valid
@@ -411,17 +412,15 @@ class TrainStep:
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"TrainStep state['step'] must be an int >= 0, got {step!r}.")
-        skip = SkipAlarm.parse_state(state["skip_alarm"])
-        clip = ClipAlarm.parse_state(state["clip_alarm"])
+        SkipAlarm.parse_state(state["skip_alarm"])  # each part raises on damage; nothing is written yet
+        ClipAlarm.parse_state(state["clip_alarm"])
         if self.scaler.is_enabled():
             self.scaler._parse_state(state["scaler"])
-        log = StepLog()
         if "log" in state:
-            log.load_state_dict(state["log"])
-        # all valid: now write
+            StepLog().load_state_dict(state["log"])
         self.scaler.load_state_dict(state["scaler"])
-        self.skip_alarm.load_state_dict({"streak": skip[0], "reasons": skip[1]})
-        self.clip_alarm.load_state_dict({"recent": clip[0], "fired": clip[1]})
+        self.skip_alarm.load_state_dict(state["skip_alarm"])
+        self.clip_alarm.load_state_dict(state["clip_alarm"])
         if "log" in state:
             self.log.load_state_dict(state["log"])
         self.step_count = step
