@@ -29,6 +29,8 @@ def _to_json(x: Any) -> Any:
         return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, (list, tuple)):
         return [_to_json(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _to_json(v) for k, v in x.items()}
     return x
 
 
@@ -65,6 +67,7 @@ class StepRecord:
     fault: str | None = None
     top_grads: list[tuple[str, float]] = field(default_factory=list)
     first_nonfinite: str | None = None
+    stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
     lrs: list[float] = field(default_factory=list)  # every param group's lr (``lr`` is group 0's)
 
     @property
@@ -85,7 +88,7 @@ class StepRecord:
         for name in FLOATS:
             d[name] = _to_json(d[name])
         d["top_grads"] = [[n, _to_json(v)] for n, v in d["top_grads"]]
-        d["lrs"] = _to_json(d["lrs"])
+        d["lrs"], d["stale"] = _to_json(d["lrs"]), _to_json(d["stale"])
         return json.dumps(d, allow_nan=False)
 
     @classmethod
@@ -96,6 +99,7 @@ class StepRecord:
             d[name] = _from_json(d[name])
         d["top_grads"] = [(n, _from_json(v)) for n, v in d.get("top_grads") or []]
         d["lrs"] = [_from_json(v) for v in d.get("lrs") or []]
+        d["stale"] = {k: _from_json(v) for k, v in (d.get("stale") or {}).items()}
         return cls(**d)
 
 
@@ -366,6 +370,7 @@ class StepLog(Sequence[StepRecord]):
             for r in self._records:
                 row = r.to_dict()
                 row["top_grads"] = ";".join(f"{name}={norm:.6g}" for name, norm in r.top_grads)
+                row["stale"] = ";".join(f"{name}={frac:.6g}" for name, frac in r.stale.items())
                 row["lrs"] = ";".join(f"{lr:.6g}" for lr in r.lrs)
                 writer.writerow(row)
 

@@ -189,6 +189,10 @@ class TrainStep:
     parameters, the optimizer, the scaler and the module's buffers as they were.
     ``log_window=N`` keeps only the last N records in ``log`` (its summary stays exact).
 
+    ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
+    right before the optimizer step (``before_step(params, step)``) and with the record right
+    after it (``after_step(params, record)``); it may add to the record, never change the order.
+
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
     >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
@@ -216,6 +220,7 @@ class TrainStep:
         log_path: str | os.PathLike | None = None,
         log_window: int | None = None,
         process_group: ProcessGroup | None = None,
+        observer: Any = None,
     ) -> None:
         device = _check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
@@ -241,6 +246,7 @@ class TrainStep:
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
+        self.observer = observer  # sees the weights around the optimizer step (labkit.precision.StaleMonitor)
         self.device = device
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
@@ -363,6 +369,8 @@ class TrainStep:
                 clip_grads_with_norm_(params, self.max_norm, norm)
                 coef = min(1.0, self.max_norm / (norm_value + EPS))  # the same coefficient, for the record
                 clipped = coef < 1.0
+            if self.observer is not None:
+                self.observer.before_step(params, step)
             stepped = scaler.step(opt)
         else:
             stepped = False  # clipping cannot repair a NaN: never step on it
@@ -382,6 +390,8 @@ class TrainStep:
         )
         if record.skipped or clipped:
             record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
+        if self.observer is not None:
+            self.observer.after_step(params, record)
         return record, late_error
 
     def state_dict(self) -> dict[str, Any]:

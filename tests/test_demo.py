@@ -117,3 +117,90 @@ def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed()
     assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first: 0.weight)"]
     assert describe(overflowed, 1.0) == ["step    8  SKIP  nonfinite_grad: gradient norm not finite, every gradient "
                                          "finite: their sum of squares overflowed float32"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--init-scale", "1e40"], "--init-scale: must be at most 3.40282e+38"),
+        (["--out", "/proc/forbidden/run"], "--out: cannot"),
+        (["--out", "FILE"], "is a file, not a folder"),
+        (["--max-norm", "inf"], "--max-norm"),
+    ],
+    ids=["init-scale beyond float32", "out not writable", "out is a file", "max-norm inf"],
+)
+def test_bad_settings_exit_2_with_a_message_and_leave_nothing_behind(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--steps", "3", "--no-progress"])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no runs/demo/ left behind
+    assert (tmp_path / "FILE").read_text() == "mine"
+
+
+def test_a_failing_run_removes_the_folder_it_created(tmp_path, monkeypatch):
+    import labkit.lab.experiment as experiment
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(experiment, "run_experiment", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(["--out", str(tmp_path / "new" / "run"), "--steps", "3", "--no-progress"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fault_past_the_last_step_is_reported_and_a_run_with_every_step_skipped_says_so(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "late"), "--inject", "500:nan", "--inject", "2:nan", "--steps", "10",
+                 "--precision", "fp32", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "--inject puts faults at steps 500, past the last step (9); they never fire" in err
+    assert "step    2  SKIP" in out
+
+    # 1e38 overflows every step: all skipped, every loss finite; "final loss nan" would be a lie
+    assert main(["--out", str(tmp_path / "huge"), "--init-scale", "1e38", "--steps", "20", "--inject", "none",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    log = StepLog.read_jsonl(tmp_path / "huge" / "log.jsonl")
+    assert len(log.skipped_steps) == 20 and all(math.isfinite(r.loss) for r in log)
+    assert "final loss  none: every step was skipped, the model never stepped; the last finite loss was" in out
+    assert "nan" not in out.split("summary")[1]
+
+
+def test_an_unclipped_spike_is_reported_and_a_run_without_a_scaler_shows_no_scale(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--precision", "fp32", "--max-norm", "none", "--steps", "12",
+                 "--inject", "5:spike:10", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "step    5  FAULT spike:10 injected: norm" in out and "not clipped (max_norm none)" in out
+    assert "loss scale  none (fp32 runs without a loss scaler)" in out and "SCALE" not in out
+
+
+def test_scales_print_as_powers_of_two_once_they_are_long():
+    from labkit.lab.demo import describe, format_scale
+    from labkit.records import StepRecord
+
+    assert describe(StepRecord(3, 1.0, scale=2.0**24, next_scale=2.0**23), 1.0) == ["step    3  SCALE 2^24 -> 2^23 (backoff)"]
+    assert format_scale(4096.0) == "4096"
+
+
+def test_a_fault_on_another_rank_keeps_its_tag_and_the_title_says_how_many_ranks():
+    from labkit.lab.demo import describe, title
+    from labkit.lab.experiment import ExperimentConfig
+    from labkit.records import StepRecord
+
+    skipped = StepRecord(120, math.nan, skipped=True, reason="nonfinite_loss")  # rank 0's record: no fault of its own
+    assert describe(skipped, 1.0, fault="nan on rank 1")[0].endswith("[fault nan on rank 1]")
+    assert title(ExperimentConfig(fault_rank=1, parallel="fsdp2"), world=2) == \
+        "labkit demo: fp16, max_norm 1, 2 ranks (fsdp2, faults on rank 1)"
+
+
+def test_help_answers_without_importing_torch():
+    code = ("import sys\nfrom labkit.__main__ import main\ntry:\n    main(['demo', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("False"), proc.stderr
+    for flag in ("--precision", "--steps", "--lr", "--seed", "--device", "--out"):
+        assert "(default" in proc.stdout.split(flag, 2)[2].split("--")[0], flag  # each flag says its default

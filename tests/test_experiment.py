@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,6 +124,7 @@ def test_faults_are_frozen_into_a_tuple():
     ({"max_norm": "big"}, "max_norm must be a number > 0 or None"),
     ({"init_scale": 0.0}, "init_scale must be a finite number > 0"),
     ({"init_scale": math.inf}, "init_scale must be a finite number > 0"),
+    ({"init_scale": 1e39}, "init_scale must be at most 3.403e\\+38"),
     ({"growth_interval": 0}, "growth_interval must be an int >= 1"),
     ({"growth_interval": 2.5}, "growth_interval must be an int >= 1"),
     ({"steps": True}, "steps must be an int >= 1"),
@@ -144,3 +146,30 @@ def test_bad_settings_fail_with_a_fix(changes, message):
 def test_one_string_of_faults_is_refused():
     with pytest.raises(TypeError, match=r"a list of specs, e.g. \['60:nan'\]"):
         ExperimentConfig(faults="60:nan")
+
+
+def test_a_cpu_run_trains_on_one_thread_and_puts_the_setting_back():
+    # the toy model's matmuls are too small to split; two threads spin-wait on a busy 2-core CPU
+    before, seen = torch.get_num_threads(), []
+    run_experiment(ExperimentConfig(precision="fp32", steps=3, device="cpu"),
+                   lambda record: seen.append(torch.get_num_threads()))
+    assert seen == [1, 1, 1] and torch.get_num_threads() == before
+
+
+def test_the_quickstart_run_shows_the_scale_back_off_and_grow_back():
+    # 00_quickstart's text promises it; its first code cell, as committed, must show it
+    cells = json.loads((Path(__file__).parent.parent / "notebooks" / "00_quickstart.ipynb").read_text())["cells"]
+    source = "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
+    namespace: dict = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        exec("\n".join(line for line in source.splitlines() if not line.startswith("%")), namespace)
+    finally:
+        torch.set_num_threads(before)
+    log = namespace["step"].log
+    assert log.skipped_steps == [120, 200, 201, 202, 203, 204]
+    low = log[204].next_scale
+    assert low == log[200].scale / 2**5  # backed off once per overflow
+    grown = [r.step for r in log[205:] if r.next_scale > r.scale]
+    assert grown and log[-1].next_scale > low, "the scale never grew back after the episode"

@@ -1,6 +1,7 @@
 """plot_log and LiveDashboard: what is on screen is what the log says, redrawn when it should be."""
 
 import math
+import warnings
 
 import ipywidgets
 import matplotlib
@@ -140,10 +141,12 @@ def ipympl_backend():
 
 
 def test_under_ipympl_the_canvas_is_the_widget_and_loops_draw_now_callbacks_draw_idle(ipympl_backend, monkeypatch):
-    dash = LiveDashboard(max_norm=1.0, every=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ipympl's toolbar warned twice per figure
+        dash = LiveDashboard(max_norm=1.0, every=4)
     canvas = dash.figure.canvas
     assert dash.interactive and dash.widget is canvas and isinstance(canvas, ipywidgets.DOMWidget)
-    assert canvas.header_visible is False
+    assert canvas.header_visible is False and canvas.toolbar_position == "right"  # left, it hid the y-label
     calls = []
     monkeypatch.setattr(canvas, "draw", lambda: calls.append("draw"))
     monkeypatch.setattr(canvas, "draw_idle", lambda: calls.append("draw_idle"))
@@ -166,3 +169,98 @@ def test_a_live_dashboard_drawn_before_it_is_shown_sends_the_page_no_broken_imag
     for r in records()[:4]:
         dash.update(r)
     assert dash.draws == 2 and sent == [] and dash.widget._data_url is None
+
+
+def legend_labels(ax):
+    legend = ax.get_legend()
+    return [t.get_text() for t in legend.get_texts()] if legend is not None else []
+
+
+def finite_ys(ax):
+    ys = [y for line in ax.get_lines() if line.get_visible() and line.get_transform() == ax.transData
+          for y in np.asarray(line.get_ydata(), dtype=float)]
+    return [y for y in ys if math.isfinite(y)]
+
+
+def spiky(n, spike_at=None, size=1e6):
+    return StepLog([StepRecord(i, 0.5, grad_norm=size if i == spike_at else 0.5 + 0.01 * i) for i in range(n)])
+
+
+def test_the_norm_axis_rescales_on_every_redraw_and_always_shows_the_threshold():
+    # set_ylim for the threshold used to turn autoscaling off: every later redraw kept the first limits
+    dash = LiveDashboard(max_norm=1.0, panels=("norm", "loss"))
+    ax = dash.figure.axes[0]
+    for log in (spiky(40), spiky(40, spike_at=30), spiky(40, spike_at=10, size=1e-4), spiky(40)):
+        dash.show(log)
+        lo, hi = ax.get_ylim()
+        assert lo <= min(finite_ys(ax)) and max(finite_ys(ax)) <= hi and lo < 1.0 < hi
+    assert hi < 10  # the spike is gone, so is its range
+    # live: the curve keeps growing past the first frame's limits
+    dash = LiveDashboard(max_norm=None, every=10)
+    for r in spiky(60, spike_at=45, size=1e6):
+        dash.update(r)
+    assert dash.draws == 6 and dash.figure.axes[0].get_ylim()[1] >= 1e6
+
+
+def test_legends_list_only_what_is_drawn():
+    dash = LiveDashboard(max_norm=None, panels=("norm", "loss", "scale"))
+    dash.show(records(6, skip=(), clip=()))
+    norm, loss, scale = dash.figure.axes
+    assert legend_labels(norm) == ["pre-clip (logged)", "post-clip (stepped)"]  # no threshold, no skip
+    assert legend_labels(loss) == [] and legend_labels(scale) == []
+    dash.reset(max_norm=1.0)
+    dash.show(records())
+    assert legend_labels(norm) == ["pre-clip (logged)", "post-clip (stepped)", "skipped step", "max_norm"]
+    assert legend_labels(loss) == ["skipped step"] and legend_labels(scale) == ["skipped step"]
+
+
+def test_two_runs_each_skip_entry_has_the_colour_of_its_own_marks():
+    dash = LiveDashboard(max_norm=1.0, runs=("clipped", "unclipped"), panels=("norm", "loss"))
+    dash.show({"clipped": records(12, skip=()), "unclipped": records(12)})
+    norm = dash.figure.axes[0]
+    labels = legend_labels(norm)
+    assert "unclipped: skipped step" in labels and "clipped: skipped step" not in labels
+    handle = norm.get_legend().legend_handles[labels.index("unclipped: skipped step")]
+    assert handle.get_color() == dash.line("skip", "unclipped").get_color() != dash.line("skip", "clipped").get_color()
+
+
+def test_plot_log_draws_no_threshold_and_no_scale_panel_where_there_is_none():
+    fp32 = StepLog([StepRecord(i, 1.0, grad_norm=0.5) for i in range(5)])
+    fig = plot_log(fp32, max_norm=None)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["grad norm", "loss"]  # no scaler ran: no flat line at 1
+    assert "max_norm" not in legend_labels(fig.axes[0]) and "skipped step" not in legend_labels(fig.axes[0])
+    fig = plot_log(records(), max_norm=50.0)
+    assert fig.axes[2].get_ylabel() == "loss scale" and "max_norm" in legend_labels(fig.axes[0])
+    lo, hi = fig.axes[0].get_ylim()
+    assert lo <= 0.1 and hi >= 50.0
+
+
+def test_a_run_without_a_scaler_gets_a_note_not_a_flat_scale_line():
+    dash = LiveDashboard(max_norm=1.0)
+    dash.reset(1.0, scale_note="bf16: no loss scaler")
+    dash.show(records(5, skip=(), clip=()))
+    scale_ax = dash.figure.axes[2]
+    assert not dash.line("scale").get_visible() and not scale_ax.yaxis.get_visible()
+    assert "bf16: no loss scaler" in [t.get_text() for t in scale_ax.texts] and legend_labels(scale_ax) == []
+    dash.reset(1.0)
+    dash.show(records())
+    assert dash.line("scale").get_visible() and [t.get_text() for t in scale_ax.texts] == [""]
+
+
+def test_the_loss_is_plotted_divided_by_its_weight_and_the_axis_says_so():
+    dash = LiveDashboard(panels=("loss",), loss_weight=1e-5)
+    dash.show([StepRecord(0, 2e-5), StepRecord(1, 1e-5)])
+    assert ydata(dash.line("loss")).tolist() == pytest.approx([2.0, 1.0])
+    assert dash.figure.axes[0].get_ylabel() == "loss / loss_weight"
+    with pytest.raises(ValueError, match="loss_weight must be a finite number > 0"):
+        LiveDashboard(loss_weight=0)
+
+
+@pytest.mark.parametrize("runs", [("run",), ("fp32", "fp16, no scaler", "fp16 + scaler")])
+def test_nothing_is_cut_off_at_the_edges_of_the_canvas(runs):
+    dash = LiveDashboard(max_norm=1.0, runs=runs, panels=("norm", "loss"))
+    dash.show({run: records() for run in runs})
+    fig = dash.figure
+    box, canvas = fig.get_tightbbox(fig.canvas.get_renderer()), fig.bbox_inches
+    assert box.x0 >= canvas.x0 and box.y0 >= canvas.y0 and box.x1 <= canvas.x1 and box.y1 <= canvas.y1, (box, canvas)
+    assert fig._suptitle.get_text().count("\n") == (len(runs) - 1 if len(runs) > 2 else 0)

@@ -15,7 +15,8 @@ NAN = float("nan")
 INF = float("inf")
 FIELDS = [
     "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
-    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite", "lrs",
+    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite",
+    "stale", "lrs",
 ]
 
 

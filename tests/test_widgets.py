@@ -1,5 +1,6 @@
 """The control panel, headless: set a widget's value as a student's mouse would, check the run and the plot."""
 
+import html
 import math
 import threading
 
@@ -79,10 +80,11 @@ def test_moving_a_slider_reruns_with_the_new_value_and_redraws(runs):
     assert panel.dashboard.draws == 2
     panel.controls["max_norm"].value = math.inf  # the slider's "off"
     assert panel.config.max_norm is None and panel.logs["run"].clipped_steps == []
-    assert "0 clipped, scale 1 &rarr; 1," in panel.status.value and " s on cpu" in panel.status.value
+    assert "0 clipped, final loss" in panel.status.value and " s on cpu" in panel.status.value
+    assert "scale" not in panel.status.value  # fp32 runs no scaler: "scale 1 -> 1" would be noise
     panel.controls["fault_magnitude"].value = 1.0  # a spike of x1 is no spike
     assert "0 skipped, 0 clipped" in panel.status.value
-    assert "no skipped or clipped steps" in panel.table.value
+    assert "FAULT spike:1 injected" in panel.table.value and "CLIP" not in panel.table.value
 
 
 def test_sliders_fire_on_release_only():
@@ -103,6 +105,16 @@ def test_variants_run_side_by_side_on_one_dashboard(runs):
     assert logs["clipped"][4].grad_norm == logs["unclipped"][4].grad_norm  # same data, same weights up to the spike
     assert len(panel.dashboard.line("loss", "unclipped").get_ydata()) == 20
     assert "<th>run</th>" in panel.table.value and "clipped" in panel.status.value
+
+
+def test_each_runs_event_lines_name_its_own_threshold():
+    panel = ControlPanel(BASE, {"max_norm": 1000.0}, fixed={"fault": "spike", "fault_step": 4, "fault_magnitude": 10.0},
+                         variants={"clipped": {}, "unclipped": {"max_norm": None}}, panels=("norm",))
+    panel.run()
+    rows = [line for _, line in event_rows(panel.logs, {"clipped": 1000.0, "unclipped": None})]
+    assert [line.split("injected: ")[1].split(", ", 1)[1] for line in rows] == [
+        "not clipped (below max_norm 1000)", "not clipped (max_norm none)"]
+    assert all(html.escape(line) in panel.table.value for line in rows)  # what the panel's table shows
 
 
 def test_without_auto_run_only_the_button_runs_and_it_is_disabled_while_running(runs):
@@ -208,6 +220,7 @@ def test_an_invalid_combination_of_controls_is_reported_not_run(runs):
     ({"controls": {"fault": "nan"}, "fixed": {"fault": "inf"}}, ValueError, "both as controls and as fixed"),
     ({"controls": {}, "variants": {"bad": {"precision": "fp8"}}}, ValueError, "precision must be one of"),
     ({"controls": {}, "variants": {"bad": {"clip": 1}}}, TypeError, "clip"),
+    ({"controls": {}, "cache_size": -1}, ValueError, "cache_size must be an int >= 0"),
 ])
 def test_bad_panel_arguments_fail_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -233,5 +246,39 @@ def test_the_initial_scale_slider_moves_the_start_of_the_plotted_scale_curve():
     panel.controls["init_scale"].value = 24
     log = panel.logs["run"]
     assert log[0].scale == 2.0**24 and panel.dashboard.line("scale").get_ydata()[0] == 2.0**24
-    assert "scale 1.67772e+07 &rarr;" in panel.status.value
+    assert "scale 2^24 &rarr;" in panel.status.value  # not 1.67772e+07
     assert log.skipped_steps[:1] == [0]  # 2**24 overflows fp16 on the first step and backs off
+
+
+def test_a_slider_back_on_a_seen_value_redraws_from_the_cache_without_training(runs):
+    panel = ControlPanel(BASE, {"fault_step": 3}, fixed={"fault": "nan"}, cache_size=2)
+    panel.run()
+    panel.controls["fault_step"].value = 5
+    panel.controls["fault_step"].value = 3
+    assert [c.faults for c in runs] == [("3:nan",), ("5:nan",)]  # the way back ran nothing
+    assert panel.logs["run"].skipped_steps == [3] and panel.dashboard.draws == 3
+    assert list(np.flatnonzero(np.isnan(panel.dashboard.line("loss").get_ydata()))) == [3]  # what is drawn
+    panel.controls["fault_step"].value = 7
+    panel.controls["fault_step"].value = 5  # pushed out of a cache of 2 by 7 and 3: runs again
+    assert [c.faults for c in runs][2:] == [("7:nan",), ("5:nan",)]
+
+
+def test_one_runs_many_skips_do_not_push_the_other_runs_clip_out_of_the_table():
+    nan = ExperimentConfig(precision="fp32", steps=12, faults=["4-10:nan"], max_norm=None)
+    logs = {"clipped": run_experiment(ExperimentConfig(precision="fp32", steps=12, faults=["2:spike:1000"])),
+            "unclipped": run_experiment(nan)}
+    rows = event_rows(logs, 1.0, last=4)
+    assert [(run, line.split()[1], line.split()[2]) for run, line in rows] == [
+        ("clipped", "2", "CLIP"), ("unclipped", "8", "SKIP"), ("unclipped", "9", "SKIP"), ("unclipped", "10", "SKIP")]
+
+
+def test_a_run_without_a_scaler_shows_a_note_in_the_scale_panel_and_no_scale_in_the_status():
+    panel = ControlPanel(ExperimentConfig(precision="fp16", steps=8, device="cpu"), {"precision": "fp16"},
+                         panels=("scale",))
+    panel.run()
+    assert panel.dashboard.line("scale").get_visible() and "scale 1024 &rarr; 1024" in panel.status.value
+    panel.controls["precision"].value = "bf16"
+    scale_ax = panel.dashboard.figure.axes[0]
+    assert not panel.dashboard.line("scale").get_visible()
+    assert [t.get_text() for t in scale_ax.texts] == ["bf16: no loss scaler in this run"]
+    assert "scale" not in panel.status.value

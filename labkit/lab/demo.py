@@ -8,25 +8,41 @@ gives each rank its slice of every global batch, and lets rank 0 alone print and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import shutil
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
+# torch, tqdm and matplotlib are imported where they are used, after the flags are parsed:
+# `--help` and a bad flag answer at once instead of after torch's ~4 s import.
+if TYPE_CHECKING:
+    import torch
 
-from ..distributed import is_distributed, rank
-from .experiment import ExperimentConfig, default_device, run_experiment
-from ..faults import FaultSchedule
-from .plots import plot_log
-from ..records import StepLog, StepRecord
-from ..step import PRECISIONS
+    from ..records import StepLog, StepRecord
+    from .experiment import ExperimentConfig
 
-__all__ = ["build_parser", "describe", "init_distributed", "main", "run_demo"]
+__all__ = ["build_parser", "describe", "format_scale", "init_distributed", "main", "run_demo", "title"]
 
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
+PRECISIONS = ("fp32", "bf16", "fp16")  # labkit.step.PRECISIONS, without importing torch for --help
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a loss scale lives in float32
+
+
+def format_scale(scale: float) -> str:
+    """Return a loss scale as a student reads it: an integer, or 2^k once that is shorter and exact.
+
+    >>> format_scale(1024.0), format_scale(2.0**24), format_scale(2.0**-20), format_scale(3e5), format_scale(0.5)
+    ('1024', '2^24', '2^-20', '300000', '0.5')
+    """
+    text = f"{scale:g}"
+    if math.isfinite(scale) and scale > 0:
+        exponent = math.log2(scale)
+        if exponent.is_integer() and ("e" in text or float(text) != scale):
+            return f"2^{int(exponent)}"
+    return text
 
 
 def _max_norm(text: str) -> float | None:
@@ -36,12 +52,12 @@ def _max_norm(text: str) -> float | None:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0 or 'none', got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 or 'none', got {text!r}")
     return value
 
 
-def _positive(kind: type) -> object:
+def _positive(kind: type, most: float = math.inf) -> object:
     def parse(text: str) -> object:
         try:
             value = kind(text)
@@ -49,6 +65,8 @@ def _positive(kind: type) -> object:
             raise argparse.ArgumentTypeError(f"must be a {kind.__name__} > 0, got {text!r}") from None
         if not value > 0 or (kind is float and math.isinf(value)):
             raise argparse.ArgumentTypeError(f"must be a finite {kind.__name__} > 0, got {text!r}")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g} (float32's largest number), got {text!r}")
         return value
 
     parse.__name__ = kind.__name__
@@ -60,20 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m labkit demo",
         description="Train the built-in toy task through injected bad batches and show what the safety belts did.",
     )
-    p.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp16",
+                   help="fp16 runs with a dynamic loss scaler, fp32 and bf16 without (default fp16)")
     p.add_argument("--max-norm", type=_max_norm, default=1.0, help="clipping threshold, or 'none' (default 1.0)")
-    p.add_argument("--init-scale", type=_positive(float), default=2.0**10, help="initial loss scale (default 1024)")
-    p.add_argument("--growth-interval", type=_positive(int), default=50, help="clean steps before the scale grows (default 50)")
-    p.add_argument("--steps", type=_positive(int), default=300)
-    p.add_argument("--lr", type=_positive(float), default=0.05)
-    p.add_argument("--device", default=default_device())
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-scale", type=_positive(float, FLOAT32_MAX), default=2.0**10,
+                   help="initial loss scale, at most 3.4e38 (default 1024)")
+    p.add_argument("--growth-interval", type=_positive(int), default=50,
+                   help="clean steps before the scale grows (default 50)")
+    p.add_argument("--steps", type=_positive(int), default=300, help="training steps (default 300)")
+    p.add_argument("--lr", type=_positive(float), default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="data and weights (default 0)")
     p.add_argument(
         "--inject", action="append", metavar="STEP:KIND[:MAG]",
         help=f"a fault: spike, nan, inf or overflow, e.g. 50:spike:1000 or 200-204:overflow (repeatable; "
         f"default {' '.join(DEFAULT_FAULTS)}; --inject none for a clean run)",
     )
-    p.add_argument("--out", default=os.path.join("runs", "demo"), help="folder for log.jsonl, log.csv, demo.png")
+    p.add_argument("--out", default=os.path.join("runs", "demo"),
+                   help="folder for log.jsonl, log.csv, demo.png (default runs/demo)")
     p.add_argument("--parallel", choices=["ddp", "fsdp2"],
                    help="under torchrun: wrap the model in DDP (default) or FSDP2")
     p.add_argument("--fault-rank", type=int, metavar="R",
@@ -82,28 +104,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def describe(record: StepRecord, max_norm: float | None) -> list[str]:
-    """Return the event lines for one record: a skip, a clip, a change of loss scale."""
-    lines, fault = [], f" [fault {record.fault}]" if record.fault else ""
+def describe(record: StepRecord, max_norm: float | None, fault: str | None = None) -> list[str]:
+    """Return the event lines for one record: a skip, a clip, a fault that did neither, a change of scale.
+
+    ``fault`` names the fault when the record cannot (injected on another rank).
+
+    >>> from labkit.records import StepRecord
+    >>> describe(StepRecord(50, 0.3, grad_norm=34.5, fault="spike:10"), None)
+    ['step   50  FAULT spike:10 injected: norm 34.5, not clipped (max_norm none)']
+    """
+    fault = record.fault or fault
+    lines, tag = [], f" [fault {fault}]" if fault else ""
     if record.skipped:
         what = "loss is not finite: backward skipped, scale untouched" if record.reason == "nonfinite_loss" else (
             f"gradient not finite (first: {record.first_nonfinite})" if record.first_nonfinite is not None else
             "gradient norm not finite, every gradient finite: their sum of squares overflowed float32")
-        lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{fault}")
+        lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{tag}")
     elif record.clipped:
         top = ", ".join(f"{n}={v:.3g}" for n, v in record.top_grads)
         lines.append(
             f"step {record.step:4d}  CLIP  norm {record.grad_norm:.4g} > max_norm {max_norm:g} "
-            f"(x{record.clip_coef:.3g}); largest: {top}{fault}"
+            f"(x{record.clip_coef:.3g}); largest: {top}{tag}"
         )
+    elif fault:  # a fault nothing caught: say so, or it looks as if it never came
+        why = "max_norm none" if max_norm is None else f"below max_norm {max_norm:g}"
+        lines.append(f"step {record.step:4d}  FAULT {fault} injected: norm {record.grad_norm:.4g}, not clipped ({why})")
     if record.next_scale != record.scale:
         verb = "backoff" if record.next_scale < record.scale else "growth"
-        lines.append(f"step {record.step:4d}  SCALE {record.scale:g} -> {record.next_scale:g} ({verb})")
+        lines.append(f"step {record.step:4d}  SCALE {format_scale(record.scale)} -> {format_scale(record.next_scale)}"
+                     f" ({verb})")
     return lines
 
 
 def init_distributed(device: torch.device) -> torch.device:
     """Join the torchrun job (nccl on CUDA, gloo on CPU) and return this rank's device."""
+    import torch
+    import torch.distributed as dist
+
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -111,27 +148,64 @@ def init_distributed(device: torch.device) -> torch.device:
     return device
 
 
+def _final_loss(log: StepLog, summary: dict) -> str:
+    if summary["steps"] > summary["skipped"]:
+        return f"{summary['final_loss']:.4g}"
+    # StepLog's final loss is the last *stepped* one; with none stepped, nan would read as a NaN loss
+    finite = [r.loss for r in log if math.isfinite(r.loss)]
+    last = f"; the last finite loss was {finite[-1]:.4g}" if finite else ""
+    return f"none: every step was skipped, the model never stepped{last}"
+
+
+def title(config: ExperimentConfig, world: int = 1) -> str:
+    """Return the figure's title: precision, threshold and, under torchrun, the ranks.
+
+    >>> from labkit.lab.experiment import ExperimentConfig
+    >>> title(ExperimentConfig(max_norm=None, fault_rank=1), world=2)
+    'labkit demo: fp16, max_norm none, 2 ranks (ddp, faults on rank 1)'
+    """
+    max_norm = "none" if config.max_norm is None else f"{config.max_norm:g}"
+    ranks = ""
+    if world > 1:
+        where = f", faults on rank {config.fault_rank}" if config.fault_rank is not None else ""
+        ranks = f", {world} ranks ({config.parallel or 'ddp'}{where})"
+    return f"labkit demo: {config.precision}, max_norm {max_norm}{ranks}"
+
+
 def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print) -> StepLog:
     """Run ``config``, echo one line per event, write the log files and the figure into ``out``.
 
     Under an initialized process group every rank trains (on its slice of each global batch)
-    and only rank 0 echoes and writes: the records are the same on every rank.
+    and only rank 0 echoes and writes: the records are the same on every rank, except that a
+    fault injected on ``config.fault_rank`` alone is named from the schedule.
     """
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from ..distributed import is_distributed, rank
+    from .experiment import run_experiment
+    from .plots import plot_log
+
     lead = rank() == 0
     progress = progress and lead
     if not lead:
         echo = lambda *a, **k: None  # noqa: E731
+    world = dist.get_world_size() if is_distributed() else 1
+    schedule = config.fault_schedule()
+    elsewhere = config.fault_rank is not None and config.fault_rank != rank()
     os.makedirs(out, exist_ok=True)
     partial = os.path.join(out, "log.jsonl.partial")
     bar = tqdm(total=config.steps, disable=not progress, unit="step", file=sys.stderr)
 
     def report(record: StepRecord) -> None:
-        for line in describe(record, config.max_norm):
+        fault = f"{schedule[record.step].label} on rank {config.fault_rank}" if (
+            elsewhere and record.step in set(schedule)) else None
+        for line in describe(record, config.max_norm, fault):
             if progress:
                 tqdm.write(line, file=sys.stdout)
             else:
                 echo(line)
-        bar.set_postfix(loss=f"{record.loss:.3g}", scale=f"{record.scale:g}", refresh=False)
+        bar.set_postfix(loss=f"{record.loss:.3g}", scale=format_scale(record.scale), refresh=False)
         bar.update()
 
     with warnings.catch_warnings(record=True) as caught:
@@ -144,18 +218,19 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
         return log
     os.replace(partial, os.path.join(out, "log.jsonl"))
     log.to_csv(os.path.join(out, "log.csv"))
-    plot_log(log, config.max_norm, title=f"labkit demo: {config.precision}, max_norm={config.max_norm}").savefig(
-        os.path.join(out, "demo.png"), dpi=100)
+    plot_log(log, config.max_norm, title=title(config, world)).savefig(os.path.join(out, "demo.png"), dpi=100)
     s = log.summary()
-    world = dist.get_world_size() if is_distributed() else 1
+    scaler = config.precision == "fp16" and config.loss_scaling
     rows = [
         ("steps", s["steps"]),
         *([("ranks", f"{world} ({config.parallel or 'ddp'}, {dist.get_backend()})")] if world > 1 else []),
         ("skipped", f"{s['skipped']} (nonfinite_loss {s['skips_by_reason']['nonfinite_loss']}, "
                     f"nonfinite_grad {s['skips_by_reason']['nonfinite_grad']})"),
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
-        ("loss scale", f"min {s['min_scale']:g}, max {s['max_scale']:g}, final {s['final_scale']:g}"),
-        ("final loss", f"{s['final_loss']:.4g}"),
+        ("loss scale", f"min {format_scale(s['min_scale'])}, max {format_scale(s['max_scale'])}, "
+                       f"final {format_scale(s['final_scale'])}" if scaler else f"none ({config.precision} runs "
+                       "without a loss scaler)"),
+        ("final loss", _final_loss(log, s)),
         ("files", f"{os.path.join(out, 'log.jsonl')}, log.csv, demo.png"),
     ]
     echo("\nsummary")
@@ -164,36 +239,94 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     return log
 
 
+def _check_out(parser: argparse.ArgumentParser, out: str) -> str | None:
+    """Fail on an ``--out`` that cannot be a folder we write; return the top folder this run will create."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out: {out!r} is a file, not a folder; give a folder (it is created if missing)")
+    top = None
+    missing = os.path.abspath(out)
+    while not os.path.exists(missing):
+        top, missing = missing, os.path.dirname(missing)
+    if not os.path.isdir(missing) or not os.access(missing, os.W_OK | os.X_OK):
+        parser.error(f"--out: cannot create or write {out!r} ({missing!r} is not a writable folder); "
+                     "give a folder you can write to")
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".labkit-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)
+        parser.error(f"--out: cannot write into {out!r} ({e.strerror}); give a folder you can write to")
+    return top
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # before torch is imported: --help and bad flags answer at once
     specs = args.inject if args.inject is not None else DEFAULT_FAULTS
-    try:
-        FaultSchedule.parse([] if specs == ["none"] else specs)
-    except ValueError as e:
-        parser.error(f"--inject: {e}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device: unknown device {args.device!r}; use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available on this machine; use --device cpu")
+    faults = [] if specs == ["none"] else specs
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it (with RANK, LOCAL_RANK, MASTER_*)
     if world == 1 and args.parallel is not None:
         parser.error("--parallel: launch under torchrun, e.g. torchrun --nproc_per_node=2 -m labkit demo --parallel "
                      f"{args.parallel}")
     if args.fault_rank is not None and not 0 <= args.fault_rank < world:
         parser.error(f"--fault-rank: must be a rank in 0..{world - 1}, got {args.fault_rank}")
+
+    import torch
+
+    from ..faults import FaultSchedule
+    from .experiment import ExperimentConfig, default_device
+
+    try:
+        schedule = FaultSchedule.parse(faults)
+    except ValueError as e:
+        parser.error(f"--inject: {e}")
+    try:
+        device = torch.device(args.device or default_device())
+    except RuntimeError:
+        parser.error(f"--device: unknown device {args.device!r}; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine; use --device cpu")
+    try:  # every setting checked before anything is written or a process group joined
+        config = ExperimentConfig(
+            precision=args.precision, max_norm=args.max_norm, init_scale=args.init_scale,
+            growth_interval=args.growth_interval, faults=faults, steps=args.steps, lr=args.lr, seed=args.seed,
+            device=str(device), parallel=args.parallel, fault_rank=args.fault_rank,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    late = [step for step in schedule if step >= args.steps]
+    if late and int(os.environ.get("RANK", "0")) == 0:
+        which = "the default --inject" if args.inject is None else "--inject"
+        print(f"note: {which} puts faults at steps {_ranges(late)}, past the last step ({args.steps - 1}); "
+              f"they never fire (raise --steps to see them)", file=sys.stderr)
+    created = _check_out(parser, args.out) if int(os.environ.get("RANK", "0")) == 0 else None
     if world > 1:
         device = init_distributed(device)
-    config = ExperimentConfig(
-        precision=args.precision, max_norm=args.max_norm, init_scale=args.init_scale,
-        growth_interval=args.growth_interval, faults=[] if specs == ["none"] else specs, steps=args.steps,
-        lr=args.lr, seed=args.seed, device=str(device), parallel=args.parallel, fault_rank=args.fault_rank,
-    )
+        config = dataclasses.replace(config, device=str(device))
     try:
         run_demo(config, args.out, progress=not args.no_progress)
+    except BaseException:
+        if created is not None:  # a run that failed leaves no folder of its own behind
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     finally:
         if world > 1:
+            import torch.distributed as dist
+
             dist.destroy_process_group()
     return 0
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[5, 6, 7, 9]`` -> ``"5-7, 9"``."""
+    runs: list[list[int]] = []
+    for s in sorted(steps):
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

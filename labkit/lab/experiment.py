@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -92,7 +93,10 @@ class ExperimentConfig:
                 check_max_norm(self.max_norm)
             except ValueError:
                 raise ValueError(f"max_norm must be a number > 0 or None (no clipping), got {self.max_norm!r}.") from None
-        check_init_scale(_positive_float("init_scale", self.init_scale))
+        if _positive_float("init_scale", self.init_scale) > torch.finfo(torch.float32).max:
+            raise ValueError(f"init_scale must be at most {torch.finfo(torch.float32).max:.4g} (the scale is a "
+                             f"float32), got {self.init_scale!r}; torch's default is 2.0**16.")
+        check_init_scale(self.init_scale)  # float32's normal range: below it 1/scale overflows
         _positive_int("growth_interval", self.growth_interval)
         _positive_int("steps", self.steps)
         _positive_float("lr", self.lr)
@@ -143,6 +147,23 @@ def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
     return fully_shard(model)
 
 
+@contextlib.contextmanager
+def _one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
+    # The toy model's matmuls (64x16, 64x64) are far too small to split across threads: on 2
+    # cores torch's intra-op threads cost more than they save, and when another process holds a
+    # core they spin-wait for it (120 steps: 0.7 s on one thread, 11 s on two, on a loaded
+    # 2-core AMD EPYC). The setting is process-wide, so it is put back after the run.
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_experiment(
     config: ExperimentConfig,
     on_record: Callable[[StepRecord], None] | None = None,
@@ -177,11 +198,12 @@ def run_experiment(
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision, max_norm=config.max_norm,
                      scaler=scaler, scheduler=scheduler, faults=faults, log_path=log_path)
     try:
-        for i in range(config.steps):
-            inputs, targets = (t.tensor_split(world)[me] for t in task.batch(i, device))
-            record = step(inputs, targets)
-            if on_record is not None:
-                on_record(record)
+        with _one_thread_on_cpu(device):
+            for i in range(config.steps):
+                inputs, targets = (t.tensor_split(world)[me] for t in task.batch(i, device))
+                record = step(inputs, targets)
+                if on_record is not None:
+                    on_record(record)
     finally:
         step.log.close()
     return step.log

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import matplotlib
@@ -34,26 +35,45 @@ def _skip_marks(steps: Sequence[int]) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def _drawn(line) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a line shows anything: a finite point (a NaN-only line draws nothing)."""
+    return line.get_visible() and any(math.isfinite(y) for y in line.get_ydata())
+
+
 def _summary(run: str, records: Sequence[StepRecord]) -> str:
     skipped = sum(r.skipped for r in records)
     clipped = sum(r.clipped for r in records if not r.skipped)
     return f"{run}: {len(records)} steps, {skipped} skipped, {clipped} clipped"
 
 
-class _Panels:
-    """The axes and line artists of one figure, made once; ``set_run`` only changes their data."""
+def had_scaler(log: Iterable[StepRecord]) -> bool:
+    """Whether a loss scaler ran: a disabled one (fp32, bf16) reports scale 1 and never moves it."""
+    return any(r.scale != 1.0 or r.next_scale != 1.0 for r in log)
 
-    def __init__(self, fig: Figure, runs: Sequence[str], panels: Sequence[str], max_norm: float | None) -> None:
+
+class _Panels:
+    """The axes and line artists of one figure, made once; ``set_run`` only changes their data.
+
+    Every repaint puts back what the figure shows: y-limits from all the data drawn plus the
+    threshold (autoscale stays on: a fixed limit would freeze the first run's range), and
+    legends that list exactly the artists that draw something.
+    """
+
+    def __init__(self, fig: Figure, runs: Sequence[str], panels: Sequence[str], max_norm: float | None,
+                 loss_weight: float = 1.0) -> None:
         unknown = [p for p in panels if p not in PANELS]
         if unknown or not panels:
             raise ValueError(f"panels must be a non-empty selection of {PANELS}, got {tuple(panels)!r}.")
         if not runs or len(set(runs)) != len(runs):
             raise ValueError(f"runs must be distinct names, at least one; got {tuple(runs)!r}.")
-        self.fig, self.runs = fig, tuple(runs)
+        if not (loss_weight > 0 and math.isfinite(loss_weight)):
+            raise ValueError(f"loss_weight must be a finite number > 0 (the loss is plotted divided by it), "
+                             f"got {loss_weight!r}.")
+        self.fig, self.runs, self.loss_weight = fig, tuple(runs), loss_weight
         axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
         self.axes = dict(zip(panels, axes))
         for name, ax in self.axes.items():
-            ax.set_ylabel(_YLABELS[name])
+            ax.set_ylabel(_YLABELS[name] if name != "loss" or loss_weight == 1.0 else "loss / loss_weight")
             ax.set_yscale("log", base=2 if name == "scale" else 10)
         axes[-1].set_xlabel("step")
         self.lines: dict[tuple[str, str], matplotlib.lines.Line2D] = {}
@@ -66,25 +86,39 @@ class _Panels:
                                                      label=f"{prefix}pre-clip (logged)")[0]
                     self.lines[run, "post"] = ax.plot([], [], lw=1, ls="--", color="C1" if single else color,
                                                       alpha=0.8, label=f"{prefix}post-clip (stepped)")[0]
-                elif name == "loss":
-                    self.lines[run, "loss"] = ax.plot([], [], lw=1, color="C2" if single else color, label=run)[0]
+                elif name == "loss":  # one run: the axis label names the line
+                    self.lines[run, "loss"] = ax.plot([], [], lw=1, color="C2" if single else color,
+                                                      label="_loss" if single else run)[0]
                 else:
                     self.lines[run, "scale"] = ax.plot([], [], lw=1, color=color, drawstyle="steps-post",
-                                                       label=f"{prefix}scale")[0]
+                                                       label="_scale" if single else f"{prefix}scale")[0]
+                # Each run's marks in its own colour, with its own entry: a swatch is the marks' colour.
                 self.lines[run, "skip:" + name] = ax.plot(
-                    [], [], color=_SKIP_COLOR if single else color, alpha=0.35, lw=1, transform=ax.get_xaxis_transform(),
-                    label="skipped step" if i == 0 and name != "loss" else None)[0]
+                    [], [], color=_SKIP_COLOR if single else color, alpha=0.35, lw=1,
+                    transform=ax.get_xaxis_transform(), label=f"{prefix}skipped step")[0]
         self.threshold = None
         if "norm" in self.axes:
             self.threshold = self.axes["norm"].axhline(math.nan, color="k", ls=":", lw=0.8, label="max_norm")
+        self.note = None
+        if "scale" in self.axes:
+            self.note = self.axes["scale"].text(0.5, 0.5, "", transform=self.axes["scale"].transAxes,
+                                                ha="center", va="center", fontsize=9, color="0.35")
+        self._legends: dict[str, tuple] = {}
         self.set_max_norm(max_norm)
-        for name, ax in self.axes.items():
-            if name != "loss" or not single:
-                ax.legend(loc="upper right" if name != "scale" else "lower right", fontsize=7)
 
     def set_max_norm(self, max_norm: float | None) -> None:
         if self.threshold is not None:
             self.threshold.set_ydata([math.nan if max_norm is None else max_norm] * 2)  # NaN: not drawn
+
+    def set_scale_note(self, note: str | None) -> None:
+        """Show ``note`` in place of the scale curves (a run without a scaler), or the curves (``None``)."""
+        if "scale" not in self.axes:
+            return
+        self.note.set_text(note or "")
+        for (_, key), line in self.lines.items():
+            if key in ("scale", "skip:scale"):
+                line.set_visible(note is None)
+        self.axes["scale"].yaxis.set_visible(note is None)
 
     def set_run(self, run: str, records: Sequence[StepRecord]) -> None:
         steps = [r.step for r in records]
@@ -92,7 +126,7 @@ class _Panels:
         data = {
             "pre": _positive(r.grad_norm for r in records),
             "post": _positive(r.post_clip_norm for r in records),
-            "loss": _positive(r.loss for r in records),
+            "loss": _positive(r.loss / self.loss_weight for r in records),
             "scale": [r.scale for r in records],
         }
         for (name_run, key), line in self.lines.items():
@@ -104,28 +138,47 @@ class _Panels:
                 line.set_data(steps, data[key])
 
     def rescale(self) -> None:
-        for ax in self.axes.values():
-            ax.relim()
+        for name, ax in self.axes.items():
+            # On every repaint: a call to set_ylim (or a zoom) turns autoscaling off for good.
+            ax.set_autoscaley_on(True)
+            ax.relim(visible_only=True)  # the threshold (an axhline) counts for y; the skip marks only for x
             ax.autoscale_view()
-        if self.threshold is not None:  # keep the threshold in view even before the norm reaches it
-            ydata = self.threshold.get_ydata()
-            if math.isfinite(ydata[0]):
-                lo, hi = self.axes["norm"].get_ylim()
-                self.axes["norm"].set_ylim(min(lo, ydata[0] / 2), max(hi, ydata[0] * 2))
+            if ax is self.axes.get("norm") and self.threshold is not None and _drawn(self.threshold):
+                # A margin of 2x around the threshold too, so it is never drawn on the frame.
+                t = self.threshold.get_ydata()[0]
+                lo, hi = ax.get_ylim()
+                ax.set_ylim(min(lo, t / 2), max(hi, t * 2), auto=None)  # auto=None: autoscale stays on
+            self._legend(name, ax)
+
+    def _legend(self, name: str, ax) -> None:  # type: ignore[no-untyped-def]
+        handles = tuple(line for line in ax.get_lines() if not line.get_label().startswith("_") and _drawn(line))
+        if self._legends.get(name) == handles:
+            return  # rebuilding a legend costs more than drawing it
+        self._legends[name] = handles
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+        if handles:
+            # "best": where it covers the fewest data points (a fixed corner hid the scale's last steps)
+            ax.legend(handles=list(handles), loc="best", fontsize=7)
 
 
-def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = None) -> Figure:
-    """Return the 3-panel figure of a finished run (no pyplot, so it works without a display).
+def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = None,
+             panels: Sequence[str] | None = None) -> Figure:
+    """Return the figure of a finished run (no pyplot, so it works without a display).
+
+    ``panels`` defaults to norm, loss and, if a loss scaler ran (the scale moved off 1), scale.
 
     >>> from labkit.records import StepRecord
-    >>> fig = plot_log(StepLog([StepRecord(0, 1.0, grad_norm=2.0, clip_coef=0.5, clipped=True)]), max_norm=1.0)
+    >>> fig = plot_log(StepLog([StepRecord(0, 1.0, grad_norm=2.0, clip_coef=0.5, clipped=True, scale=1024.0)]), max_norm=1.0)
     >>> [ax.get_ylabel() for ax in fig.axes]
     ['grad norm', 'loss', 'loss scale']
     """
-    fig = Figure(figsize=(9, 7), layout="constrained")
-    panels = _Panels(fig, ("run",), PANELS, max_norm)
-    panels.set_run("run", list(log))
-    panels.rescale()
+    if panels is None:
+        panels = PANELS if had_scaler(log) else ("norm", "loss")
+    fig = Figure(figsize=(9, 2.3 * len(panels) + 0.4), layout="constrained")
+    drawn = _Panels(fig, ("run",), panels, max_norm)
+    drawn.set_run("run", list(log))
+    drawn.rescale()
     summary = log.summary()
     fig.suptitle(title or f"{summary['steps']} steps, {summary['skipped']} skipped, {summary['clipped']} clipped")
     return fig
@@ -146,8 +199,12 @@ class LiveDashboard:
     when the kernel is idle) calls ``draw_idle()``. With any other backend the figure is
     rendered to PNG into an ``ipywidgets.Image``: swapping its bytes replaces the picture in
     one piece (no blank frame, unlike ``Output.clear_output()`` without ``wait=True``), and,
-    unlike ``with output:``, it is safe from a widget callback's thread. A redraw costs
-    about 65 ms (ipympl) to 95 ms (PNG) on two CPU cores, so keep ``every`` at 10 or more.
+    unlike ``with output:``, it is safe from a widget callback's thread. A redraw is a full
+    Agg render (0.13 s of CPU time for two runs in two panels to PNG on a 2-core AMD EPYC
+    without AVX-512, measured under load), so keep ``every`` at 10 or more.
+    Every repaint rescales each panel to all of its data and the threshold, and lists in each
+    legend only what is drawn. ``loss_weight`` plots the loss divided by it (see
+    ``ExperimentConfig.loss_weight``).
 
     >>> from labkit.records import StepRecord
     >>> dash = LiveDashboard(max_norm=1.0, every=2)
@@ -164,6 +221,7 @@ class LiveDashboard:
         panels: Sequence[str] = PANELS,
         every: int = 10,
         figsize: tuple[float, float] = (8, 5.5),
+        loss_weight: float = 1.0,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1 (records between redraws), got {every!r}.")
@@ -172,9 +230,16 @@ class LiveDashboard:
         if self.interactive:
             import matplotlib.pyplot as plt
 
-            with plt.ioff():  # made, not shown: the caller displays the dashboard once
+            with plt.ioff(), warnings.catch_warnings():  # made, not shown: the caller displays the dashboard once
+                # ipympl 0.10's Toolbar passes its arguments on to traitlets, which warns (a
+                # DeprecationWarning the student can do nothing about); only that one is silenced.
+                warnings.filterwarnings("ignore", r"Passing unrecognized arguments to super\(Toolbar\)",
+                                        DeprecationWarning)
                 fig = plt.figure(figsize=figsize)
             fig.canvas.header_visible = False  # "Figure 7" changes every run; it says nothing
+            # ipympl's toolbar floats over the canvas; on the left (its default) it hid the norm
+            # panel's y-label and ticks. On the right it sits in the margin kept free for it below.
+            fig.canvas.toolbar_position = "right"
             # Until a page shows it, ipympl 0.10 syncs each drawn frame to the page as bare base64
             # where the page expects a data URL; the page then fails to render the widget at all
             # (a live dashboard drawn before it is displayed; found by tests/browser). Off, the
@@ -188,9 +253,12 @@ class LiveDashboard:
             FigureCanvasAgg(fig)
             self._image = ipywidgets.Image(format="png")
         # Fixed margins, not a layout engine: constrained layout on every redraw costs ~70 % more.
-        fig.subplots_adjust(left=0.12, right=0.97, top=0.93, bottom=0.09, hspace=0.12)
+        # The title has one line per run (one long line was cut off at both edges).
+        title_lines = len(runs) if len(runs) > 2 else 1
+        fig.subplots_adjust(left=0.12, right=0.94, top=0.97 - 0.035 * title_lines, bottom=0.09, hspace=0.12)
         self.figure = fig
-        self._panels = _Panels(fig, tuple(runs), tuple(panels), max_norm)
+        self._panels = _Panels(fig, tuple(runs), tuple(panels), max_norm, loss_weight)
+        self._title_sep = "\n" if title_lines > 1 else " | "
         self._records: dict[str, list[StepRecord]] = {run: [] for run in self._panels.runs}
         self.draws = 0
 
@@ -227,11 +295,16 @@ class LiveDashboard:
             raise KeyError(f"unknown run {run!r}; this dashboard shows {self.runs}.")
         return run
 
-    def reset(self, max_norm: float | None = None) -> None:
-        """Forget every run's records (the figure stays) and set the threshold line."""
+    def reset(self, max_norm: float | None = None, *, scale_note: str | None = None) -> None:
+        """Forget every run's records (the figure stays), set the threshold line and the scale panel.
+
+        ``scale_note``: the run has no loss scaler; the scale panel says this instead of showing
+        a flat line at 1 that means nothing.
+        """
         for records in self._records.values():
             records.clear()
         self._panels.set_max_norm(max_norm)
+        self._panels.set_scale_note(scale_note)
         for run in self.runs:
             self._panels.set_run(run, [])
 
@@ -261,7 +334,7 @@ class LiveDashboard:
         for run, records in self._records.items():
             self._panels.set_run(run, records)
         self._panels.rescale()
-        self.figure.suptitle(" | ".join(_summary(run, recs) for run, recs in self._records.items()), fontsize=9)
+        self.figure.suptitle(self._title_sep.join(_summary(run, recs) for run, recs in self._records.items()), fontsize=9)
         self.draws += 1
         if not self.interactive:
             self._render_png()

@@ -12,6 +12,7 @@ a model that is being trained.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import html
 import math
@@ -23,13 +24,13 @@ from typing import Any
 
 import ipywidgets as W
 
-from .demo import describe
+from .demo import describe, format_scale
 from .experiment import ExperimentConfig, run_experiment
 from ..faults import KINDS
 from .plots import PANELS, LiveDashboard
 from ..records import StepLog
 
-__all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows"]
+__all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows", "scaler_runs"]
 
 CONTROLS = ("max_norm", "fault", "fault_step", "fault_count", "fault_magnitude",
             "init_scale", "growth_interval", "precision", "loss_scaling")
@@ -81,16 +82,34 @@ def config_from(base: ExperimentConfig, values: Mapping[str, Any]) -> Experiment
     return dataclasses.replace(base, **changes)
 
 
-def event_rows(logs: Mapping[str, StepLog], max_norm: float | None, last: int = 8) -> list[tuple[str, str]]:
-    """Return the last ``last`` events (skips, clips, scale changes) as ``(run, line)`` rows.
+def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str, float | None],
+               last: int = 8) -> list[tuple[str, str]]:
+    """Return the last ``last`` events (skips, clips, faults, scale changes) as ``(run, line)`` rows.
+
+    ``max_norm`` is the threshold the runs clipped at, or ``{run: threshold}`` where they differ.
+
+    With several runs each keeps a fair share: one run's many skips do not push out the other
+    run's one clip (the rows are cut from whichever run has the most, oldest first).
 
     >>> from labkit.records import StepRecord
     >>> event_rows({"run": StepLog([StepRecord(3, math.nan, skipped=True, reason="nonfinite_loss", fault="nan")])}, 1.0)
     [('run', 'step    3  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched [fault nan]')]
     """
-    rows = [(r.step, run, line) for run, log in logs.items() for r in log for line in describe(r, max_norm)]
-    rows.sort(key=lambda row: row[0])  # stable: runs keep their order within a step
-    return [(run, line) for _, run, line in rows[-last:]] if last > 0 else []
+    if last <= 0:
+        return []
+    thresholds = max_norm if isinstance(max_norm, Mapping) else {run: max_norm for run in logs}
+    per_run = {run: [(r.step, i, run, line) for r in log for line in describe(r, thresholds[run])][-last:]
+               for i, (run, log) in enumerate(logs.items())}
+    while sum(map(len, per_run.values())) > last:
+        del max(per_run.values(), key=lambda rows: (len(rows), -rows[0][0] if rows else 0))[0]  # ties: the oldest
+    # by step, then by run; sorted is stable, so the lines of one record keep their order
+    rows = sorted((row for rows in per_run.values() for row in rows), key=lambda row: row[:2])
+    return [(run, line) for _, _, run, line in rows]
+
+
+def scaler_runs(config: ExperimentConfig) -> bool:
+    """Whether ``config`` trains with a loss scaler: fp16 with ``loss_scaling`` (fp32 and bf16 need none)."""
+    return config.precision == "fp16" and config.loss_scaling
 
 
 def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
@@ -129,7 +148,9 @@ class ControlPanel:
     values without a widget (e.g. ``{"fault": "overflow"}`` with only step sliders); ``variants`` maps a
     run's name to config changes applied on top (e.g. ``{"unclipped": {"max_norm": None}}``);
     ``auto_run`` re-runs on every change (sliders fire on release), else only the Run button
-    does; ``live`` repaints the dashboard every ``every`` steps while training. In the page,
+    does; ``live`` repaints the dashboard every ``every`` steps while training. A run is a pure
+    function of its config, so the last ``cache_size`` logs are kept by config: a slider moved
+    back to a value already seen redraws at once, without training. In the page,
     each widget carries a CSS class: ``labkit-panel``, ``labkit-control-<name>``, ``labkit-run``,
     ``labkit-status``, ``labkit-dashboard`` and ``labkit-events`` (the table of last events).
 
@@ -153,6 +174,7 @@ class ControlPanel:
         every: int = 25,
         panels: Sequence[str] = PANELS,
         table_rows: int = 8,
+        cache_size: int = 32,
     ) -> None:
         self.base = base
         self.variants = {name: dict(changes) for name, changes in (variants or {"run": {}}).items()}
@@ -173,6 +195,11 @@ class ControlPanel:
         self.alarms: dict[str, list[str]] = {}
         self.error: Exception | None = None
         self.seconds = math.nan
+        # Logs by the exact config that made them (runs are a pure function of it): ~100 KB each.
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+            raise ValueError(f"cache_size must be an int >= 0 (logs kept; 0: none), got {cache_size!r}.")
+        self.cache_size = cache_size
+        self._cache: collections.OrderedDict[ExperimentConfig, tuple[StepLog, list[str]]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._running = self._pending = False
         for widget in self.controls.values():
@@ -233,22 +260,31 @@ class ControlPanel:
     def _run_once(self, config: ExperimentConfig) -> None:
         self.status.value = "running..."
         dash = self.dashboard
-        dash.reset(config.max_norm)
+        configs = {name: dataclasses.replace(config, **changes) for name, changes in self.variants.items()}
+        scaled = [c for c in configs.values() if scaler_runs(c)]
+        dash.reset(config.max_norm, scale_note=None if scaled else f"{config.precision}: no loss scaler in this run")
         start, logs, alarms = time.perf_counter(), {}, {}
-        for name, changes in self.variants.items():
+        for name, run_config in configs.items():
+            if run_config in self._cache:  # a slider back on a value already seen: nothing to train
+                self._cache.move_to_end(run_config)
+                logs[name], alarms[name] = self._cache[run_config]
+                continue
             on_record = (lambda record, name=name: dash.update(record, name)) if self.live else None
             # Alarms go into the status line: from a callback, a warning would land in a log
             # console nobody reads. (catch_warnings is process-wide, not per thread; at worst
             # a warning raised elsewhere during the run is shown here instead.)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                logs[name] = run_experiment(dataclasses.replace(config, **changes), on_record)
+                logs[name] = run_experiment(run_config, on_record)
             alarms[name] = sorted({w.category.__name__ for w in caught})
+            self._cache[run_config] = logs[name], alarms[name]
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         dash.show(logs)
         self.seconds = time.perf_counter() - start
         self.logs, self.alarms, self.error = logs, alarms, None
         self.status.value = self._status_html(config)
-        rows = event_rows(logs, config.max_norm, self.table_rows)
+        rows = event_rows(logs, {name: c.max_norm for name, c in configs.items()}, self.table_rows)
         self.table.value = _table_html(rows, multi=len(logs) > 1)
 
     def _status_html(self, config: ExperimentConfig) -> str:
@@ -256,9 +292,12 @@ class ControlPanel:
         for name, log in self.logs.items():
             s = log.summary()
             alarm = f", <b>alarm</b>: {', '.join(self.alarms[name])}" if self.alarms[name] else ""
-            first = log[0].scale if len(log) else math.nan
+            scale = ""
+            if scaler_runs(dataclasses.replace(config, **self.variants[name])) and len(log):
+                scale = f"scale {format_scale(log[0].scale)} &rarr; {format_scale(s['final_scale'])}, "
+            loss = f"final loss {s['final_loss']:.3g}" if s["steps"] > s["skipped"] else "no step taken"
             parts.append(f"<b>{html.escape(name)}</b>: {s['skipped']} skipped, {s['clipped']} clipped, "
-                         f"scale {first:g} &rarr; {s['final_scale']:g}, final loss {s['final_loss']:.3g}{alarm}")
+                         f"{scale}{loss}{alarm}")
         device = config.resolved_device().type
         return " &middot; ".join(parts) + f" &middot; {self.seconds:.2f} s on {device}"
 

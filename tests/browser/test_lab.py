@@ -24,6 +24,43 @@ CLIPPING, SCALING, GUARDED = "01_gradient_clipping.ipynb", "02_mixed_precision.i
 EXERCISE = "exercises/ps1_clipping_and_scaling.ipynb"
 
 
+# What the student sees in every live figure, read back from the kernel: each panel's y-range
+# holds every value drawn in data coordinates (the threshold included), each legend lists
+# exactly the labelled artists that draw something, and nothing sticks out of the canvas.
+SEEN = """
+def _labkit_seen():
+    import math
+    import matplotlib.pyplot as plt
+    problems = []
+    for num in plt.get_fignums():
+        fig = plt.figure(num)
+        box, canvas = fig.get_tightbbox(fig.canvas.get_renderer()), fig.bbox_inches
+        if box.x0 < canvas.x0 - 0.01 or box.y0 < canvas.y0 - 0.01 or box.x1 > canvas.x1 + 0.01 \\
+                or box.y1 > canvas.y1 + 0.01:
+            problems.append(f"figure {num}: drawn {box.bounds} outside the canvas {canvas.bounds}")
+        for ax in fig.axes:
+            drawn = [l for l in ax.get_lines()
+                     if l.get_visible() and any(math.isfinite(y) for y in l.get_ydata())]
+            labels = sorted(l.get_label() for l in drawn if not l.get_label().startswith("_"))
+            legend = ax.get_legend()
+            shown = sorted(t.get_text() for t in legend.get_texts()) if legend is not None else []
+            if shown != labels:
+                problems.append(f"figure {num} {ax.get_ylabel()!r}: legend {shown}, drawn {labels}")
+            lo, hi = ax.get_ylim()
+            ys = [y for l in drawn if l.get_transform().contains_branch_seperately(ax.transData)[1]
+                  for y in l.get_ydata() if math.isfinite(y)]
+            if ys and not lo <= min(ys) <= max(ys) <= hi:
+                problems.append(f"figure {num} {ax.get_ylabel()!r}: y-limits {(lo, hi)} miss "
+                                f"{[y for y in ys if not lo <= y <= hi][:3]}")
+    return problems
+"""
+
+
+def seen_problems(nb):  # type: ignore[no-untyped-def]
+    nb.kernel(SEEN)
+    return nb.value("_labkit_seen()")
+
+
 def shot(nb, tmp_path, name, near=None):  # type: ignore[no-untyped-def]
     path = nb.screenshot(tmp_path / f"{name}.png", near)
     print(f"screenshot: {path}")
@@ -50,9 +87,16 @@ def test_every_notebook_runs_in_jupyterlab_without_an_error(notebooks, path, tmp
     assert code and all(c["count"] is not None for c in code), "a code cell did not run"
     assert nb.errors() == []
     assert nb.value("__import__('sys').executable") == __import__("sys").executable  # the venv's kernel
+    # the lesson, not its tests: nbval reads cell tags, checks sit in collapsed cells
+    assert [i for i, c in enumerate(cells) if "NBVAL" in c["source"]] == []
+    if not path.startswith("exercises/"):
+        shown = [i for i, c in enumerate(code) if re.search(r"^\s*assert\b", c["source"], re.M)
+                 and not c["metadata"].get("jupyter", {}).get("source_hidden")]
+        assert shown == [], f"code cells {shown} show assert lines; collapse them"
     if any("%matplotlib widget" in c["source"] for c in code):  # its figures are live ipympl canvases
         sizes = nb.root.locator(".jupyter-matplotlib canvas").evaluate_all("(cs) => cs.map((c) => c.width * c.height)")
         assert len(sizes) >= 2 and all(sizes), f"a figure is blank (canvas areas {sizes})"
+        assert seen_problems(nb) == []
     widgets = nb.root.locator(".labkit-panel")
     cut = widgets.locator(".widget-label").evaluate_all(
         "(labels) => labels.filter((l) => l.scrollWidth > l.clientWidth).map((l) => l.textContent)")
@@ -69,10 +113,17 @@ def test_01_moving_the_fault_step_moves_the_spike_in_plot_and_kernel(notebooks, 
     step_slider = panel.locator(".labkit-control-fault_step")
     type_into(step_slider, "30")
     after = finished(status, before_text)
-    assert nb.value("panel.config.faults") == ["30:spike:1000"]  # the spike size the notebook's code left
+    assert nb.value("panel.config.faults") == ["30:spike:30"]  # the size the text describes: the cells put it back
     peak = nb.value("int(np.argmax(panel.dashboard.line('norm', 'clipped').get_ydata()))")
     assert peak == 30 and nb.value("panel.logs['clipped'].clipped_steps") == [30]
     assert re.search(r"clipped: 0 skipped, 1 clipped", after), after
+    # a spike 300x bigger: the norm axis must grow to it (it used to keep the first limits)
+    type_into(panel.locator(".labkit-control-fault_magnitude"), "10000")
+    after = finished(status, after)
+    assert nb.value("panel.config.faults") == ["30:spike:10000"]
+    assert seen_problems(nb) == []
+    top = nb.value("[max(panel.dashboard.line('norm', run).get_ydata()) for run in ('clipped', 'unclipped')]")
+    assert nb.value("panel.dashboard.figure.axes[0].get_ylim()[1]") >= max(top)
     changed = wait_for_redraw(dashboard, before_pixels)
     assert changed > 0.005, f"only {changed:.2%} of the canvas changed"
     shot(nb, tmp_path, "01_fault_step_30", panel)
@@ -99,14 +150,15 @@ def test_02_a_new_init_scale_starts_the_plotted_scale_curve_there(notebooks, tmp
     panel = panel_of(nb)
     status, dashboard = panel.locator(".labkit-status"), panel.locator(".labkit-dashboard")
     before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
-    assert "scale 4096 →" not in before_text
-    type_into(panel.locator(".labkit-control-init_scale"), "12")
+    assert "scale 1024 →" in before_text  # what the text describes: the notebook's checks put it back
+    type_into(panel.locator(".labkit-control-init_scale"), "24")
     after = finished(status, before_text)
-    assert "scale 4096 →" in after, after  # the label a student reads
-    assert nb.value("float(panel.dashboard.line('scale').get_ydata()[0])") == 4096.0  # the curve on the plot
-    assert nb.value("panel.logs['run'][0].scale") == 4096.0
+    assert "scale 2^24 →" in after, after  # the label a student reads (not 1.67772e+07)
+    assert nb.value("float(panel.dashboard.line('scale').get_ydata()[0])") == 2.0**24  # the curve on the plot
+    assert nb.value("panel.logs['run'].skipped_steps[:8]") == list(range(8))  # too high: skipped until it fits
     assert wait_for_redraw(dashboard, before_pixels) > 0.005
-    shot(nb, tmp_path, "02_init_scale_2^12", panel)
+    assert seen_problems(nb) == []
+    shot(nb, tmp_path, "02_init_scale_2^24", panel)
 
 
 def test_02_dragging_the_episode_moves_the_skips(notebooks, tmp_path):
@@ -142,7 +194,7 @@ def test_03_run_button_runs_the_new_settings_and_the_table_gains_the_skip(notebo
         assert time.monotonic() < deadline, "the kernel never saw the new settings"
         time.sleep(0.2)
     assert status.inner_text() == before_text  # auto_run=False: changing settings ran nothing
-    expect(events).not_to_contain_text(re.compile(r"step\s+150\s"))
+    expect(events).not_to_contain_text(re.compile(r"step\s+150\s+SKIP"))
     panel.locator(".labkit-run").click()
     after = finished(status, before_text)
     expect(events).to_contain_text(re.compile(r"step\s+150\s+SKIP\s+nonfinite_loss"))
