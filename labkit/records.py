@@ -188,6 +188,8 @@ class StepLog(Sequence[StepRecord]):
     long runs pass ``window=N``: only the last N records are kept (indexing, ``column`` and
     ``skipped_steps`` see those), while ``summary()`` still counts every step. ``state_dict``
     carries the summary across a resume (``TrainStep.state_dict`` includes it).
+    Each of ``sinks`` (anything with ``write(record)`` and ``close()``, e.g. a
+    ``labkit.export.Telemetry``) is given every record as it is appended, and closed with the log.
 
     >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, math.nan, skipped=True, reason="nonfinite_loss")])
     >>> log.skipped_steps, log.column("loss")[0]
@@ -198,12 +200,14 @@ class StepLog(Sequence[StepRecord]):
     """
 
     def __init__(
-        self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None, window: int | None = None
+        self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None,
+        sinks: Sequence[Any] = (), window: int | None = None,
     ) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be None (keep every record) or an int >= 1, got {window!r}.")
         if stream is not None and not isinstance(stream, (str, os.PathLike)):
             raise TypeError(f"log_path/stream must be a str or os.PathLike file path, got {type(stream).__name__}.")
+        self.sinks: list[Any] = list(sinks)
         path = rank_path(stream) if stream is not None else None
         if path is not None:
             folder = os.path.dirname(os.path.abspath(path))
@@ -251,7 +255,9 @@ class StepLog(Sequence[StepRecord]):
         self._totals.add(record)
         if self._fd is not None:
             self._pending.append(record.to_json() + "\n")
-            self.flush()
+        for sink in self.sinks:
+            sink.write(record)
+        self.flush()
 
     def flush(self) -> None:
         """Write the lines a failed write left behind (see ``append``); raise ``LogWriteError`` if it fails again."""
@@ -278,7 +284,7 @@ class StepLog(Sequence[StepRecord]):
         self._pending = []
 
     def close(self) -> None:
-        """Write what is pending and close the JSONL stream, if any."""
+        """Write what is pending and close the JSONL stream, if any, and the sinks."""
         if self._fd is not None:
             try:
                 self.flush()
@@ -286,6 +292,8 @@ class StepLog(Sequence[StepRecord]):
                 if not self._pending:
                     os.close(self._fd)
                     self._fd = None
+        for sink in self.sinks:
+            sink.close()
 
     def column(self, name: str) -> list[Any]:
         """Return one field of every record, e.g. ``log.column("scale")``."""

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-rank", type=int, metavar="R",
                    help="under torchrun: inject the faults on rank R only (default: every rank)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-to", metavar="TRACKERS",
+                   help="also stream the records to trackers under --out: tensorboard,trackio,mlflow,wandb "
+                   "(each an extra: pip install 'labkit[tensorboard]')")
     return p
 
 
@@ -172,7 +175,8 @@ def title(config: ExperimentConfig, world: int = 1) -> str:
     return f"labkit demo: {config.precision}, max_norm {max_norm}{ranks}"
 
 
-def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print) -> StepLog:
+def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print,
+             log_to: str | None = None) -> StepLog:
     """Run ``config``, echo one line per event, write the log files and the figure into ``out``.
 
     Under an initialized process group every rank trains (on its slice of each global batch)
@@ -210,7 +214,7 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        log = run_experiment(config, report, log_path=partial)
+        log = run_experiment(config, report, log_path=partial, log_to=log_to, log_dir=out)
     bar.close()
     for w in caught:
         echo(f"WARNING {w.category.__name__}: {w.message}")
@@ -272,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     if world == 1 and args.parallel is not None:
         parser.error("--parallel: launch under torchrun, e.g. torchrun --nproc_per_node=2 -m labkit demo --parallel "
                      f"{args.parallel}")
+    from ..export.telemetry import check_trackers, parse_trackers  # no torch: a bad --log-to answers at once
+
+    try:
+        check_trackers(parse_trackers(args.log_to))
+    except (ValueError, ModuleNotFoundError) as e:
+        parser.error(f"--log-to: {e}")
     if args.fault_rank is not None and not 0 <= args.fault_rank < world:
         parser.error(f"--fault-rank: must be a rank in 0..{world - 1}, got {args.fault_rank}")
 
@@ -308,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(device)
         config = dataclasses.replace(config, device=str(device))
     try:
-        run_demo(config, args.out, progress=not args.no_progress)
+        run_demo(config, args.out, progress=not args.no_progress, log_to=args.log_to)
     except BaseException:
         if created is not None:  # a run that failed leaves no folder of its own behind
             shutil.rmtree(created, ignore_errors=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 
 from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
+from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
@@ -169,11 +170,17 @@ def run_experiment(
     on_record: Callable[[StepRecord], None] | None = None,
     *,
     log_path: str | os.PathLike | None = None,
+    log_to: str | Sequence[str] | None = None,
+    log_dir: str | os.PathLike | None = None,
+    histogram_every: int = 10,
 ) -> StepLog:
     """Train a fresh toy model as ``config`` says and return its log; ``on_record`` sees each record.
 
     Nothing outside the call is touched: a widget may start it again with other settings
-    while an old figure is still on screen.
+    while an old figure is still on screen. ``log_to`` (``"tensorboard,trackio,mlflow,wandb"``)
+    streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
+    else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
+    steps (``labkit.export``; rank 0 only). Where to show a run is not part of its config.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
     >>> len(log), log.skipped_steps, log[5].reason
@@ -181,6 +188,9 @@ def run_experiment(
     """
     device = config.resolved_device()
     world, me = (dist.get_world_size(), rank()) if is_distributed() else (1, 0)
+    trackers = parse_trackers(log_to)  # bad names and missing packages fail here, before any training
+    check_trackers(trackers)
+    _positive_int("histogram_every", histogram_every)
     task = ToyTask(seed=config.seed)
     model = task.model(device)
     if world > 1:
@@ -197,11 +207,20 @@ def run_experiment(
     faults = config.fault_schedule() if config.fault_rank in (None, me) else FaultSchedule()
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision, max_norm=config.max_norm,
                      scaler=scaler, scheduler=scheduler, faults=faults, log_path=log_path)
+    telemetry = None
     try:
+        if trackers and me == 0:  # the records are the same on every rank
+            out = log_dir or (os.path.dirname(os.path.abspath(log_path)) if log_path is not None else "runs/labkit")
+            telemetry = Telemetry.open(trackers, out)
+            step.log.sinks.append(telemetry)
+        # FSDP2's gradients are shards: a histogram of rank 0's shard would not be the layer's
+        histograms = telemetry is not None and (world == 1 or config.parallel in (None, "ddp"))
         with _one_thread_on_cpu(device):
             for i in range(config.steps):
                 inputs, targets = (t.tensor_split(world)[me] for t in task.batch(i, device))
                 record = step(inputs, targets)
+                if histograms and i % histogram_every == 0:
+                    telemetry.histograms(record.step, model.named_parameters())
                 if on_record is not None:
                     on_record(record)
     finally:
