@@ -16,7 +16,7 @@ from typing import Any, overload
 from .alarms import LabkitWarning
 from .distributed import rank
 
-__all__ = ["LogWriteError", "StepLog", "StepRecord"]
+__all__ = ["LogWriteError", "StepLog", "StepRecord", "parse_line"]
 
 REASONS = ("nonfinite_loss", "nonfinite_grad")
 # Strict JSON has no NaN/Infinity (JavaScript's JSON.parse rejects Python's bare NaN): non-finite
@@ -36,6 +36,26 @@ def _to_json(x: Any) -> Any:
 
 def _from_json(x: Any) -> Any:
     return NONFINITE.get(x, x) if isinstance(x, str) else x
+
+
+def parse_line(line: str) -> dict[str, Any]:
+    """Return one JSONL line as a dict, its non-finite numbers (``"NaN"`` or bare ``NaN``) as floats.
+
+    Fields this labkit does not know are kept as they are.
+
+    >>> parse_line('{"step": 3, "loss": "NaN", "lrs": ["Infinity"], "fault": "nan"}')
+    {'step': 3, 'loss': nan, 'lrs': [inf], 'fault': 'nan'}
+    """
+    d = json.loads(line)
+    for name in FLOATS & d.keys():
+        d[name] = _from_json(d[name])
+    if "top_grads" in d:
+        d["top_grads"] = [[n, _from_json(v)] for n, v in d["top_grads"] or []]
+    if "lrs" in d:
+        d["lrs"] = [_from_json(v) for v in d["lrs"] or []]
+    if isinstance(d.get("stale"), dict):
+        d["stale"] = {k: _from_json(v) for k, v in d["stale"].items()}
+    return d
 
 
 class LogWriteError(OSError):
