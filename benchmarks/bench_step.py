@@ -1,81 +1,252 @@
-"""Time labkit against torch in the same run and print ratios (never asserted in tests).
+"""Time labkit against torch in the same process, interleaved, and print medians and ratios.
 
-    python benchmarks/bench_step.py
+    python benchmarks/bench_step.py            # the issue's sizes: 50M gradients, a ~50M-parameter model
+    python benchmarks/bench_step.py --quick    # reduced sizes, to check it runs (e.g. on a loaded machine)
+    python benchmarks/bench_step.py --device cuda
 
-1. clip: labkit.clip_grad_norm_ vs torch.nn.utils.clip_grad_norm_ on many fp32 gradients.
-2. scaler: labkit.GradScaler vs torch.amp.GradScaler("cpu") in the standard loop.
-3. step: labkit.TrainStep (fp16) vs a hand-written torch AMP loop with clipping, same task.
+(a) unscale + check + clip of N fp32 gradients in 50 tensors: labkit's three passes (scaled
+    per-tensor norms, then one multiply by coef/scale) against torch's ``unscale_`` +
+    ``clip_grad_norm_`` (five passes) and against the floor ``_foreach_norm`` + ``_foreach_mul_``.
+(b) ``TrainStep`` against torch's textbook AMP loop (autocast, ``scale().backward()``,
+    ``unscale_``, ``clip_grad_norm_``, ``step``, ``update``, reading loss, norm and scale each
+    step) on the toy model and on a wide MLP, with AdamW foreach and fused, per-step records
+    (``sync_every=None``) and deferred ones (``sync_every=N``).
+(c) host syncs per step of each, counted by trapping ``.item()``, ``bool()``, ``float()``,
+    ``int()``, ``.tolist()``, ``.cpu()`` called from labkit, torch.amp or the loop itself
+    (torch's optimizers' reads of their CPU step counters are no device syncs).
+
+Ratios are labkit/torch (below 1: labkit is faster). Never asserted in tests: timings are
+machine- and load-dependent. Quote them with ``lscpu``'s model name and flags.
 """
 
 from __future__ import annotations
 
+import argparse
+import platform
+import statistics
+import sys
 import time
 import warnings
 
 import torch
+from torch import nn
 
 import labkit
+from labkit.clip import clip_coef, per_tensor_norms, scale_grads_, total_norm
 
 
-def best_of(fn, repeat: int = 7, number: int = 1) -> float:
-    times = []
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict, repeat: int, device: torch.device) -> dict[str, float]:
+    """Run each fn once per round, in turn, ``repeat`` rounds; return each one's median seconds."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up
+        fn()
     for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(number):
+        for name, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
             fn()
-        times.append((time.perf_counter() - t) / number)
-    return min(times)
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_clip() -> tuple[float, float]:
+# ---------------------------------------------------------------- (a) unscale + check + clip
+
+
+def bench_clip(numel: int, device: torch.device, repeat: int) -> dict[str, float]:
     torch.manual_seed(0)
-    params = [torch.zeros(n, requires_grad=True) for n in [4096] * 200 + [1 << 20] * 8]
+    sizes = [numel // 50] * 50
+    params = [torch.zeros(n, device=device, requires_grad=True) for n in sizes]
     for p in params:
-        p.grad = torch.randn_like(p)
-    ours = best_of(lambda: labkit.clip_grad_norm_(params, 1.0), number=5)
-    theirs = best_of(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0), number=5)
-    return ours, theirs
+        p.grad = torch.randn(p.numel(), device=device) * 1e-3
+    grads = [p.grad for p in params]
+    opt = torch.optim.SGD(params, lr=0.0)
+    # scale 1 and a max_norm above the norm: every pass reads and writes as in training, and the
+    # values stay the same round after round (no drift into subnormals)
+    max_norm = 1e9
+    torch_scaler = torch.amp.GradScaler(device.type, init_scale=1.0)
+    torch_scaler.scale(torch.ones((), device=device))
+    scale = torch.ones((), device=device)
+
+    def theirs():
+        torch_scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        torch_scaler._per_optimizer_states.clear()  # a fresh iteration, without update()'s scale math
+
+    def ours():  # what TrainStep's stage does: read once, multiply once
+        scaled = per_tensor_norms(grads, 2.0)
+        inv = scale.double().reciprocal().float()
+        norm = total_norm(scaled * inv, 2.0)
+        found_inf = (~torch.isfinite(scaled).all()).float()
+        scale_grads_(grads, clip_coef(norm, max_norm) * inv)
+        return found_inf
+
+    def floor():
+        norms = torch._foreach_norm(grads, 2.0)
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+    return interleaved({"labkit": ours, "torch": theirs, "floor": floor}, repeat, device)
 
 
-def amp_loop(scaler, steps: int, task: labkit.ToyTask) -> None:
-    model = task.model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for i in range(steps):
-        x, y = task.batch(i)
+# ---------------------------------------------------------------- (b) TrainStep vs the textbook loop
+
+
+class Wide(nn.Sequential):
+    def __init__(self, width: int, depth: int = 4) -> None:
+        layers: list[nn.Module] = [nn.Linear(16, width), nn.ReLU()]
+        for _ in range(depth - 2):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        layers.append(nn.Linear(width, 1))
+        super().__init__(*layers)
+
+
+def textbook_loop(model, opt, batches, dtype, device, max_norm=1.0):
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    seen = []
+    for x, y in batches:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = task.loss_fn(model(x), y)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = nn.functional.mse_loss(model(x), y)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
+        seen.append((loss.item(), norm.item(), scale))  # the same observability as TrainStep's record
+    return seen
 
 
-def trainstep_loop(steps: int, task: labkit.ToyTask) -> None:
-    model = task.model()
-    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
-                            precision="fp16", max_norm=1.0)
-    for i in range(steps):
-        step(*task.batch(i))
+def trainstep_loop(model, opt, batches, precision, sync_every, max_norm=1.0):
+    step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=max_norm,
+                            sync_every=sync_every, skip_alarm=None, clip_alarm=None)
+    records = [step(x, y) for x, y in batches]
+    step.flush()
+    return records
+
+
+def make_setup(width, fused, device, steps, batch=64):
+    torch.manual_seed(0)
+    model = Wide(width).to(device) if width else labkit.ToyTask().model(device)
+    inputs = 16 if width else labkit.ToyTask().in_features
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+    batches = [(torch.randn(batch, inputs, device=device), torch.randn(batch, 1, device=device)) for _ in range(steps)]
+    return model, opt, batches
+
+
+def bench_step(width, fused, precision, device, steps, repeat, sync_every):
+    dtype = labkit.step.PRECISIONS[precision]
+
+    def run_textbook():
+        model, opt, batches = make_setup(width, fused, device, steps)
+        textbook_loop(model, opt, batches, dtype, device)
+
+    def run_ours(every):
+        def run():
+            model, opt, batches = make_setup(width, fused, device, steps)
+            trainstep_loop(model, opt, batches, precision, every)
+        return run
+
+    fns = {"torch": run_textbook, "labkit": run_ours(None), f"labkit sync_every={sync_every}": run_ours(sync_every)}
+    return interleaved(fns, repeat, device)
+
+
+# ---------------------------------------------------------------- (c) host syncs per step
+
+
+class SyncCounter:
+    NAMES = ("item", "__bool__", "tolist", "__float__", "__int__", "cpu", "numpy")
+    COUNTED = ("labkit", "torch.amp", __name__, "torch.nn.utils.clip_grad")  # __name__: the textbook loop here
+
+    def __init__(self) -> None:
+        self.count, self._real = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+    def __enter__(self):
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, self._wrap(real))
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, real)
+
+    def _wrap(self, real):
+        def trapped(t, *args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith(self.COUNTED):
+                self.count += 1
+            return real(t, *args, **kwargs)
+        return trapped
+
+
+def syncs_per_step(fused, precision, device, sync_every, steps=8):
+    dtype = labkit.step.PRECISIONS[precision]
+    out = {}
+    model, opt, batches = make_setup(0, fused, device, steps)
+    with SyncCounter() as c:
+        textbook_loop(model, opt, batches, dtype, device)
+    out["torch"] = c.count / steps
+    for every in (None, sync_every):
+        model, opt, batches = make_setup(0, fused, device, steps)
+        with SyncCounter() as c:
+            trainstep_loop(model, opt, batches, precision, every)
+        out["labkit" if every is None else f"labkit sync_every={every}"] = c.count / steps
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+                isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+                fp16 = "native fp16" if "avx512_fp16" in flags else "no native fp16"
+                return f"{name} ({isa}, {fp16})"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (2M gradients, a ~1M-parameter MLP)")
+    ap.add_argument("--precision", default="fp16", choices=list(labkit.step.PRECISIONS))
+    ap.add_argument("--sync-every", type=int, default=8)
+    args = ap.parse_args()
     warnings.simplefilter("ignore")
-    torch.set_num_threads(2)
-    task, steps = labkit.ToyTask(), 300
-    rows = []
-    ours, theirs = bench_clip()
-    rows.append(("clip_grad_norm_ (208 fp32 grads, 9.2M values)", ours, theirs))
-    ours = best_of(lambda: amp_loop(labkit.GradScaler("cpu"), steps, task), repeat=3)
-    theirs = best_of(lambda: amp_loop(torch.amp.GradScaler("cpu"), steps, task), repeat=3)
-    rows.append((f"AMP loop, {steps} fp16 steps, GradScaler", ours, theirs))
-    ours = best_of(lambda: trainstep_loop(steps, task), repeat=3)
-    rows.append((f"TrainStep vs hand loop, {steps} fp16 steps", ours, theirs))
-    print(f"{'what':<48} {'labkit':>10} {'torch':>10} {'ratio':>7}")
-    for what, a, b in rows:
-        print(f"{what:<48} {a * 1e3:>8.2f}ms {b * 1e3:>8.2f}ms {a / b:>6.2f}x")
-    print(f"(torch {torch.__version__}, {torch.get_num_threads()} threads; best of several runs; ratio = labkit/torch)")
+    device = torch.device(args.device)
+    numel, width, steps, repeat = (2_000_000, 512, 16, 5) if args.quick else (50_000_000, 4096, 50, 9)
+    if device.type == "cpu":
+        torch.set_num_threads(1 if args.quick else torch.get_num_threads())  # --quick: 1 thread, steadier on a shared machine
+    where = torch.cuda.get_device_name() if device.type == "cuda" else cpu_name()
+    print(f"# {where}; torch {torch.__version__}; {torch.get_num_threads()} threads; medians, interleaved")
+
+    t = bench_clip(numel, device, repeat)
+    print(f"\n(a) unscale+check+clip, {numel / 1e6:g}M fp32 gradients in 50 tensors")
+    print(f"    labkit {t['labkit'] * 1e3:8.2f} ms   torch {t['torch'] * 1e3:8.2f} ms   floor {t['floor'] * 1e3:8.2f} ms")
+    print(f"    torch/labkit = {t['torch'] / t['labkit']:.2f}x faster (goal >= 1.5)   "
+          f"labkit/floor = {t['labkit'] / t['floor']:.2f} (goal <= 1.15)")
+
+    print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, {steps} steps, AdamW; ratio labkit/torch (goal <= 1.0)")
+    for w in (0, width):
+        n = sum(p.numel() for p in make_setup(w, False, device, 1)[0].parameters())
+        for fused in (False, True):
+            t = bench_step(w, fused, args.precision, device, steps, max(3, repeat // 3), args.sync_every)
+            label = f"{'toy' if not w else 'MLP'} {n / 1e6:.2f}M params, {'fused' if fused else 'foreach'}"
+            ratios = "  ".join(f"{k} {v / t['torch']:.2f}x" for k, v in t.items() if k != "torch")
+            print(f"    {label:<34} torch {t['torch'] * 1e3 / steps:7.2f} ms/step   {ratios}")
+
+    print("\n(c) host syncs per step (toy model)")
+    for fused in (False, True):
+        s = syncs_per_step(fused, args.precision, device, args.sync_every)
+        print(f"    AdamW {'fused  ' if fused else 'foreach'}  " + "   ".join(f"{k}: {v:g}" for k, v in s.items()))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import typing
 # load this package first, and importing torch costs seconds before any flag is read.
 _LAZY = {
     ".alarms": ("DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"),
-    ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "grad_norm"),
+    ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"),
     ".faults": ("Fault", "FaultSchedule"),
     ".records": ("LogWriteError", "StepLog", "StepRecord"),
-    ".scaler": ("GradScaler", "ScalerConfig", "update_scale"),
+    ".scaler": ("GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"),
     ".step": ("TrainStep",),
     ".tasks": ("ToyTask",),
 }
@@ -24,10 +24,10 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .alarms import DeadScaleWarning, LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
-    from .clip import clip_grad_norm_, clip_grads_with_norm_, grad_norm
+    from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
     from .faults import Fault, FaultSchedule
     from .records import LogWriteError, StepLog, StepRecord
-    from .scaler import GradScaler, ScalerConfig, update_scale
+    from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
     from .step import TrainStep
     from .tasks import ToyTask
 
@@ -61,6 +61,8 @@ __all__ = [
     "LogWriteError",
     "RepeatedClippingWarning",
     "ScalerConfig",
+    "ScalerUsageError",
+    "ScalerValueError",
     "SkipStreakWarning",
     "StepLog",
     "StepRecord",
@@ -68,6 +70,7 @@ __all__ = [
     "TrainStep",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "get_total_norm",
     "grad_norm",
     "update_scale",
 ]

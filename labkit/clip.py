@@ -1,10 +1,11 @@
 """Gradient clipping to a global norm, in two halves that compose (as torch's ``clip_grad.py``).
 
-``grad_norm`` reads the gradients and returns one fp32 number; ``clip_grads_with_norm_``
-scales them by a given norm; ``clip_grad_norm_`` is the one followed by the other.
-Unlike torch, the norm is always accumulated in float32 (an fp16 norm above 65504 is
-``inf`` in torch, and clipping by it zeroes every gradient) and a non-finite norm never
-touches the gradients (torch turns them into NaN or zeros). With FSDP2's sharded
+``grad_norm`` reads the gradients and returns one number (``get_total_norm`` the same for
+plain tensors); ``clip_grads_with_norm_`` scales them by a given norm; ``clip_grad_norm_``
+is the one followed by the other. Two deliberate deviations from torch: fp16/bf16 norms are
+accumulated and returned in float32 (an fp16 norm above 65504 is ``inf`` in torch, and
+clipping by it zeroes every gradient), float32 and float64 stay in their own dtype as in
+torch; and a non-finite norm never touches the gradients (torch turns them into NaN or zeros). With FSDP2's sharded
 ``DTensor`` gradients the norm is the whole model's: the local shards' p-th powers are
 reduced across the mesh (see ``distributed.reduce_sharded_norms_``), so every rank gets the
 same norm and clips with the same coefficient; DDP's replicated gradients need no collective.
@@ -12,7 +13,10 @@ same norm and clips with the same coefficient; DDP's replicated gradients need n
 
 from __future__ import annotations
 
+import functools
 import math
+import types
+import warnings
 from collections.abc import Iterable
 from typing import Union
 
@@ -21,24 +25,26 @@ from torch import Tensor
 
 from .distributed import is_distributed, local_tensor, reduce_sharded_norms_
 
-__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"]
 
 Parameters = Union[Tensor, Iterable[Tensor], Iterable[tuple[str, Tensor]]]
+
+HALF = (torch.float16, torch.bfloat16)
 
 # torch's epsilon in ``max_norm / (total_norm + 1e-6)``; kept so results match torch's.
 EPS = 1e-6
 
 
 def check_norm_type(norm_type: float | str) -> float:
-    """Return ``norm_type`` as a float p > 0 (``inf`` allowed), or raise ``ValueError``."""
+    """Return ``norm_type`` as a float (any order torch takes: ``inf``, 0, negative), or raise ``ValueError``."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
         p = math.nan
-    if not p > 0:  # also catches NaN
+    if math.isnan(p):
         raise ValueError(
-            f"norm_type must be a number p > 0 or float('inf'), got {norm_type!r}; "
-            "use 2.0 for the usual L2 norm, 1.0 for L1 or float('inf') for the largest |g|."
+            f"norm_type must be a number or 'inf', got {norm_type!r}; use 2.0 for the usual L2 norm, "
+            "1.0 for L1 or float('inf') for the largest |g| (as torch: 0 counts non-zeros, -inf is the min)."
         )
     return p
 
@@ -71,7 +77,11 @@ def named_grads(parameters: Parameters) -> tuple[list[Tensor], list[str]]:
 
 
 def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None = None) -> Tensor:
-    """Return a 1-d float32 tensor of each gradient's ``norm_type``-norm, in order.
+    """Return a 1-d tensor of each gradient's ``norm_type``-norm, in order.
+
+    fp16/bf16 gradients are accumulated in float32; the result has the promoted dtype of
+    float32 and the other gradients' dtypes (float64 gradients keep a float64 norm, so
+    ``[3e20, 4e20]`` has norm ``5e20``, as in torch, not ``inf``).
 
     A sharded ``DTensor`` gradient gets the norm of the whole tensor, the same on every rank
     (one all-reduce per mesh, for all such gradients together).
@@ -83,9 +93,10 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         return torch.zeros(0)
     sharded, grads = grads, [local_tensor(g) for g in grads]
     first = grads[0].device
+    out_dtype = functools.reduce(torch.promote_types, [_acc_dtype(g.dtype) for g in grads])
     # An empty tensor's norm is 0, and is set here: torch has no inf-norm of an empty tensor
     # (no identity for max), and FSDP2 leaves a rank empty shards when a dim is < world size.
-    norms: list[Tensor | None] = [torch.zeros((), device=first) if g.numel() == 0 else None for g in grads]
+    norms: list[Tensor | None] = [torch.zeros((), device=first, dtype=out_dtype) if g.numel() == 0 else None for g in grads]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
         if norms[i] is None:
@@ -97,14 +108,21 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
             raise RuntimeError(f"foreach=True was passed, but there is no foreach norm on {device.type}")
         # fp16/bf16 grads are accumulated in fp32, so 300 * 60000 is not inf; fp64 stays fp64
         # until the end (torch refuses to narrow it inside the norm).
-        acc = torch.float32 if group[0].dtype in (torch.float16, torch.bfloat16) else None
+        acc = torch.float32 if group[0].dtype in HALF else None
         if use_foreach:
             out = torch._foreach_norm(group, norm_type, dtype=acc)
         else:
             out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
+        if len(idx) == len(grads):  # one device and dtype, none empty (the usual case): one stack, no per-norm copies
+            stacked = torch.stack(out)
+            return reduce_sharded_norms_(stacked if stacked.dtype == out_dtype else stacked.to(out_dtype), sharded, norm_type)
         for i, n in zip(idx, out):
-            norms[i] = n.to(device=first, dtype=torch.float32)
+            norms[i] = n.to(device=first, dtype=out_dtype)
     return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in HALF else dtype
 
 
 def total_norm(norms: Tensor, norm_type: float) -> Tensor:
@@ -114,26 +132,72 @@ def total_norm(norms: Tensor, norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(norms, norm_type)
 
 
+NONFINITE = "The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be clipped."
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Return the norm of ``tensors`` viewed as one vector (torch's ``nn.utils.get_total_norm``).
+
+    torch's contract, except that fp16/bf16 tensors are accumulated in float32. With
+    ``error_if_nonfinite=True`` a NaN/inf norm raises ``RuntimeError`` (one host sync).
+
+    >>> get_total_norm([torch.tensor([3.0]), torch.tensor([4.0])])
+    tensor(5.)
+    """
+    p = check_norm_type(norm_type)
+    tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    norm = total_norm(per_tensor_norms(tensors, p, foreach), p)
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        raise RuntimeError(
+            NONFINITE.format(p=p) + " To disable this error pass error_if_nonfinite=False (labkit then leaves "
+            "the gradients unchanged, where torch would scale them by the non-finite norm)."
+        )
+    return norm
+
+
 @torch.no_grad()
 def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | None = None) -> Tensor:
-    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim float32 tensor.
+    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim tensor (float32 for fp16/bf16/fp32 grads).
 
     Parameters without a gradient are skipped; none at all gives ``tensor(0.)``. A NaN or
     inf gradient gives a non-finite norm. Reads only, and never syncs with the device.
-    With sharded (FSDP2) gradients it is the global norm, identical on every rank: every
-    rank must call it (it runs one all-reduce over the mesh).
+    Handed tensors that are no parameters (none has a ``.grad`` and some do not require
+    grad: the gradients themselves, most likely) it raises ``ValueError`` pointing to
+    ``get_total_norm``. With sharded (FSDP2) gradients it is the global norm, identical on
+    every rank: every rank must call it (it runs one all-reduce over the mesh).
 
     >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
     >>> grad_norm([w])
     tensor(5.)
     """
     p = check_norm_type(norm_type)
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
     grads, _ = named_grads(parameters)
+    tensors = [item[1] if isinstance(item, tuple) else item for item in parameters]
+    if not grads and any(not t.requires_grad for t in tensors):
+        raise ValueError(
+            "grad_norm reads the .grad of parameters, but none of these tensors has a .grad and some do not "
+            "require grad: they look like the gradients themselves. Pass the parameters (model.parameters()), "
+            "or call labkit.get_total_norm(tensors) for the norm of plain tensors."
+        )
     return total_norm(per_tensor_norms(grads, p, foreach), p)
 
 
-def clip_coef(norm: Tensor, max_norm: float) -> Tensor:
-    """Return ``min(1, max_norm / (norm + 1e-6))``, or exactly 1 when ``norm`` is not finite."""
+def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
+    """Return ``min(1, max_norm / (norm + 1e-6))``, or exactly 1 when ``norm`` is not finite.
+
+    ``max_norm`` is a float or a 0-dim tensor on ``norm``'s device (an adaptive clipper's
+    threshold), so the coefficient never leaves the device.
+
+    >>> clip_coef(torch.tensor(5.0), 1.0), clip_coef(torch.tensor(float("inf")), torch.tensor(1.0))
+    (tensor(0.2000), tensor(1.))
+    """
     # clamp and where, not `if`: a Python branch on a device tensor forces a host sync. A
     # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
     coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
@@ -163,13 +227,23 @@ def clip_grads_with_norm_(
     grads, _ = named_grads(parameters)
     if not grads:
         return
-    grads = [local_tensor(g) for g in grads]  # views: scaling a shard in place scales the DTensor
-    coef = clip_coef(total_norm, max_norm)
+    scale_grads_(grads, clip_coef(total_norm, max_norm), foreach)
+
+
+def scale_grads_(grads: list[Tensor], factor: Tensor, foreach: bool | None = None) -> None:
+    """Multiply every gradient in place by the 0-dim tensor ``factor``: one read-write pass, no sync.
+
+    ``DTensor`` gradients are scaled shard by shard (their local views), with no collective.
+
+    >>> g = [torch.tensor([2.0, 4.0])]; scale_grads_(g, torch.tensor(0.5)); g
+    [tensor([1., 2.])]
+    """
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
+        g = local_tensor(g)  # a view: scaling a shard in place scales the DTensor
         by_device.setdefault(g.device, []).append(g)
     for device, group in by_device.items():
-        c = coef.to(device)
+        c = factor.to(device)
         # Multiplying by 1 costs a read and a write but no sync; torch makes the same trade.
         if (device.type in ("cpu", "cuda")) if foreach is None else foreach:
             torch._foreach_mul_(group, c)
@@ -213,7 +287,11 @@ def clip_grad_norm_(
     p = check_norm_type(norm_type)
     if isinstance(parameters, Tensor):
         parameters = [parameters]
-    parameters = list(parameters)  # a generator would be exhausted by the first half
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)  # a generator would be exhausted by the first half
+        if is_generator and not parameters:  # torch's warning: a spent model.parameters() is a common bug
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     grads, names = named_grads(parameters)
     norm = total_norm(per_tensor_norms(grads, p, foreach), p)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
@@ -222,9 +300,9 @@ def clip_grad_norm_(
         if culprit is None and is_distributed():  # asked about the local shards only: no collective
             where += ", or a shard on another rank,"
         raise RuntimeError(
-            f"The total norm of order {p} of the gradients is {norm.item()}: {where} holds a "
-            "non-finite value, so nothing was clipped and the gradients are unchanged. Skip this "
-            "step (a NaN batch is not repaired by clipping), or pass error_if_nonfinite=False."
+            NONFINITE.format(p=p) + f" It is {norm.item()}: {where} holds a non-finite value; nothing "
+            "was clipped and the gradients are unchanged. Skip this step (a NaN batch is not repaired by "
+            "clipping), or pass error_if_nonfinite=False."
         )
     clip_grads_with_norm_(parameters, max_norm, norm, foreach)
     return norm

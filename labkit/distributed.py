@@ -129,7 +129,10 @@ def reduce_sharded_norms_(norms: Tensor, grads: list[Tensor], norm_type: float) 
         values = norms.index_select(0, index).to(torch.float64)
         if math.isinf(norm_type):
             for group in groups:
-                all_reduce_(values, "max", group)
+                all_reduce_(values, "max" if norm_type > 0 else "min", group)
+        elif norm_type == 0:  # a count of non-zeros: the shards' counts add up
+            for group in groups:
+                all_reduce_(values, "sum", group)
         else:
             values = values.pow(norm_type)
             for group in groups:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -24,9 +25,27 @@ from torch import Tensor
 
 from .distributed import ProcessGroup, all_reduce_, local_tensor
 
-__all__ = ["GradScaler", "ScalerConfig", "update_scale"]
+__all__ = ["GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"]
 
-_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+# CHECKED: found_inf recorded from the norms TrainStep read (no unscale pass), gradients still scaled.
+_READY, _CHECKED, _UNSCALED, _STEPPED = "ready", "checked", "unscaled", "stepped"
+
+
+class ScalerUsageError(RuntimeError, AssertionError):
+    """A ``GradScaler`` method called out of order; also an ``AssertionError``, which torch raises there.
+
+    >>> isinstance(ScalerUsageError("x"), AssertionError), isinstance(ScalerUsageError("x"), RuntimeError)
+    (True, True)
+    """
+
+
+class ScalerValueError(ValueError, AssertionError):
+    """A setting torch asserts on (``growth_factor <= 1``, a bad ``new_scale``); also an ``AssertionError``.
+
+    >>> isinstance(ScalerValueError("x"), AssertionError), isinstance(ScalerValueError("x"), ValueError)
+    (True, True)
+    """
+
 F32 = torch.finfo(torch.float32)
 # The floor when min_scale is None: float32's smallest normal number (2**-126), the smallest
 # scale whose reciprocal (2**126) is finite and exact. Below it ``1/scale`` overflows, unscaling
@@ -105,11 +124,11 @@ class ScalerConfig:
             if getattr(self, name) is not None:
                 check_real(name, getattr(self, name))
         if not self.growth_factor > 1.0 or math.isinf(self.growth_factor):
-            raise ValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}; torch's default is 2.0.")
+            raise ScalerValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}; torch's default is 2.0.")
         if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; torch's default is 0.5.")
+            raise ScalerValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; torch's default is 0.5.")
         if self.backoff_factor < MIN_BACKOFF:
-            raise ValueError(
+            raise ScalerValueError(
                 f"backoff_factor {self.backoff_factor!r} is below 2**-24: one overflow would drop the scale by more "
                 "than fp16's whole range. Use 0.5 (torch's default); to reset the scale call update(new_scale)."
             )
@@ -255,13 +274,13 @@ class GradScaler:
 
     def _require_state(self, funcname: str) -> dict[str, Tensor]:
         if self._state is None:
-            raise RuntimeError(
+            raise ScalerUsageError(
                 f"Attempted {funcname}() before scale(): call scaler.scale(loss).backward() first in this iteration."
             )
         return self._state
 
     def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
+        return self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None, "has_grads": False})
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales (a disabled one passes everything through)."""
@@ -306,6 +325,7 @@ class GradScaler:
                     )
                 g = p.grad._values() if p.grad.is_sparse else local_tensor(p.grad)  # a view: unscaled in place
                 groups.setdefault((g.device, g.dtype), []).append(g)
+        opt_state["has_grads"] = bool(groups)
         with torch.no_grad():
             for (device, _), grads in groups.items():
                 local_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -321,29 +341,93 @@ class GradScaler:
         opt_state["found_inf"] = found_inf
         opt_state["stage"] = _UNSCALED
 
+    def inf_check_(self, optimizer: torch.optim.Optimizer, found_inf: Tensor, *, unscaled: bool) -> None:
+        """Record ``found_inf`` for ``optimizer`` from a check made elsewhere, instead of ``unscale_``'s pass.
+
+        ``TrainStep`` reads the per-tensor norms of the *scaled* gradients once: a NaN/inf
+        norm is the inf check, so no second read pass is needed. ``unscaled=True`` says the
+        gradients were also divided by the scale (then ``step`` must not unscale them again).
+        Under ``torch.distributed`` ``found_inf`` is reduced (MAX) here, as in ``unscale_``.
+
+        >>> s = GradScaler("cpu"); w = torch.ones(1, requires_grad=True); opt = torch.optim.SGD([w], lr=1.0)
+        >>> s.scale(w.sum()).backward(); s.inf_check_(opt, torch.tensor(1.0), unscaled=False); s.update(); s.get_scale()
+        32768.0
+        """
+        if self._enabled:  # disabled, it still records: a disabled scaler still skips on what TrainStep found
+            self._require_state("inf_check_")
+        opt_state = self._opt_state(optimizer)
+        if opt_state["stage"] != _READY:
+            raise RuntimeError(f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage']}.")
+        found = found_inf.to(dtype=torch.float32).reshape(())
+        all_reduce_(found, "max", self.process_group)
+        opt_state.update(found_inf=found, has_grads=True, stage=_UNSCALED if unscaled else _CHECKED)
+
+    def will_skip(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Return whether ``step`` will skip ``optimizer`` (one host sync; ``step`` then reuses it).
+
+        >>> s = GradScaler("cpu"); w = torch.ones(1, requires_grad=True); opt = torch.optim.SGD([w], lr=1.0)
+        >>> s.scale(w.sum()).backward(); s.unscale_(opt); s.will_skip(opt)
+        False
+        """
+        opt_state = self._per_optimizer.get(id(optimizer))
+        if opt_state is None or opt_state["found_inf"] is None:
+            if self._enabled:
+                self.unscale_(optimizer)
+                opt_state = self._opt_state(optimizer)
+            else:
+                return False
+        if "host" not in opt_state:
+            opt_state["host"] = bool(opt_state["found_inf"])
+        return opt_state["host"]
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
         """Unscale if not done yet, then step the optimizer unless a gradient was inf/NaN.
 
         Return ``True`` if the optimizer stepped, ``False`` if the step was skipped (then
         nothing is written to the parameters or the optimizer state). Reading the decision
-        costs one host sync, as torch's ``step`` does.
+        costs one host sync, as torch's ``step`` does. An optimizer with
+        ``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad) is
+        handed ``grad_scale`` and ``found_inf`` and unscales and skips inside its own kernel,
+        as with torch (see ``step_async`` for the same without the sync).
         """
-        if not self._enabled:
+        return not bool(self.step_async(optimizer, *args, **kwargs))
+
+    def step_async(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        """Do ``step``'s work and return ``found_inf`` as a 0-dim device tensor (nonzero: skipped).
+
+        With an optimizer that takes ``grad_scale``/``found_inf`` this never syncs; any other
+        optimizer must be skipped from the host, which costs one sync, as in torch.
+
+        >>> s = GradScaler("cpu"); w = torch.ones(1, requires_grad=True); opt = torch.optim.SGD([w], lr=1.0)
+        >>> s.scale(w.sum()).backward(); s.step_async(opt)
+        tensor(0.)
+        """
+        checked = self._per_optimizer.get(id(optimizer), {}).get("found_inf") is not None
+        if not self._enabled and not checked:
             optimizer.step(*args, **kwargs)
-            return True
+            return torch.zeros(())
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._require_state("step")
+        scale = self._require_state("step")["scale"] if self._enabled else None
         opt_state = self._opt_state(optimizer)
         if opt_state["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, opt_state, scale, args, kwargs)
         if opt_state["stage"] == _READY:
             self.unscale_(optimizer)
-        stepped = not bool(opt_state["found_inf"].item())
-        if stepped:
+        elif opt_state["stage"] == _CHECKED:
+            raise RuntimeError("inf_check_(unscaled=False) is only for optimizers that unscale themselves (fused=True).")
+        if not opt_state["has_grads"]:
+            raise ScalerUsageError(
+                "No inf checks were recorded for this optimizer: none of its parameters has a gradient. "
+                "Call scaler.scale(loss).backward() before step(), and check the optimizer holds the model's parameters."
+            )
+        found_inf = opt_state["found_inf"]
+        if not self.will_skip(optimizer):  # host sync: a plain optimizer can only be skipped from the host
             optimizer.step(*args, **kwargs)
         opt_state["stage"] = _STEPPED
-        return stepped
+        return found_inf
 
     def _abandon_iteration(self) -> None:
         """Forget this iteration's unscale/step stages, so the next one starts clean.
@@ -353,30 +437,88 @@ class GradScaler:
         """
         self._per_optimizer = {}
 
-    def update(self, new_scale: float | Tensor | None = None) -> None:
-        """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``)."""
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any], scale: Tensor | None, args: tuple, kwargs: dict
+    ) -> Tensor:
+        """torch's contract for ``_step_supports_amp_scaling`` optimizers (``torch.amp.GradScaler.step``)."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:  # torch's older contract
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the "
+                "near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed "
+                "optimizer and let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            opt_state["stage"] = _STEPPED
+            return torch.zeros(()) if opt_state["found_inf"] is None else opt_state["found_inf"]
+        if opt_state["stage"] == _READY:  # check only (inv_scale 1): the optimizer's kernel unscales
+            self._check_only(optimizer, opt_state)
+        # a grad_scale the caller set (TrainStep's clip coefficient) multiplies the loss scale, as in torch
+        user = getattr(optimizer, "grad_scale", None)
+        if opt_state["stage"] == _UNSCALED or scale is None:
+            grad_scale = user
+        else:
+            grad_scale = scale if user is None else scale * user
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = opt_state["found_inf"]  # type: ignore[attr-defined]
+        try:
+            optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+        opt_state["stage"] = _STEPPED
+        return opt_state["found_inf"]
+
+    def _check_only(self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any]) -> None:
+        state = self._state
+        assert state is not None
+        found_inf = torch.zeros((), dtype=torch.float32, device=state["scale"].device)
+        groups: dict[torch.device, list[Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad._values() if p.grad.is_sparse else local_tensor(p.grad)
+                    groups.setdefault(g.device, []).append(g)
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)
+        with torch.no_grad():
+            for device, grads in groups.items():
+                local_inf = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, one.to(device))
+                found_inf += local_inf.to(found_inf.device)
+        all_reduce_(found_inf, "max", self.process_group)
+        opt_state.update(found_inf=found_inf, has_grads=bool(groups), stage=_CHECKED)
+
+    def update(self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | None = None) -> None:
+        """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``).
+
+        ``keep_if`` (labkit's): a 0-dim device bool; where true the state is left exactly as
+        it was, without a host sync (``TrainStep`` passes "the loss was NaN/inf": a bad
+        batch is no scaling problem).
+        """
         if not self._enabled:
+            self._per_optimizer = {}
             return
         state = self._require_state("update")
         if new_scale is not None:
             value = torch.as_tensor(new_scale, dtype=torch.float32).to(state["scale"].device)
             if value.numel() != 1 or value.requires_grad:
-                raise ValueError("new_scale must be a float or a 1-element tensor that does not require grad.")
+                raise ScalerValueError("new_scale must be a float or a 1-element tensor that does not require grad.")
             state["scale"].copy_(value.reshape(()))
         else:
-            found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
+            found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None and s["has_grads"]]
             if not found:
-                raise RuntimeError(
+                raise ScalerUsageError(
                     "No inf checks were recorded prior to update(): call scaler.unscale_(optimizer) or "
                     "scaler.step(optimizer) after backward and before update()."
                 )
             found_inf = torch.stack([f.to(state["scale"].device) for f in found]).sum()
             new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
             for key, value in zip(("scale", "growth_tracker", "hysteresis_left"), new):
-                state[key].copy_(value)
+                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
             skipped = (found_inf != 0).long()
-            state["skip_count"].add_(skipped)
-            state["skip_streak"].mul_(skipped).add_(skipped)
+            counters = {"skip_count": state["skip_count"] + skipped, "skip_streak": state["skip_streak"] * skipped + skipped}
+            for key, value in counters.items():
+                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
         self._per_optimizer = {}
 
     # -- reading it ---------------------------------------------------------------------
@@ -385,6 +527,18 @@ class GradScaler:
         if not self._enabled:
             return 1.0 if key == "scale" else 0
         return initial if self._state is None else self._state[key].item()
+
+    def get_scale_async(self) -> Tensor:
+        """Return the current scale as a 0-dim float32 tensor on its device, without a sync (1.0 when disabled).
+
+        >>> GradScaler("cpu", init_scale=8.0).get_scale_async()
+        tensor(8.)
+        """
+        if not self._enabled:
+            return torch.ones(())
+        if self._state is None:
+            return torch.tensor(self._init_scale, dtype=torch.float32)
+        return self._state["scale"]
 
     def get_scale(self) -> float:
         """Return the current scale as a float (1.0 when disabled); costs a host sync."""
@@ -481,6 +635,14 @@ class GradScaler:
         count = check_int("state_dict['skip_count']", state_dict.get("skip_count", 0), 0, 2**63 - 1)
         streak = check_int("state_dict['skip_streak']", state_dict.get("skip_streak", 0), 0, count)
         return config, (scale, tracker, left, count, streak)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if any(s["stage"] != _READY for s in self._per_optimizer.values()):
+            raise ScalerUsageError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                "or at the end after scaler.update()."
+            )
+        return self.__dict__.copy()
 
     def __repr__(self) -> str:
         if not self._enabled:

@@ -14,21 +14,21 @@ from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
-    EPS, check_max_norm, check_norm_type, clip_grads_with_norm_, first_nonfinite, per_tensor_norms, total_norm,
+    check_max_norm, check_norm_type, clip_coef, first_nonfinite, per_tensor_norms, scale_grads_, total_norm,
 )
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
-from .records import StepLog, StepRecord
+from .records import FIELDS, LogWriteError, StepLog, StepRecord
 from .scaler import F32, GradScaler, check_device
 
-__all__ = ["PRECISIONS", "TrainStep"]
+__all__ = ["PRECISIONS", "DeferredRecord", "TrainStep"]
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOP_K = 3
 
 
 def _forensics(
-    named: list[tuple[str, Tensor]], norms: Tensor, group: ProcessGroup | None
+    named: list[tuple[str, Tensor | None]], norms: Tensor | list[float], group: ProcessGroup | None
 ) -> tuple[list[tuple[str, float]], str | None]:
     """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
 
@@ -36,13 +36,15 @@ def _forensics(
     gradients unless a norm is non-finite (then the gradients themselves are asked, since
     an inf norm may be an fp32 overflow of finite values).
     """
-    values = norms.tolist()
+    values = norms.tolist() if isinstance(norms, Tensor) else list(norms)
     finite = [math.isfinite(v) for v in values]
     ranked = sorted(range(len(values)), key=lambda i: (not finite[i], values[i] if finite[i] else 0.0), reverse=True)
     top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
     if all(finite):
         return top, None
     names = [n for n, _ in named]
+    if any(g is None for _, g in named):  # gradients no longer at hand (deferred records)
+        return top, names[finite.index(False)]
     culprit = first_nonfinite([g for _, g in named], names)
     if is_distributed():
         # With FSDP2 the culprit may sit in another rank's shard: agree on the first by position
@@ -161,6 +163,26 @@ def _check_loss(loss: Any) -> Tensor:
     return loss
 
 
+# What the stage leaves on the device for the record, in this order (one batched copy reads them).
+_DEVICE_FIELDS = ("loss", "loss_bad", "grad_norm", "clip_coef", "scale", "next_scale", "skipped")
+_LAZY = frozenset(FIELDS) - {"step"}
+
+
+class DeferredRecord(StepRecord):
+    """A ``StepRecord`` whose numbers are still on the device (``TrainStep(sync_every=N)``).
+
+    Reading any field but ``step`` first copies every pending record of its ``TrainStep``
+    over, in one batched copy; after that it is a plain ``StepRecord``.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LAZY:
+            flush = object.__getattribute__(self, "_flush")
+            if flush is not None:
+                flush()
+        return object.__getattribute__(self, name)
+
+
 class TrainStep:
     """Run one guarded optimizer step per call and return its ``StepRecord``.
 
@@ -170,10 +192,25 @@ class TrainStep:
     norm of the unscaled gradients (logged unclipped) -> **gradients not finite: skip** (the
     scale backs off) -> clip to ``max_norm`` -> step -> scheduler, only if the optimizer
     stepped -> scaler update. ``fp32`` and ``bf16`` use a disabled ``GradScaler``, so they go
-    through the same lines. Host syncs per step: one per micro-batch for the loss check
-    (backward is skipped on the host), one for the step decision on the norm, one in the
-    scaler's ``step`` (fp16 only, as in torch) and two small scale reads for the record;
-    none per parameter. Forensics read the per-tensor norms only on a skip or a clip.
+    through the same lines.
+
+    Unscale, check and clip take three passes over the gradients, not torch's five: one read
+    yields the per-tensor norms of the *scaled* gradients (a NaN/inf among them is the inf
+    check), then one read-write multiplies by ``coef / scale``; a skipped step writes
+    nothing. An optimizer built with ``fused=True`` (torch's Adam, AdamW, SGD, Adagrad) does
+    that multiply itself: ``scale / coef`` is handed over as its ``grad_scale`` with
+    ``found_inf``, so the gradients are read once and the step needs no host sync.
+
+    Host syncs per step (``sync_every=None``): one per micro-batch for the loss check
+    (backward is skipped on the host), one for the step decision (none with a fused
+    optimizer) and one batched copy of the record's numbers. With ``sync_every=N`` the
+    loss check and the skip decision stay on the device (a NaN/inf loss still skips the
+    step and leaves the scale untouched; backward then runs on it), the records are
+    ``DeferredRecord`` and are copied over in one batch every N steps, or when one is read;
+    with a fused optimizer that is 0 syncs per step, otherwise 1 (a plain optimizer can
+    only be skipped from the host). In that mode the scheduler steps every call, as in
+    torch's AMP recipe, and the alarms and ``log`` see the records at each copy.
+    Forensics read the per-tensor norms only on a skip or a clip.
 
     Under ``torch.distributed`` (DDP or FSDP2; nothing changes when it is not initialized)
     every rank takes the same decision: the loss check all-reduces the loss (one number per
@@ -186,7 +223,10 @@ class TrainStep:
 
     The parameters guarded are the optimizer's at each step (groups added later included).
     Bad arguments raise before anything changes; a skipped or failed step leaves the
-    parameters, the optimizer, the scaler and the module's buffers as they were.
+    parameters, the optimizer, the scaler and the module's buffers as they were: the buffers
+    (BatchNorm's running statistics) are copied before the forward and put back on a skip
+    or an error. With ``sync_every`` the skip is known on the device only, so the copy is put
+    back by a device-side select (one read-write of the buffers per step, no host sync).
     ``log_window=N`` keeps only the last N records in ``log`` (its summary stays exact).
 
     ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
@@ -220,6 +260,7 @@ class TrainStep:
         log_path: str | os.PathLike | None = None,
         log_window: int | None = None,
         process_group: ProcessGroup | None = None,
+        sync_every: int | None = None,
         observer: Any = None,
     ) -> None:
         device = _check_parts(model, optimizer, loss_fn, scheduler, device)
@@ -241,8 +282,14 @@ class TrainStep:
             )
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.precision = precision
+        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"sync_every must be None (read every step) or an int >= 1, got {sync_every!r}.")
         self.max_norm = None if max_norm is None else check_max_norm(max_norm)
         self.norm_type = check_norm_type(norm_type)
+        if not self.norm_type > 0:  # the inf check rides on the norms: only a p > 0 norm is inf/NaN on inf/NaN
+            raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got {norm_type!r}.")
+        self.sync_every = sync_every
+        self._pending: list[tuple[DeferredRecord, Tensor, Tensor, list[str]]] = []
         self.scheduler = scheduler
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
@@ -256,7 +303,7 @@ class TrainStep:
         self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
         if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
             self.skip_alarm.threshold = self.clip_alarm.rate = None
-        self.log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, once all else is valid
+        self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, once all else is valid
         self.step_count = 0
         self._params_key: tuple = ()
         self._params: list[tuple[str, nn.Parameter]] = []
@@ -308,9 +355,12 @@ class TrainStep:
         buffers = list(self.model.buffers())
         saved = [b.detach().clone() for b in buffers]
 
+        deferred = self.sync_every is not None
+        late_error: BaseException | None = None
         try:
             opt.zero_grad(set_to_none=True)
-            loss_total, bad_loss = 0.0, None
+            loss_total: Tensor | float = 0.0
+            bad_loss, loss_bad = None, None
             for x, y in zip(_split(inputs, k), _split(targets, k)):
                 with self._autocast():
                     out = self.model(**x) if isinstance(x, Mapping) else self.model(x)
@@ -318,93 +368,193 @@ class TrainStep:
                         out = fault.corrupt_output(out)
                     loss = _check_loss(self.loss_fn(out) if y is None else self.loss_fn(out, y))
                 weight = _batch_size(x, None, 1) / n  # exact for a mean-reduced loss, even with unequal splits
-                # host sync, needed: on a bad batch backward must not run at all, on any rank
-                value = mean_across(loss.detach(), self.process_group).item()
-                if not math.isfinite(value):
-                    bad_loss = value
-                    break
-                loss_total += value * weight
+                mean = mean_across(loss.detach(), self.process_group)
+                if deferred:  # the check stays on the device; backward runs on a bad batch and its step is skipped
+                    bad = ~torch.isfinite(mean)
+                    loss_bad = bad if loss_bad is None else loss_bad | bad
+                else:
+                    # host sync, needed: on a bad batch backward must not run at all, on any rank
+                    value = mean.item()
+                    if not math.isfinite(value):
+                        bad_loss = value
+                        break
+                    mean = value
+                loss_total = loss_total + mean * weight
                 scaler.scale(loss * weight).backward()
 
             if bad_loss is not None:
                 scale = scaler.get_scale()
-                record = StepRecord(step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss")
-                late_error = None
+                record = StepRecord(
+                    step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss",
+                    lr=lrs[0], lrs=lrs,
+                )
+            elif deferred:
+                values, norms = self._unscale_check_clip_step(step, torch.as_tensor(loss_total).reshape(()), loss_bad)
+                skipped = values[-1] != 0
+                with torch.no_grad():  # the skip is on the device: put the buffers back by a select, no sync
+                    for b, s in zip(buffers, saved):
+                        b.copy_(torch.where(skipped.to(b.device), s, b))
             else:
-                record, late_error = self._unscale_check_clip_step(step, loss_total)
+                values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
+                record = self._record(step, lrs, values.tolist(), norms)  # one batched copy
         except BaseException:
             # the user's model, loss or optimizer raised (or a bad loss): nothing of this step is kept
             scaler._abandon_iteration()
             _restore(buffers, saved)
             raise
+
+        if deferred:
+            if self.scheduler is not None:
+                try:
+                    self.scheduler.step()  # every call, as torch's recipe: whether it stepped is still on the device
+                except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
+                    late_error = e
+            record = DeferredRecord(step, math.nan, lr=lrs[0], lrs=lrs, fault=fault.label if fault is not None else None)
+            object.__setattr__(record, "_flush", self.flush)
+            self._pending.append((record, values, norms, [name for name, _ in self._named_grads]))
+            self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
+            try:
+                if self.observer is not None:  # on the steps it observes, reading record.skipped copies the records
+                    self.observer.after_step(self._named_params(), record)
+                if len(self._pending) >= self.sync_every:
+                    self.flush()  # raises LogWriteError on a full disk; the records are kept in memory
+            finally:
+                if late_error is not None:
+                    raise late_error
+            return record
+
         if record.skipped:
             _restore(buffers, saved)
-        record.lr, record.lrs = lrs[0], lrs
+        elif self.scheduler is not None:
+            try:
+                self.scheduler.step()
+            except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
+                late_error = e
+        if self.observer is not None and bad_loss is None:
+            self.observer.after_step(self._named_params(), record)
         record.fault = fault.label if fault is not None else None
-        record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, step)
-        if not record.skipped:
-            self.clip_alarm.observe(record.clipped, step)
         self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
         try:
-            self.log.append(record)  # raises LogWriteError on a full disk; the record is kept in memory
+            self._observe(record)  # raises LogWriteError on a full disk; the record is kept in memory
         finally:
             if late_error is not None:
                 raise late_error
         return record
 
-    def _unscale_check_clip_step(self, step: int, loss: float) -> tuple[StepRecord, BaseException | None]:
+    def _observe(self, record: StepRecord) -> None:
+        record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, record.step)
+        if not record.skipped:
+            self.clip_alarm.observe(record.clipped, record.step)
+        self._log.append(record)
+
+    def _record(
+        self, step: int, lrs: list[float], values: list[float], norms: Tensor | list[float], names: list[str] | None = None
+    ) -> StepRecord:
+        loss, loss_bad, norm, coef, scale, next_scale, skipped = values
+        skipped, clipped = bool(skipped), coef < 1.0
+        # a scale below float32's normal range (set by hand: the default floor forbids it) skips every step
+        dead = self.scaler.is_enabled() and not scale >= F32.tiny
+        reason = ("nonfinite_loss" if loss_bad else "dead_scale" if dead else "nonfinite_grad") if skipped else None
+        record = StepRecord(
+            step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped and not skipped, scale=scale,
+            next_scale=next_scale, skipped=skipped, reason=reason, lr=lrs[0], lrs=list(lrs),
+        )
+        if reason in ("nonfinite_grad", "dead_scale") or record.clipped:
+            if names is None:  # the gradients are still there: ask them
+                record.top_grads, record.first_nonfinite = _forensics(self._named_grads, norms, self.process_group)
+            else:  # deferred: the gradients are gone; the first non-finite norm names the parameter
+                record.top_grads, record.first_nonfinite = _forensics([(n, None) for n in names], norms, None)
+        return record
+
+    def flush(self) -> None:
+        """Copy every pending ``DeferredRecord`` over in one batch, then feed the alarms and the log."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        width = len(_DEVICE_FIELDS)
+        sizes = [width + n.numel() for _, _, n, _ in pending]
+        flat = torch.cat([torch.cat([v, n.to(v)]) for _, v, n, _ in pending]).tolist()  # the one host sync
+        offset, write_error = 0, None
+        for (record, _, _, names), size in zip(pending, sizes):
+            row, offset = flat[offset:offset + size], offset + size
+            object.__setattr__(record, "_flush", None)
+            done = self._record(record.step, record.lrs, row[:width], row[width:], names)
+            for name in _LAZY - {"lr", "lrs", "fault"}:
+                setattr(record, name, getattr(done, name))
+            try:
+                self._observe(record)
+            except LogWriteError as e:  # every record is still observed and kept; the first error is raised
+                write_error = write_error or e
+        if write_error is not None:
+            raise write_error
+
+    @property
+    def log(self) -> StepLog:
+        """The records so far (with ``sync_every``, reading it copies the pending ones over first)."""
+        self.flush()
+        return self._log
+
+    def _unscale_check_clip_step(self, step: int, loss: Tensor, loss_bad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Unscale, check, clip, step or skip, update; return the record's numbers and the per-tensor norms, on the device."""
         scaler, opt = self.scaler, self.optimizer
-        scale = scaler.get_scale()
+        scale = scaler.get_scale_async().clone()  # update() writes the state in place
         params = self._named_params()
         named = [(n, p.grad) for n, p in params if p.grad is not None]
         if any(g.is_sparse for _, g in named):
             raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the model.")
-        scaler.unscale_(opt)
-        norms = per_tensor_norms([g for _, g in named], self.norm_type)
+        self._named_grads = named
+        grads = [g for _, g in named]
+        # pass 1 (read): the per-tensor norms of the *scaled* gradients; a NaN/inf among them is the inf check
+        scaled_norms = per_tensor_norms(grads, self.norm_type)
+        inv_scale = scale.double().reciprocal().float()  # as torch's unscale_: exact for powers of two
+        norms = scaled_norms * inv_scale.to(scaled_norms.device)
         norm = total_norm(norms, self.norm_type)
-        norm_value = norm.item()  # host sync: the step decision
-        coef, clipped = 1.0, False
-        if math.isfinite(norm_value):
-            if self.max_norm is not None:
-                clip_grads_with_norm_(params, self.max_norm, norm)
-                coef = min(1.0, self.max_norm / (norm_value + EPS))  # the same coefficient, for the record
-                clipped = coef < 1.0
-            if self.observer is not None:
+        # A scaled norm can overflow float32 where the unscaled one would not (|g| * scale > 3.4e38):
+        # then this skips (and backs off) where torch's unscale-then-norm would not. See tests/test_fused.py.
+        # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: flag it, so
+        # the step skips, is counted and backs off onto the floor, which revives it.
+        found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm) | ~torch.isfinite(inv_scale)).float()
+        if loss_bad is not None:
+            found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
+        coef = clip_coef(norm, self.max_norm) if self.max_norm is not None else torch.ones_like(norm)
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            # fused optimizer: its kernel divides by grad_scale = scale / coef and skips on found_inf
+            scaler.inf_check_(opt, found_inf, unscaled=False)
+            opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
+            if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
                 self.observer.before_step(params, step)
-            stepped = scaler.step(opt)
+            found = scaler.step_async(opt)
         else:
-            stepped = False  # clipping cannot repair a NaN: never step on it
-        late_error = None
-        if stepped and self.scheduler is not None:
-            try:
-                self.scheduler.step()
-            except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
-                late_error = e
-        scaler.update()
-        # a scale below float32's normal range (set by hand: the default floor forbids it) skips every step
-        dead = scaler.is_enabled() and not scale >= F32.tiny
-        reason = None if stepped else ("dead_scale" if dead else "nonfinite_grad")
-        record = StepRecord(
-            step, loss, grad_norm=norm_value, clip_coef=coef, clipped=clipped, scale=scale,
-            next_scale=scaler.get_scale(), skipped=not stepped, reason=reason,
-        )
-        if record.skipped or clipped:
-            record.top_grads, record.first_nonfinite = _forensics(named, norms, self.process_group)
-        if self.observer is not None:
-            self.observer.after_step(params, record)
-        return record, late_error
+            scaler.inf_check_(opt, found_inf, unscaled=True)
+            if not scaler.will_skip(opt):  # host sync: a plain optimizer can only be skipped from the host
+                # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
+                scale_grads_(grads, (coef * inv_scale.to(coef.device)).to(coef.dtype))
+                if self.observer is not None:
+                    self.observer.before_step(params, step)
+            found = scaler.step_async(opt)
+        if loss_bad is None:
+            scaler.update()
+        else:
+            scaler.update(keep_if=loss_bad.to(scale.device))
+        f32 = dict(dtype=torch.float64, device=norm.device)
+        values = torch.stack([
+            loss.to(**f32), (loss_bad if loss_bad is not None else torch.zeros(())).to(**f32), norm.to(**f32),
+            coef.to(**f32), scale.to(**f32), scaler.get_scale_async().to(**f32), found.to(**f32),
+        ])
+        return values, norms
 
     def state_dict(self) -> dict[str, Any]:
         """Return the step counter, alarm streaks, scaler state and the log's summary totals.
 
         Save the model, optimizer and scheduler as usual, next to it.
         """
+        self.flush()
         return {
             "step": self.step_count,
             "skip_alarm": self.skip_alarm.state_dict(),
             "clip_alarm": self.clip_alarm.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "log": self.log.state_dict(),
+            "log": self._log.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -432,7 +582,7 @@ class TrainStep:
         self.skip_alarm.load_state_dict(state["skip_alarm"])
         self.clip_alarm.load_state_dict(state["clip_alarm"])
         if "log" in state:
-            self.log.load_state_dict(state["log"])
+            self._log.load_state_dict(state["log"])
         self.step_count = step
 
 

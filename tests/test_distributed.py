@@ -97,7 +97,7 @@ def scenario_fsdp(rank, out):
     task = ToyTask()
     model = fully_sharded(task.model())
     task.loss_fn(model(shard(task.batch(0), rank)[0]), shard(task.batch(0), rank)[1]).backward()
-    local = labkit.grad_norm([p.grad.to_local() for p in model.parameters()])  # this rank's shards only
+    local = labkit.get_total_norm([p.grad.to_local() for p in model.parameters()])  # this rank's shards only (grad_norm used to return 0 here)
     calls, all_reduce = [], dist.all_reduce
     dist.all_reduce = lambda *a, **k: (calls.append(1), all_reduce(*a, **k))[1]
     try:

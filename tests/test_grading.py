@@ -1,9 +1,10 @@
-"""The graded exercises: checks against buggy students, release, grading, and nbgrader's own verdict.
+"""The graded exercises: release, grading a notebook in the sandbox, and nbgrader's own verdict.
 
-Kernel runs cost seconds each, so each submission notebook is graded once per module and
-several tests read the same report.
+A sandboxed run costs seconds (the harness imports torch), so each submission notebook is
+graded once per module and several tests read the same report.
 """
 
+import copy
 import importlib.util
 import json
 import os
@@ -22,6 +23,14 @@ SOURCE = Path(__file__).parents[1] / "notebooks" / "exercises" / "ps1_clipping_a
 AUTOGRADED = {"grad_norm_tests": 2, "clip_tests": 2, "skip_tests": 2, "scale_tests": 2, "step_tests": 3}
 ANSWERS = {"grad_norm_tests": "grad_norm_answer", "clip_tests": "clip_answer", "skip_tests": "skip_answer",
            "scale_tests": "scale_answer", "step_tests": "step_answer"}
+
+
+def sandboxed():
+    """Skip without bubblewrap (grading refuses to run student code unsandboxed), except in CI."""
+    if shutil.which("bwrap") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but bubblewrap is not installed: .ci/run must apt-get install bubblewrap")
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap); CI runs this test")
 
 
 def gid(cell):
@@ -69,6 +78,16 @@ def skip_reason(loss, parameters):
         pass
 '''
 
+# backs off on every overflow, whatever the hysteresis: the stale copy of a copied cell
+STALE_SCALE = '''
+def next_scale(scale, growth_tracker, hysteresis_left, found_inf, config):
+    if found_inf:
+        return scale * config.backoff_factor, 0, max(hysteresis_left - 1, 0)
+    if growth_tracker + 1 == config.growth_interval:
+        return scale * config.growth_factor, 0, config.hysteresis
+    return scale, growth_tracker + 1, hysteresis_left
+'''
+
 # clips the scaled gradients, and steps the scheduler whether or not the optimizer stepped
 STEP_WITH_TWO_BUGS = '''
 def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):
@@ -89,48 +108,6 @@ def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, tar
                              next_scale=scaler.get_scale(), skipped=not stepped,
                              reason=None if stepped else "nonfinite_grad")
 '''
-
-
-# ---------------------------------------------------------------- graded once per module
-
-
-@pytest.fixture(scope="module")
-def source_report(tmp_path_factory):
-    """The instructor source graded through the CLI, as an instructor would: the JSON it wrote."""
-    out = tmp_path_factory.mktemp("source") / "report.json"
-    assert main(["grade", str(SOURCE), str(SOURCE), "--json", str(out), "--include-manual"]) == 0
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("release")
-    assert main(["release", str(SOURCE), "-o", str(folder)]) == 0
-    return nbformat.read(folder / SOURCE.name, as_version=4)
-
-
-@pytest.fixture(scope="module")
-def release_report(released, tmp_path_factory):
-    return grade(source(), released, cwd=str(tmp_path_factory.mktemp("student")))
-
-
-@pytest.fixture(scope="module")
-def messy_report(tmp_path_factory):
-    """A partial submission that also loops forever, fails an import and games the tests.
-
-    Parts 2 and 4 are solved (part 2's test cell deleted); part 1 takes the norm in fp16,
-    with its test cell edited to print "all good"; part 3 loops forever; part 5 clips before
-    unscaling and steps the scheduler on skips; part 4's answer comes after the loop, so it
-    only passes if the grader got the kernel back.
-    """
-    nb = submission(
-        {"grad_norm_answer": NORM_IN_FP16, "clip_answer": solution("clip_answer"), "skip_answer": INFINITE_LOOP,
-         "scale_answer": solution("scale_answer"), "step_answer": STEP_WITH_TWO_BUGS},
-        delete={"clip_tests"},
-        edit={"grad_norm_tests": 'print("all good")', "setup": "pass"},
-        prepend=["from labkit import answers_for_ps1  # there is no such thing"],
-    )
-    return grade(source(), nb, timeout=10, cwd=str(tmp_path_factory.mktemp("messy")))
 
 
 # ---------------------------------------------------------------- the source and its release
@@ -187,31 +164,92 @@ def test_release_refuses_malformed_sources(tmp_path):
     assert main(["release", str(SOURCE), "-o", str(SOURCE.parent)]) == 1  # would overwrite the source
 
 
-# ---------------------------------------------------------------- grading
+# ---------------------------------------------------------------- graded once per module (a sandboxed run costs seconds)
 
 
-def test_source_gets_full_marks_and_json_has_the_documented_shape(source_report):
-    assert source_report["score"] == sum(AUTOGRADED.values()) == 11
-    assert source_report["max_score"] == 13  # --include-manual: the written question's 2 points count
-    assert [set(p) for p in source_report["parts"]] == [{"grade_id", "points", "max_points", "message"}] * 6
-    by_id = {p["grade_id"]: p for p in source_report["parts"]}
+@pytest.fixture(scope="module")
+def metadata_lost_report(tmp_path_factory):
+    """The instructor's solutions saved by a tool that dropped every cell's nbgrader metadata, graded by the CLI."""
+    sandboxed()
+    nb = source()
+    for cell in nb.cells:
+        cell.metadata.pop("nbgrader", None)
+    folder = tmp_path_factory.mktemp("lost")
+    nbformat.write(nb, folder / "ada.ipynb")
+    out = folder / "report.json"
+    assert main(["grade", str(SOURCE), str(folder / "ada.ipynb"), "--json", str(out), "--include-manual"]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("release")
+    assert main(["release", str(SOURCE), "-o", str(folder)]) == 0
+    return nbformat.read(folder / SOURCE.name, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def release_report(released):
+    """The blank release, except that part 1's answer cell fails its import and part 2's was deleted."""
+    sandboxed()
+    nb = copy.deepcopy(released)
+    cell = next(c for c in nb.cells if gid(c) == "grad_norm_answer")
+    cell.source = "from labkit.solutions import x\ndef global_grad_norm(parameters):\n    return x(parameters)"
+    nb.cells = [c for c in nb.cells if gid(c) != "clip_answer"]
+    return grade(source(), nb, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def messy_report():
+    """A partial submission that also loops forever, fails an import, games the tests and copies a cell.
+
+    Part 1 takes the norm in fp16, its test cell edited to print "all good"; part 2 is solved and
+    its test cell deleted; part 3 loops forever; part 4's answer cell was copied (the copy keeps
+    its grade_id): the upper copy is stale and wrong, the lower one fixed; part 5 clips before
+    unscaling and steps the scheduler on skips. The setup cell was edited to `pass`.
+    """
+    sandboxed()
+    nb = submission(
+        {"grad_norm_answer": NORM_IN_FP16, "clip_answer": solution("clip_answer"), "skip_answer": INFINITE_LOOP,
+         "scale_answer": STALE_SCALE, "step_answer": STEP_WITH_TWO_BUGS},
+        delete={"clip_tests"},
+        edit={"grad_norm_tests": 'print("all good")', "setup": "pass"},
+        prepend=["from labkit import answers_for_ps1  # there is no such thing"],
+    )
+    at = next(i for i, c in enumerate(nb.cells) if gid(c) == "scale_answer")
+    fixed = copy.deepcopy(nb.cells[at])
+    fixed.source = solution("scale_answer")
+    nb.cells.insert(at + 1, fixed)
+    return grade(source(), nb, timeout=12, student="messy")
+
+
+def test_solutions_without_nbgrader_metadata_get_full_marks_with_a_warning(metadata_lost_report):
+    report = metadata_lost_report
+    assert report["score"] == sum(AUTOGRADED.values()) == 11
+    assert report["max_score"] == 13  # --include-manual: the written question's 2 points count
+    assert report["warnings"] == ["the submission has no nbgrader metadata (saved by another tool?): graded the "
+                                  "functions its code defines, top to bottom"]
+    assert report["tampering"] == [] and report["sandbox"] == "bwrap"
+    by_id = {p["grade_id"]: p for p in report["parts"]}
     for test, points in AUTOGRADED.items():
-        assert by_id[test] == {"grade_id": test, "points": points, "max_points": points, "message": ""}
-    assert by_id["why_unscale_first"]["points"] == 0 and by_id["why_unscale_first"]["message"] == "graded by hand"
+        assert by_id[test]["points"] == points and by_id[test]["message"] == "" and by_id[test]["status"] == "ok"
+        assert isinstance(by_id[test]["seed"], int)  # every part has hidden cases, and says which
+    assert by_id["why_unscale_first"]["points"] == 0 and by_id["why_unscale_first"]["status"] == "manual"
+    assert set(report) == {"score", "max_score", "parts", "seed", "tampering", "warnings", "sandbox"}
 
 
 def test_release_scores_zero_and_every_part_says_what_to_do(release_report):
     assert release_report.score() == 0 and release_report.max_score() == 11
     assert release_report.to_dict()["max_score"] == 11 and len(release_report.to_dict()["parts"]) == 5
     by_id = parts(release_report)
-    for test, answer in ANSWERS.items():
+    for test, answer in list(ANSWERS.items())[2:]:
         fn = {"grad_norm_answer": "global_grad_norm", "clip_answer": "clip_to_norm_", "skip_answer": "skip_reason",
               "scale_answer": "next_scale", "step_answer": "guarded_step"}[answer]
         assert by_id[test].points == 0 and by_id[test].max_points == AUTOGRADED[test]
-        assert by_id[test].message == (f"AssertionError: {fn} is not implemented yet: replace "
-                                       "`raise NotImplementedError()` with your code.")
+        assert by_id[test].message == f"{fn} is not implemented yet: replace `raise NotImplementedError()` with your code."
     assert by_id["why_unscale_first"].manual and by_id["why_unscale_first"].message == "not answered"
-    assert release_report.format().splitlines()[-1].split() == ["score", "0", "/", "11"]
+    assert release_report.format().splitlines()[-1].split()[:4] == ["score", "0", "/", "11"]
+    assert "TCP" not in release_report.output  # no kernel, no ipykernel warning about unencrypted TCP
 
 
 def test_partial_submission_gets_exactly_the_points_it_earned(messy_report):
@@ -231,48 +269,30 @@ def test_each_classic_bug_gets_its_hint(messy_report):
 
 def test_an_infinite_loop_is_interrupted_and_later_parts_are_still_graded(messy_report):
     by_id = parts(messy_report)
-    assert by_id["skip_tests"].message.startswith("CellTimeout: the cell ran longer than 10 s")
-    assert by_id["scale_tests"].points == 2  # graded after the loop, in the same kernel
+    assert by_id["skip_tests"].message.startswith("skip_reason ran longer than 12 s on case #1 of check_skip_decision")
+    assert by_id["scale_tests"].points == 2 and by_id["step_tests"].status == "failed"  # graded after the loop
 
 
-def test_deleted_or_edited_test_cells_and_locked_cells_are_restored(messy_report):
+def test_edited_deleted_or_locked_cells_change_nothing(messy_report):
     by_id = parts(messy_report)
-    assert by_id["clip_tests"].points == 2  # deleted: restored, and it passes
-    assert by_id["grad_norm_tests"].points == 0  # edited to print "all good": the real test ran
-    assert by_id["scale_tests"].points == 2  # the setup cell was edited to `pass`: restored, torch imported
+    assert by_id["clip_tests"].points == 2  # its test cell deleted: the grader's calls don't live in the notebook
+    assert by_id["grad_norm_tests"].points == 0  # test cell edited to print "all good": never run
+    assert by_id["scale_tests"].points == 2  # setup edited to `pass` (and an import that fails): restored
 
 
-def test_a_submission_whose_own_import_fails_is_still_graded(messy_report):
-    # its first cell, `from labkit import answers_for_ps1`, raised ImportError: the rest still ran
-    assert parts(messy_report)["clip_tests"].points == 2
+def test_a_copied_answer_cell_is_graded_as_the_notebook_runs_and_said_so(messy_report):
+    assert messy_report.warnings == [
+        "'scale_answer' is in 2 cells (a copied cell keeps its grade_id): graded what the notebook defines run top "
+        "to bottom, i.e. the last copy wins; delete the stale copy"]
+    assert "warning: 'scale_answer' is in 2 cells" in messy_report.format()
 
 
-def test_a_failing_answer_cell_is_named_in_its_part(monkeypatch, tmp_path):
-    """The test cell's NameError alone would hide why: the report adds what the answer cell raised."""
-    import labkit.grading.notebook as notebook
-
-    nb = submission({"grad_norm_answer": "from labkit.solutions import global_grad_norm"})
-    ran = []
-
-    def fake_execute(run, timeout, cwd):  # the kernel's replies, without the 5 s of starting one
-        ran.append([gid(c) for c in run.cells if gid(c)])
-        index = {gid(c): i for i, c in enumerate(run.cells)}
-        replies = {i: {"status": "ok"} for i, c in enumerate(run.cells) if c.cell_type == "code"}
-        replies[index["grad_norm_answer"]] = {"status": "error", "ename": "ModuleNotFoundError",
-                                              "evalue": "No module named 'labkit.solutions'"}
-        replies[index["grad_norm_tests"]] = {"status": "error", "ename": "NameError",
-                                             "evalue": "name 'global_grad_norm' is not defined"}
-        del replies[index["step_tests"]]  # as after a kernel death
-        return replies
-
-    monkeypatch.setattr(notebook, "execute", fake_execute)
-    report = parts(grade(source(), nb, cwd=str(tmp_path)))
-    assert report["grad_norm_tests"].message == (
-        "NameError: name 'global_grad_norm' is not defined (your answer cell 'grad_norm_answer' raised "
-        "ModuleNotFoundError: No module named 'labkit.solutions')")
-    assert report["clip_tests"].points == 2 and report["clip_tests"].message == ""
-    assert report["step_tests"].points == 0 and report["step_tests"].message.startswith("did not run: the kernel died")
-    assert ran[0] == [gid(c) for c in source().cells if gid(c)]  # every graded cell, in the source's order
+def test_a_failing_or_missing_answer_cell_is_named_in_its_part(release_report):
+    by_id = parts(release_report)
+    assert by_id["grad_norm_tests"].message == (
+        "global_grad_norm is not defined (cell 4 'grad_norm_answer' raised ModuleNotFoundError: No module named "
+        "'labkit.solutions').")
+    assert by_id["clip_tests"].message == "clip_to_norm_ is not defined: run its answer cell, and keep the function's name."
 
 
 def test_an_unreadable_submission_is_graded_zero_with_exit_code_0(tmp_path, capsys):
@@ -282,7 +302,7 @@ def test_an_unreadable_submission_is_graded_zero_with_exit_code_0(tmp_path, caps
     assert main(["grade", str(SOURCE), str(bad), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["score"] == 0 and report["max_score"] == 11
-    assert all(p["message"].startswith("the submission is not a readable notebook") for p in report["parts"])
+    assert all(p["message"].startswith("the submission is not a readable notebook: not JSON") for p in report["parts"])
     assert "score" in capsys.readouterr().out
 
 
@@ -291,21 +311,28 @@ def test_cli_rejects_bad_arguments_and_sources(tmp_path, capsys):
         main(["grade", str(SOURCE)])
     assert exit_.value.code == 2
     assert main(["grade", str(SOURCE), str(SOURCE), "--timeout", "0"]) == 2
+    assert main(["grade", str(SOURCE), str(tmp_path), "--jobs", "0"]) == 2
+    assert main(["grade", str(SOURCE), str(tmp_path)]) == 2  # a folder needs --out
     broken = source()
     broken.cells[3].metadata.nbgrader.pop("grade_id")
     path = tmp_path / "broken_source.ipynb"
     nbformat.write(broken, path)
     assert main(["grade", str(path), str(SOURCE)]) == 1
     assert "no grade_id" in capsys.readouterr().err
+    custom = source()
+    custom.cells[4].source += "\nassert global_grad_norm([]) == 0"
+    nbformat.write(custom, path)
+    assert main(["grade", str(path), str(SOURCE)]) == 1
+    assert "the grader replays only labkit.grading's check_*(function_name" in capsys.readouterr().err
 
 
-def test_grading_runs_the_kernel_of_this_interpreter(tmp_path):
-    from labkit.grading.notebook import execute
-
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        f"import sys\nassert sys.executable == {sys.executable!r}, sys.executable")])
-    replies = execute(nb, timeout=30, cwd=str(tmp_path))
-    assert replies[0]["status"] == "ok", replies[0]
+def test_the_cli_starts_without_torch_and_labkit_dispatches_to_it():
+    code = ("import sys, labkit.grading.__main__ as m, labkit.grading.batch, labkit.grading.notebook\n"
+            "assert 'torch' not in sys.modules and 'nbformat' not in sys.modules, sorted(sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+    done = subprocess.run([sys.executable, "-m", "labkit", "grading", "grade", "--help"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and "--jobs" in done.stdout and "--seed" in done.stdout
 
 
 # ---------------------------------------------------------------- nbgrader itself (installed in CI)

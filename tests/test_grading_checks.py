@@ -46,7 +46,7 @@ def good_scale(scale, tracker, hysteresis, found_inf, config):
 
 
 def make_step(clip_before_unscale=False, scheduler_on_skip=False, backward_on_bad_loss=False, clip=True,
-              step_on_skip=False, update_on_skip=True, scale_after=False):
+              step_on_skip=False, update_on_skip=True, scale_after=False, log_norm=lambda norm: norm.item()):
     """A guarded step with the given mistakes (none by default)."""
 
     def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):
@@ -78,7 +78,7 @@ def make_step(clip_before_unscale=False, scheduler_on_skip=False, backward_on_ba
         if stepped or update_on_skip:
             scaler.update()
         return labkit.StepRecord(
-            step, loss.item(), grad_norm=norm.item(), scale=scaler.get_scale() if scale_after else scale,
+            step, loss.item(), grad_norm=log_norm(norm), scale=scaler.get_scale() if scale_after else scale,
             next_scale=scaler.get_scale(), skipped=not stepped,
             reason=None if stepped else ("nonfinite_grad" if math.isfinite(loss.item()) else "nonfinite_loss"))
 
@@ -152,7 +152,7 @@ NORM_BUGS = {
     "float16 result": (lambda ps: good_norm(ps).half(), "returned a torch.float16 norm", "return float32"),
     "nan filtered": (lambda ps: torch.stack([torch.nan_to_num(p.grad.float(), 0.0, 0.0, 0.0).norm()
                                              for p in ps if p.grad is not None]).norm(),
-                     "a NaN gradient must give a NaN norm"),
+                     "a NaN gradient must give a NaN or inf norm"),
     "empty": (lambda ps: torch.stack([p.grad.float().norm() for p in ps if p.grad is not None]).norm(),
               "With no gradients at all the norm is 0: return torch.tensor(0.0)"),
     "calls labkit": (lambda ps: labkit.grad_norm(ps), "called labkit.grad_norm: this part asks you to compute the norm yourself"),
@@ -320,6 +320,11 @@ STEP_BUGS = {
     "stepping on a skip": ({"step_on_skip": True}, ["the parameters changed on a skipped step"]),
     "no update on a skip": ({"update_on_skip": False}, ["call scaler.update() once per step that ran backward"]),
     "scale logged after update": ({"scale_after": True}, ["log scaler.get_scale() before the step and after update()"]),
+    # a tensor in the log used to skip the comparison: now its value is compared
+    "post-clip norm logged as a tensor": ({"log_norm": lambda norm: torch.clamp(norm, max=0.05)},
+                                          ["logged grad_norm=0.05", "log the global norm of the unscaled gradients"]),
+    "norm logged as a string": ({"log_norm": lambda norm: "big"},
+                                ["logged grad_norm=big", "as a number"]),
 }
 
 

@@ -1,7 +1,8 @@
 """Graded exercises: checks for autograder test cells, and nbgrader-format release and grading.
 
 Test cells call the checks (``check_grad_norm(student_fn)``); instructors run
-``python -m labkit.grading release|grade`` (see ``python -m labkit.grading --help``).
+``python -m labkit.grading release|grade`` (see ``python -m labkit.grading --help``). The
+checks are imported on first use: they need torch, the command line does not.
 
 >>> from labkit.grading import check_update_scale
 >>> check_update_scale(lambda scale, tracker, hysteresis, found_inf, config: (scale, tracker, hysteresis))
@@ -10,6 +11,14 @@ Traceback (most recent call last):
 AssertionError: <lambda>(scale=1024, growth_tracker=0, hysteresis_left=1, found_inf=True) returned (1024.0, 0, 1), expected (512.0, 0, 0) on the case 'two overflows, hysteresis=1, step 0' with ScalerConfig(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=1, min_scale=None, max_scale=None): on this overflow the scale must back off to scale * backoff_factor = 512 (hysteresis_left 1 -> 0).
 """
 
-from .checks import check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale
+from typing import Any
 
 __all__ = ["check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision", "check_update_scale"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import checks
+
+        return getattr(checks, name)
+    raise AttributeError(f"module 'labkit.grading' has no attribute {name!r}")

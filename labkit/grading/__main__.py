@@ -1,7 +1,8 @@
-"""``python -m labkit.grading release|grade``: the instructor's side of the exercises.
+"""``python -m labkit.grading release|grade`` (or ``python -m labkit grading ...``): the instructor's side.
 
 Exit codes: 0 when the command did its job (whatever the score), 1 when it could not
-(an unreadable or malformed source), 2 for bad arguments.
+(an unreadable or malformed source, no sandbox tool), 2 for bad arguments. Starts in well
+under a second: torch is imported only once grading judges a result.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import json
 import sys
 from pathlib import Path
 
-import nbformat
-
-from .notebook import grade, release
-
 USAGE = """examples:
   python -m labkit.grading release notebooks/exercises/ps1_clipping_and_scaling.ipynb -o release/
   python -m labkit.grading grade notebooks/exercises/ps1_clipping_and_scaling.ipynb alice.ipynb --json alice.json
+  python -m labkit.grading grade SOURCE.ipynb course/submitted/ --out grades/ --jobs 2 --manual written.csv
+
+A folder is graded as a class: nbgrader's submitted/<student>/<assignment>/<notebook>.ipynb or a flat folder
+of <student>.ipynb, into OUT/gradebook.csv, gradebook.json, summary.txt and results/<student>.json (kept:
+run the same command again after a crash and only what is missing is graded). --manual is a CSV
+student,grade_id,points[,comment] of hand-graded points. Every submission runs in a bubblewrap sandbox
+(apt-get install bubblewrap); its hidden cases are seeded from the source and the student's name, and the
+seed is in the JSON: --seed replays it.
 """
 
 
@@ -29,52 +34,103 @@ def _parser() -> argparse.ArgumentParser:
     rel = commands.add_parser("release", help="write the student version of a source notebook")
     rel.add_argument("source", type=Path, help="the instructor's notebook, with solutions and hidden tests")
     rel.add_argument("-o", "--output", type=Path, required=True, help="the folder to write the student version into")
-    gra = commands.add_parser("grade", help="grade a student's notebook against the source")
+    gra = commands.add_parser("grade", help="grade a student's notebook, or a folder of them, against the source",
+                              epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     gra.add_argument("source", type=Path, help="the instructor's notebook the submission was released from")
-    gra.add_argument("submission", type=Path, help="the student's notebook")
-    gra.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    gra.add_argument("submission", type=Path, help="the student's notebook, or a folder of submissions (a class)")
+    gra.add_argument("--json", type=Path, help="one notebook: also write the report as JSON to this file")
+    gra.add_argument("--out", type=Path, help="a folder: where the gradebook and each student's results go")
+    gra.add_argument("--jobs", type=int, default=1, help="a folder: submissions graded at once (default 1)")
+    gra.add_argument("--manual", type=Path, help="a folder: CSV of hand-graded points (student,grade_id,points)")
+    gra.add_argument("--assignment", help="a folder in nbgrader's layout: the assignment folder name")
     gra.add_argument("--include-manual", action="store_true",
                      help="count the manually graded parts in max_score and list them in the JSON")
-    gra.add_argument("--timeout", type=float, default=60.0, help="seconds each cell may run (default 60)")
+    gra.add_argument("--timeout", type=float, default=60.0, help="seconds each cell and each check may run (default 60)")
+    gra.add_argument("--wall", type=float, help="seconds a whole submission may run, hard (default: from --timeout, "
+                     "at most 600)")
+    gra.add_argument("--seed", type=int, help="replay the hidden cases of this seed (from a report's JSON)")
+    gra.add_argument("--no-sandbox", action="store_true",
+                     help="run without bubblewrap: only for notebooks you trust (your own solutions)")
     return parser
-
-
-def _read_source(path: Path) -> nbformat.NotebookNode:
-    try:
-        return nbformat.read(path, as_version=4)
-    except (OSError, ValueError) as e:  # nbformat's NotJSONError is a ValueError
-        raise SystemExit(f"labkit.grading: cannot read the source notebook {path}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    source = _read_source(args.source)
+    from .notebook import read
+
     try:
-        if args.command == "release":
-            out = args.output / args.source.name
-            if out.resolve() == args.source.resolve():
-                print(f"labkit.grading: refusing to overwrite the source {args.source}; pick another -o folder.",
-                      file=sys.stderr)
-                return 1
-            student = release(source)
-            args.output.mkdir(parents=True, exist_ok=True)
-            nbformat.write(student, out)
-            print(f"wrote {out}")
-            return 0
-        if args.timeout <= 0:
-            print(f"labkit.grading: --timeout must be > 0 seconds, got {args.timeout:g}.", file=sys.stderr)
+        source = read(args.source)
+    except (OSError, ValueError) as e:
+        print(f"labkit.grading: cannot read the source notebook {args.source}: {e}", file=sys.stderr)
+        return 1
+    if args.command == "release":
+        return _release(args, source)
+    for name, value in (("--timeout", args.timeout), ("--wall", args.wall)):
+        if value is not None and value <= 0:
+            print(f"labkit.grading: {name} must be > 0 seconds, got {value:g}.", file=sys.stderr)
             return 2
-        try:
-            submission, reason = nbformat.read(args.submission, as_version=4), ""
-        except (OSError, ValueError) as e:
-            submission, reason = None, f"the submission is not a readable notebook: {e}"
-        report = grade(source, submission, timeout=args.timeout, cwd=str(args.submission.parent), reason=reason)
-    except ValueError as e:  # a malformed source: grading itself did not work
+    if args.jobs < 1:
+        print(f"labkit.grading: --jobs must be at least 1, got {args.jobs}.", file=sys.stderr)
+        return 2
+    from .sandbox import SandboxError
+
+    options = {"timeout": args.timeout, "wall": args.wall, "seed": args.seed, "sandbox": not args.no_sandbox}
+    try:
+        if args.submission.is_dir():
+            return _grade_class(args, options)
+        return _grade_one(args, source, options)
+    except (ValueError, SandboxError) as e:  # a malformed source, a bad --manual file, no or broken bwrap
+        print(f"labkit.grading: {e}", file=sys.stderr)
+        return 1
+
+
+def _release(args: argparse.Namespace, source: dict) -> int:
+    from .notebook import release
+
+    out = args.output / args.source.name
+    if out.resolve() == args.source.resolve():
+        print(f"labkit.grading: refusing to overwrite the source {args.source}; pick another -o folder.",
+              file=sys.stderr)
+        return 1
+    try:
+        student = release(source)
+    except ValueError as e:
         print(f"labkit.grading: {args.source}: {e}", file=sys.stderr)
         return 1
+    args.output.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(student, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+def _grade_one(args: argparse.Namespace, source: dict, options: dict) -> int:
+    from .notebook import grade, read
+
+    if args.out is not None or args.manual is not None:
+        print("labkit.grading: --out and --manual are for a folder of submissions; for one notebook use --json.",
+              file=sys.stderr)
+        return 2
+    try:
+        submission, reason = read(args.submission), ""
+    except (OSError, ValueError) as e:
+        submission, reason = None, f"the submission is not a readable notebook: {e}"
+    report = grade(source, submission, student=args.submission.stem, reason=reason, **options)
     print(report.format(args.include_manual))
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_dict(args.include_manual), indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _grade_class(args: argparse.Namespace, options: dict) -> int:
+    from .batch import grade_class, summary
+
+    if args.out is None:
+        print("labkit.grading: grading a folder needs --out FOLDER for the gradebook.", file=sys.stderr)
+        return 2
+    book = grade_class(args.source, args.submission, args.out, jobs=args.jobs, manual=args.manual,
+                       assignment=args.assignment, **options)
+    print(summary(book))
+    print(f"wrote {args.out / 'gradebook.csv'}, gradebook.json, summary.txt, results/")
     return 0
 
 

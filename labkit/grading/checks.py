@@ -1,19 +1,26 @@
 """Autograder checks: run a student's function on visible and hidden cases against labkit's own.
 
-Each ``check_*`` returns ``None`` when the function behaves like labkit's reference and
-raises ``AssertionError`` otherwise, with a message that says what was wrong and hints at
-why. ``hidden=False`` runs the few cases the exercise shows; ``hidden=True`` runs a
-randomized battery (shapes, fp32/fp16/bf16, ``None`` grads, NaN/Inf, thresholds) whose
-seed is drawn fresh unless given, and is quoted in every failure so it can be replayed.
+Each check has two halves that meet only through data: ``run`` calls the student's
+function on a case and returns what it saw (tensors, numbers, strings: what
+``torch.save``/``torch.load(weights_only=True)`` carries), and ``judge`` compares that with
+labkit's reference and returns the failure message, or None. The grader runs ``run`` in the
+student's sandboxed process and ``judge`` in its own (``labkit.grading.harness``), so a
+submission cannot reach the verdict; ``check_*`` runs both in one process, for the
+notebook's visible test cells. ``hidden=True`` runs a randomized battery (shapes,
+fp32/fp16/bf16, ``None`` grads, NaN/Inf, thresholds) built from ``seed``, quoted in every
+failure so it can be replayed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib
 import math
 import os
 import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +37,8 @@ from labkit.records import StepRecord
 from labkit.scaler import GradScaler, ScalerConfig, update_scale
 from labkit.step import TrainStep
 
-__all__ = ["check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision", "check_update_scale"]
+__all__ = ["BANNED", "CHECKS", "check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision",
+           "check_update_scale", "judge", "run"]
 
 HALF = (torch.float16, torch.bfloat16)
 REASONS = (None, "nonfinite_loss", "nonfinite_grad")
@@ -77,19 +85,53 @@ def _where(case: str, hidden: bool, seed: int) -> str:
     return f"on the hidden case '{case}' (seed={seed})" if hidden else f"on the case '{case}'"
 
 
-def _call(fn: Callable, where: str, *args: Any, hint: str = "") -> Any:
-    """Call the student's ``fn``; turn anything it raises into an ``AssertionError`` that says so."""
-    name = getattr(fn, "__name__", "your function")
+def _ship(value: Any) -> Any:
+    """Return ``value`` as plain data: tensors as plain tensors, numbers and strings as they are.
+
+    A tensor subclass is read with torch functions off, so its own ``__torch_function__``
+    cannot choose what the grader sees; anything else is only named.
+    """
+    if isinstance(value, Tensor):
+        with torch._C.DisableTorchFunction():
+            plain = value.detach().clone().as_subclass(Tensor)
+        return {"type": type(value).__name__, "tensor": plain}
+    if value is None or type(value) in (bool, int, float, str):
+        return {"type": type(value).__name__, "py": value}
+    if type(value) in (tuple, list):
+        return {"type": type(value).__name__, "items": [_ship(v) for v in value[:8]]}
+    return {"type": type(value).__name__}
+
+
+def _call(fn: Callable, *args: Any) -> dict[str, Any]:
+    """Call the student's ``fn``; return ``{"value": ...}`` or what it raised, as data.
+
+    ``_exc`` keeps the exception itself for the in-process checks (its traceback helps the
+    student); it never leaves the process.
+    """
     try:
-        return fn(*args)
+        return {"value": fn(*args)}
     except NotImplementedError:
-        raise AssertionError(f"{name} is not implemented yet: replace `raise NotImplementedError()` with your code.") from None
+        return {"raised": "NotImplementedError", "message": ""}
     except _Trapped as e:
-        raise AssertionError(f"{name}, {where}, {e}.") from None
-    except AssertionError:
-        raise
+        return {"raised": "trap", "message": str(e)}
     except Exception as e:
-        raise AssertionError(f"{name} raised {type(e).__name__}: {e} {where}.{hint}") from e
+        return {"raised": type(e).__name__, "message": str(e), "_exc": e}
+
+
+def _raised(name: str, out: dict[str, Any], where: str, hint: str = "") -> str | None:
+    """Return the message for what the student's function raised or tripped over, or None."""
+    if out.get("traps"):
+        return f"{name}, {where}, {out['traps'][0]}."
+    kind = out.get("raised")
+    if kind is None:
+        return None
+    if kind == "NotImplementedError":
+        return f"{name} is not implemented yet: replace `raise NotImplementedError()` with your code."
+    if kind == "trap":
+        return f"{name}, {where}, {out['message']}."
+    if kind == "AssertionError":
+        return out["message"]
+    return f"{name} raised {kind}: {out['message']} {where}.{hint}"
 
 
 SYNCS = {
@@ -103,17 +145,17 @@ SYNCS = {
 
 
 @contextlib.contextmanager
-def _no_host_sync() -> Iterator[None]:
-    """Make every tensor-to-Python conversion raise: on a GPU each one waits for the device."""
+def _no_host_sync(traps: list[str]) -> Iterator[None]:
+    """Make every tensor-to-Python conversion raise, and note it in ``traps`` (kept if swallowed)."""
     saved = {name: getattr(Tensor, name) for name in SYNCS}
 
     def trap(what: str) -> Callable:
         def raise_(*args: Any, **kwargs: Any) -> Any:
-            raise _Trapped(
-                f"synced with the host: it {what}. In the hot path that waits for the GPU every step; "
-                "compute the factor as a tensor (torch.clamp(max_norm / (norm + 1e-6), max=1.0)) and choose with "
-                "torch.where, not `if`"
-            )
+            message = (f"synced with the host: it {what}. In the hot path that waits for the GPU every step; "
+                       "compute the factor as a tensor (torch.clamp(max_norm / (norm + 1e-6), max=1.0)) and choose "
+                       "with torch.where, not `if`")
+            traps.append(message)
+            raise _Trapped(message)
         return raise_
 
     try:
@@ -125,34 +167,72 @@ def _no_host_sync() -> Iterator[None]:
             setattr(Tensor, name, method)
 
 
+# ---- bans: library functions a part asks the student to write. The wrappers go in once and stay
+# (a reference saved before the test is the wrapper too); they refuse only while a ban is on and
+# only calls made from outside labkit, torch and the standard library.
+
+_HOMES = ("labkit", "labkit.clip", "labkit.scaler", "labkit.step", "torch.nn.utils", "torch.nn.utils.clip_grad",
+          "torch.amp", "torch.amp.grad_scaler")
+_TRUSTED = tuple(os.path.dirname(m.__file__) + os.sep for m in (labkit, torch, os))
+_ACTIVE: list[tuple[frozenset[Callable], str, list[str]]] = []  # (the wrappers banned now, task, traps seen)
+
+
+def _wrap(original: Callable, full: str) -> Callable:
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE and guarded in _ACTIVE[-1][0]:
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.startswith(_TRUSTED):
+                _, task, traps = _ACTIVE[-1]
+                message = f"called {full}: this part asks you to {task} yourself"
+                traps.append(message)
+                raise _Trapped(message)
+        return original(*args, **kwargs)
+
+    guarded.__labkit_ban__ = full
+    return guarded
+
+
+def _install(names: tuple[str, ...]) -> frozenset[Callable]:
+    """Put a ban wrapper in every home of each of ``names`` (once); return the wrappers."""
+    wrappers = set()
+    for full in names:
+        home, attr = full.rsplit(".", 1)
+        found = getattr(importlib.import_module(home), attr, None)
+        if found is None:
+            continue
+        if isinstance(found, type):  # a class: guard its constructor
+            if not hasattr(found.__init__, "__labkit_ban__"):
+                found.__init__ = _wrap(found.__init__, full)
+            wrappers.add(found.__init__)
+            continue
+        wrapper = found if hasattr(found, "__labkit_ban__") else _wrap(found, full)
+        for other in _HOMES:  # the same function re-exported elsewhere gets the same wrapper
+            module = sys.modules.get(other)
+            if module is not None and module.__dict__.get(attr) is found:
+                setattr(module, attr, wrapper)
+        wrappers.add(wrapper)
+    return frozenset(wrappers)
+
+
 @contextlib.contextmanager
-def _forbid(names: tuple[str, ...], task: str) -> Iterator[None]:
-    """Make the library functions this exercise asks the student to write raise when called."""
-    homes = {"labkit": labkit, "torch.nn.utils": torch.nn.utils}
-    saved = []
-
-    def trap(full: str) -> Callable:
-        def raise_(*args: Any, **kwargs: Any) -> Any:
-            raise _Trapped(f"called {full}: this part asks you to {task} yourself")
-        return raise_
-
+def _forbid(names: tuple[str, ...], task: str, traps: list[str]) -> Iterator[None]:
+    """Make the library functions this part asks the student to write refuse, noting each call in ``traps``."""
+    _ACTIVE.append((_install(names), task, traps))
     try:
-        for full in names:
-            home, attr = full.rsplit(".", 1)
-            module = homes[home]
-            if hasattr(module, attr):
-                saved.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, trap(full))
         yield
     finally:
-        for module, attr, value in saved:
-            setattr(module, attr, value)
+        _ACTIVE.pop()
 
 
-NORM_FUNCS = ("labkit.grad_norm", "labkit.clip_grad_norm_", "torch.nn.utils.clip_grad_norm_",
-              "torch.nn.utils.get_total_norm")
+NORM_FUNCS = ("labkit.grad_norm", "labkit.clip_grad_norm_", "labkit.clip.per_tensor_norms",
+              "torch.nn.utils.clip_grad_norm_", "torch.nn.utils.get_total_norm")
 CLIP_FUNCS = ("labkit.clip_grad_norm_", "labkit.clip_grads_with_norm_", "torch.nn.utils.clip_grad_norm_",
               "torch.nn.utils.clip_grads_with_norm_")
+SCALE_FUNCS = ("labkit.update_scale", "labkit.GradScaler", "torch.amp.GradScaler")
+STEP_FUNCS = ("labkit.TrainStep",)
+BANNED = {"check_grad_norm": NORM_FUNCS, "check_clip": CLIP_FUNCS, "check_skip_decision": STEP_FUNCS,
+          "check_update_scale": SCALE_FUNCS, "check_guarded_step": STEP_FUNCS}
 
 
 def _seed(hidden: bool, seed: int | None) -> int:
@@ -168,7 +248,7 @@ def _close(a: float, b: float, rel: float = 1e-4) -> bool:
 
 
 def _grads(params: list[Tensor]) -> list[Tensor | None]:
-    return [None if p.grad is None else p.grad.clone() for p in params]
+    return [None if p.grad is None else p.grad.detach().clone().as_subclass(Tensor) for p in params]
 
 
 def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
@@ -176,7 +256,9 @@ def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
     def bits(t: Tensor) -> Tensor:
         return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
-    return all((x is None) == (y is None) and (x is None or torch.equal(bits(x), bits(y))) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and x.shape == y.shape
+                                                      and torch.equal(bits(x), bits(y)))) for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------- cases
@@ -257,51 +339,52 @@ def _diagnose_norm(got: float, want: float, case: _Case) -> str:
     return ""
 
 
-def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, seed: int | None = None) -> None:
-    """Check that ``fn(parameters)`` returns the global L2 norm of their ``.grad`` as ``labkit.grad_norm`` does.
+def _norm_cases(hidden: bool, seed: int) -> list[_Case]:
+    return _gradient_cases(hidden, seed, ("mixed shapes, fp32", "some .grad are None", "large fp16 gradients",
+                                          "fp16 gradients", "bf16 gradients", "a NaN gradient", "an inf gradient",
+                                          "no gradients at all"))
 
-    >>> def global_grad_norm(parameters):
-    ...     norms = [p.grad.float().norm() for p in parameters if p.grad is not None]
-    ...     return torch.stack(norms).norm() if norms else torch.tensor(0.0)
-    >>> check_grad_norm(global_grad_norm, hidden=True, seed=0)
-    >>> check_grad_norm(lambda parameters: torch.tensor(7.0))
-    Traceback (most recent call last):
-    ...
-    AssertionError: <lambda> returned 7 on the case 'grads [3, 4] and [12]', labkit.grad_norm gives 13: the norm differs by a factor of ~0.538.
-    """
-    seed = _seed(hidden, seed)
-    kinds = ("mixed shapes, fp32", "some .grad are None", "large fp16 gradients", "fp16 gradients", "bf16 gradients",
-             "a NaN gradient", "an inf gradient", "no gradients at all")
-    name = getattr(fn, "__name__", "your function")
-    for case in _gradient_cases(hidden, seed, kinds):
-        where = _where(case.name, hidden, seed)
-        params = case.params()
-        before = _grads(params)
-        want = ref_grad_norm(params).item()
-        with _forbid(NORM_FUNCS, "compute the norm"):
-            got = _call(fn, where, params, hint=_none_hint(case))
-        if not _same(_grads(params), before):
-            raise AssertionError(f"{name} changed p.grad {where}: a norm only reads (use out-of-place ops, not g.pow_()).")
-        if not isinstance(got, Tensor):
-            raise AssertionError(f"{name} returned a {type(got).__name__} {where}; return a 0-dim tensor "
-                                 "(a Python number means .item(), a host sync that waits for the GPU).")
-        if got.shape != ():
-            raise AssertionError(f"{name} returned a tensor of shape {tuple(got.shape)} {where}; return one number, "
-                                 "a 0-dim tensor: the norm of all gradients seen as one vector.")
-        if got.dtype != torch.float32:
-            raise AssertionError(f"{name} returned a {got.dtype} norm {where}; return float32, whatever the "
-                                 "gradients' dtype (an fp16 norm is inf above 65504).")
-        value = got.item()
-        if math.isnan(want) and not math.isnan(value):
-            raise AssertionError(f"{name} returned {value:g} {where}; a NaN gradient must give a NaN norm: the step "
-                                 "decides to skip from it, so don't filter or nan_to_num non-finite values.")
-        if math.isinf(want) and not math.isinf(value):
-            raise AssertionError(f"{name} returned {value:g} {where}; an inf gradient must give an inf norm "
-                                 "(don't filter it out: the step has to see it to skip).")
-        if not _close(value, want):
-            diagnosis = _diagnose_norm(value, want, case)
-            raise AssertionError(f"{name} returned {value:g} {where}, labkit.grad_norm gives {want:g}"
-                                 + (f": {diagnosis}" if diagnosis else "."))
+
+def _run_norm(fn: Callable, case: _Case) -> dict[str, Any]:
+    params = case.params()
+    before = _grads(params)
+    traps: list[str] = []
+    with _forbid(NORM_FUNCS, "compute the norm", traps):
+        out = _call(fn, params)
+    out.update(traps=traps, changed=not _same(_grads(params), before), value=_ship(out.get("value")))
+    return out
+
+
+def _judge_norm(name: str, case: _Case, out: dict[str, Any], where: str) -> str | None:
+    raised = _raised(name, out, where, _none_hint(case))
+    if raised:
+        return raised
+    if out.get("changed"):
+        return f"{name} changed p.grad {where}: a norm only reads (use out-of-place ops, not g.pow_())."
+    got = out["value"]
+    if "tensor" not in got:
+        return (f"{name} returned a {got['type']} {where}; return a 0-dim tensor "
+                "(a Python number means .item(), a host sync that waits for the GPU).")
+    tensor = got["tensor"]
+    if tensor.shape != ():
+        return (f"{name} returned a tensor of shape {tuple(tensor.shape)} {where}; return one number, "
+                "a 0-dim tensor: the norm of all gradients seen as one vector.")
+    if tensor.dtype != torch.float32:
+        return (f"{name} returned a {tensor.dtype} norm {where}; return float32, whatever the "
+                "gradients' dtype (an fp16 norm is inf above 65504).")
+    value, want = tensor.item(), ref_grad_norm(case.params()).item()
+    # the spec asks for a NaN or inf norm from non-finite gradients: either one is right
+    if not math.isfinite(want):
+        if math.isfinite(value):
+            bad = "a NaN" if math.isnan(want) else "an inf"
+            return (f"{name} returned {value:g} {where}; {bad} gradient must give a NaN or inf norm: the step "
+                    "decides to skip from it, so don't filter or nan_to_num non-finite values.")
+        return None
+    if not _close(value, want):
+        diagnosis = _diagnose_norm(value, want, case)
+        return f"{name} returned {value:g} {where}, labkit.grad_norm gives {want:g}" + (
+            f": {diagnosis}" if diagnosis else ".")
+    return None
 
 
 # ---------------------------------------------------------------- 2. clipping in place
@@ -311,83 +394,80 @@ def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 1e-5)
 
 
-def check_clip(fn: Callable[[list[Tensor], float], Tensor], hidden: bool = False, seed: int | None = None) -> None:
-    """Check that ``fn(parameters, max_norm)`` clips in place, returns the pre-clip norm and never syncs.
-
-    The reference is ``labkit.clip_grad_norm_``: a non-finite norm leaves the gradients untouched.
-
-    >>> import labkit
-    >>> def clip_to_norm_(parameters, max_norm):
-    ...     norm = labkit.grad_norm(parameters)
-    ...     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    ...     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-    ...     for p in parameters:
-    ...         if p.grad is not None:
-    ...             p.grad.mul_(coef.to(p.grad.dtype))
-    ...     return norm
-    >>> check_clip(clip_to_norm_, hidden=True, seed=0)
-    """
-    seed = _seed(hidden, seed)
-    name = getattr(fn, "__name__", "your function")
+def _clip_cases(hidden: bool, seed: int) -> list[_Case]:
     rnd = random.Random(seed + 1)
-    kinds = ("mixed shapes, fp32", "some .grad are None", "fp16 gradients", "bf16 gradients", "a NaN gradient",
-             "an inf gradient", "no gradients at all")
-    cases = _gradient_cases(hidden, seed, kinds)
+    cases = _gradient_cases(hidden, seed, ("mixed shapes, fp32", "some .grad are None", "fp16 gradients",
+                                           "bf16 gradients", "a NaN gradient", "an inf gradient",
+                                           "no gradients at all"))
     if hidden:
         above = copy.copy(cases[0])
         above.name = "max_norm above the norm"
         cases.append(above)
-    for case in cases:
-        params = case.params()
-        norm = ref_grad_norm(params).item()
-        if hidden:
+        for case in cases:
+            norm = ref_grad_norm(case.params()).item()
             finite = math.isfinite(norm) and norm > 0
-            case.max_norm = (norm * (rnd.uniform(1.5, 4.0) if case.name == "max_norm above the norm" else rnd.uniform(0.05, 0.9))
-                             if finite else rnd.uniform(0.5, 2.0))
-        where = _where(f"{case.name}, max_norm={case.max_norm:.4g}", hidden, seed)
-        before = _grads(params)
-        objects = [p.grad for p in params]
-        expected = case.params()
-        ref_clip_grad_norm_(expected, case.max_norm)
-        with _forbid(CLIP_FUNCS, "write the clipping"), _no_host_sync():
-            got = _call(fn, where, params, case.max_norm, hint=_none_hint(case))
-        for p, obj in zip(params, objects):
-            if p.grad is not obj:
-                raise AssertionError(f"{name} replaced p.grad with a new tensor {where}: clip in place "
-                                     "(p.grad.mul_(coef)): optimizers and hooks keep references to the old one.")
-        if not isinstance(got, Tensor) or got.shape != ():
-            raise AssertionError(f"{name} returned {type(got).__name__} {where}; return the pre-clip norm as a 0-dim "
-                                 "tensor (the number to log).")
-        value = got.float().item()
-        if not math.isfinite(norm):
-            if not _same(_grads(params), before):
-                raise AssertionError(
-                    f"{name} changed the gradients {where}, whose norm is {norm:g}: a non-finite norm must leave them "
-                    "untouched (the step will be skipped and they are the evidence; multiplying by NaN or 0 destroys "
-                    "it). Keep the factor at 1 with torch.where(torch.isfinite(norm), coef, 1.0).")
-            if not _close(value, norm):
-                raise AssertionError(f"{name} returned {value:g} {where}; return the pre-clip norm, {norm:g}.")
+            case.max_norm = (norm * (rnd.uniform(1.5, 4.0) if case.name == "max_norm above the norm"
+                                     else rnd.uniform(0.05, 0.9)) if finite else rnd.uniform(0.5, 2.0))
+    for case in cases:
+        case.name = f"{case.name}, max_norm={case.max_norm:.4g}"
+    return cases
+
+
+def _run_clip(fn: Callable, case: _Case) -> dict[str, Any]:
+    params = case.params()
+    objects = [p.grad for p in params]
+    traps: list[str] = []
+    with _forbid(CLIP_FUNCS, "write the clipping", traps), _no_host_sync(traps):
+        out = _call(fn, params, case.max_norm)
+    out.update(traps=traps, value=_ship(out.get("value")), grads=_grads(params),
+               replaced=any(p.grad is not obj for p, obj in zip(params, objects)))
+    return out
+
+
+def _judge_clip(name: str, case: _Case, out: dict[str, Any], where: str) -> str | None:
+    raised = _raised(name, out, where, _none_hint(case))
+    if raised:
+        return raised
+    if out.get("replaced"):
+        return (f"{name} replaced p.grad with a new tensor {where}: clip in place "
+                "(p.grad.mul_(coef)): optimizers and hooks keep references to the old one.")
+    tensor = out["value"].get("tensor")
+    if tensor is None or tensor.shape != ():
+        return (f"{name} returned {out['value']['type']} {where}; return the pre-clip norm as a 0-dim "
+                "tensor (the number to log).")
+    value, params = tensor.float().item(), case.params()
+    norm = ref_grad_norm(params).item()
+    got = out["grads"]
+    if not math.isfinite(norm):
+        if not _same(got, case.grads):
+            return (f"{name} changed the gradients {where}, whose norm is {norm:g}: a non-finite norm must leave "
+                    "them untouched (the step will be skipped and they are the evidence; multiplying by NaN or 0 "
+                    "destroys it). Keep the factor at 1 with torch.where(torch.isfinite(norm), coef, 1.0).")
+        if not _close(value, norm) and not (math.isinf(norm) and math.isnan(value)):
+            return f"{name} returned {value:g} {where}; return the pre-clip norm, {norm:g}."
+        return None
+    if not _close(value, norm):
+        hint = ("that is the norm after clipping; return the one before (the number worth logging: it shows "
+                "the spike)." if norm > case.max_norm and _close(value, case.max_norm, 1e-3)
+                else "return the norm of the gradients before clipping, as labkit.grad_norm gives it.")
+        return f"{name} returned {value:g} {where}, the pre-clip norm is {norm:g}: {hint}"
+    ref_clip_grad_norm_(params, case.max_norm)
+    for g, q in zip(got, params):
+        if g is None or q.grad is None:
             continue
-        if not _close(value, norm):
-            hint = ("that is the norm after clipping; return the one before (the number worth logging: it shows "
-                    "the spike)." if norm > case.max_norm and _close(value, case.max_norm, 1e-3)
-                    else "return the norm of the gradients before clipping, as labkit.grad_norm gives it.")
-            raise AssertionError(f"{name} returned {value:g} {where}, the pre-clip norm is {norm:g}: {hint}")
-        for p, q in zip(params, expected):
-            if p.grad is None:
-                continue
-            if p.grad.dtype != q.grad.dtype:
-                raise AssertionError(f"{name} changed the gradient dtype to {p.grad.dtype} {where}; keep each "
-                                     "gradient's own dtype.")
-            if not torch.allclose(p.grad.float(), q.grad.float(), rtol=_tolerance(q.grad.dtype), atol=1e-6):
-                after = ref_grad_norm(params).item()
-                if norm <= case.max_norm:
-                    hint = (f"the gradients were scaled although the norm {norm:.4g} is below max_norm: the factor "
-                            "is min(1, max_norm / (norm + 1e-6)); clip only ever shrinks (torch.clamp(..., max=1.0)).")
-                else:
-                    hint = (f"after clipping the norm is {after:.4g}, expected max_norm={case.max_norm:.4g}: scale every "
-                            "gradient by max_norm / (norm + 1e-6), with the norm of all of them together.")
-                raise AssertionError(f"{name} clipped wrongly {where}: {hint}")
+        if g.dtype != q.grad.dtype:
+            return f"{name} changed the gradient dtype to {g.dtype} {where}; keep each gradient's own dtype."
+        if not torch.allclose(g.float(), q.grad.float(), rtol=_tolerance(q.grad.dtype), atol=1e-6):
+            after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.float()) for x in got
+                                                          if x is not None])).item()
+            if norm <= case.max_norm:
+                hint = (f"the gradients were scaled although the norm {norm:.4g} is below max_norm: the factor "
+                        "is min(1, max_norm / (norm + 1e-6)); clip only ever shrinks (torch.clamp(..., max=1.0)).")
+            else:
+                hint = (f"after clipping the norm is {after:.4g}, expected max_norm={case.max_norm:.4g}: scale every "
+                        "gradient by max_norm / (norm + 1e-6), with the norm of all of them together.")
+            return f"{name} clipped wrongly {where}: {hint}"
+    return None
 
 
 # ---------------------------------------------------------------- 3. skip or step
@@ -420,47 +500,44 @@ def _skip_cases(hidden: bool, seed: int) -> list[tuple[_Case, str | None]]:
     ]
 
 
-def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden: bool = False,
-                        seed: int | None = None) -> None:
-    """Check that ``fn(loss, parameters)`` returns ``None`` (step), ``"nonfinite_loss"`` or ``"nonfinite_grad"``.
+def _run_skip(fn: Callable, case: tuple[_Case, str | None]) -> dict[str, Any]:
+    traps: list[str] = []
+    with _forbid(STEP_FUNCS, "decide", traps):
+        out = _call(fn, torch.tensor(case[0].loss, dtype=case[0].loss_dtype), case[0].params())
+    out.update(traps=traps, value=_ship(out.get("value")))
+    return out
 
-    A bad loss wins over bad gradients (on a bad loss, backward must not even run).
 
-    >>> import math, labkit
-    >>> def skip_reason(loss, parameters):
-    ...     if not math.isfinite(loss.item()):
-    ...         return "nonfinite_loss"
-    ...     return None if torch.isfinite(labkit.grad_norm(parameters)) else "nonfinite_grad"
-    >>> check_skip_decision(skip_reason, hidden=True, seed=0)
-    """
-    seed = _seed(hidden, seed)
-    name = getattr(fn, "__name__", "your function")
-    for case, want in _skip_cases(hidden, seed):
-        where = _where(case.name, hidden, seed)
-        params = case.params()
-        loss = torch.tensor(case.loss, dtype=case.loss_dtype)
-        got = _call(fn, where, loss, params, hint=_none_hint(case))
-        if got not in REASONS:
-            raise AssertionError(f"{name} returned {got!r} {where}; return None to step, or the reason to skip: "
-                                 "'nonfinite_loss' or 'nonfinite_grad'.")
-        if got == want:
-            continue
-        if want is None and "fp16" in case.name:
-            hint = ("every gradient is finite, but an fp16 norm of them overflows: test torch.isfinite(g).all() per "
-                    "gradient, or take the norm in float32.")
-        elif want is None:
-            hint = "a finite loss and finite gradients is a normal step: return None."
-        elif want == "nonfinite_loss" and got == "nonfinite_grad":
-            hint = "check the loss first: on a bad loss backward never runs, so its gradients don't count."
-        elif want == "nonfinite_loss":
-            hint = f"the loss is {case.loss}: NaN, +inf and -inf are all not finite (math.isfinite, torch.isfinite)."
-        else:
-            hint = ("one gradient holds a NaN or inf: check every .grad that exists (torch.isfinite(g).all(), or "
-                    "whether the global norm is finite).")
-        raise AssertionError(f"{name} returned {got!r} {where}, expected {want!r}: {hint}")
+def _judge_skip(name: str, case: tuple[_Case, str | None], out: dict[str, Any], where: str) -> str | None:
+    case, want = case
+    raised = _raised(name, out, where, _none_hint(case))
+    if raised:
+        return raised
+    shipped = out["value"]
+    got = shipped.get("py", shipped.get("type")) if shipped["type"] in ("str", "NoneType") else None
+    if shipped["type"] not in ("str", "NoneType") or got not in REASONS:
+        shown = repr(shipped["py"]) if "py" in shipped else f"a {shipped['type']}"
+        return (f"{name} returned {shown} {where}; return None to step, or the reason to skip: "
+                "'nonfinite_loss' or 'nonfinite_grad'.")
+    if got == want:
+        return None
+    if want is None and "fp16" in case.name:
+        hint = ("every gradient is finite, but an fp16 norm of them overflows: test torch.isfinite(g).all() per "
+                "gradient, or take the norm in float32.")
+    elif want is None:
+        hint = "a finite loss and finite gradients is a normal step: return None."
+    elif want == "nonfinite_loss" and got == "nonfinite_grad":
+        hint = "check the loss first: on a bad loss backward never runs, so its gradients don't count."
+    elif want == "nonfinite_loss":
+        hint = f"the loss is {case.loss}: NaN, +inf and -inf are all not finite (math.isfinite, torch.isfinite)."
+    else:
+        hint = ("one gradient holds a NaN or inf: check every .grad that exists (torch.isfinite(g).all(), or "
+                "whether the global norm is finite).")
+    return f"{name} returned {got!r} {where}, expected {want!r}: {hint}"
 
 
 # ---------------------------------------------------------------- 4. the loss-scale rule
+
 
 
 def _ref_update(state: tuple[float, int, int], found_inf: bool, config: ScalerConfig) -> tuple[float, int, int]:
@@ -508,40 +585,62 @@ def _scale_runs(hidden: bool, seed: int) -> list[tuple[str, ScalerConfig, float,
     return runs
 
 
-def check_update_scale(fn: Callable[..., tuple[float, int, int]], hidden: bool = False, seed: int | None = None) -> None:
-    """Check ``fn(scale, growth_tracker, hysteresis_left, found_inf, config)`` against ``labkit.update_scale``.
+@dataclass
+class _ScaleCase:
+    """One step of a scale run: the state labkit's rule reached, and whether this step overflowed."""
 
-    ``fn`` takes and returns plain numbers: ``(scale, growth_tracker, hysteresis_left)``.
+    name: str
+    config: ScalerConfig
+    state: tuple[float, int, int]
+    found: bool
 
-    >>> import labkit
-    >>> def next_scale(scale, growth_tracker, hysteresis_left, found_inf, config):
-    ...     if found_inf:
-    ...         hysteresis_left = max(hysteresis_left - 1, 0)
-    ...         return (scale * config.backoff_factor if hysteresis_left == 0 else scale), 0, hysteresis_left
-    ...     if growth_tracker + 1 == config.growth_interval:
-    ...         return scale * config.growth_factor, 0, config.hysteresis
-    ...     return scale, growth_tracker + 1, hysteresis_left
-    >>> check_update_scale(next_scale, hidden=True, seed=0)
-    """
-    seed = _seed(hidden, seed)
-    name = getattr(fn, "__name__", "your function")
+
+def _scale_cases(hidden: bool, seed: int) -> list[_ScaleCase]:
+    cases = []
     for run, config, init, flags in _scale_runs(hidden, seed):
         state = (init, 0, config.hysteresis)
         for i, found in enumerate(flags):
-            where = _where(f"{run}, step {i}", hidden, seed)
-            want = _ref_update(state, found, config)
-            got = _call(fn, where, state[0], state[1], state[2], found, config)
-            try:
-                got = (float(got[0]), int(got[1]), int(got[2]))
-            except (TypeError, ValueError, IndexError):
-                raise AssertionError(f"{name} returned {got!r} {where}; return a tuple "
-                                     "(scale, growth_tracker, hysteresis_left).") from None
-            if got != want:
-                raise AssertionError(
-                    f"{name}(scale={state[0]:g}, growth_tracker={state[1]}, hysteresis_left={state[2]}, "
-                    f"found_inf={found}) returned {got}, expected {want} {where} with {config}: "
-                    f"{_scale_hint(state, found, got, want, config)}")
-            state = want
+            cases.append(_ScaleCase(f"{run}, step {i}", config, state, found))
+            state = _ref_update(state, found, config)
+    return cases
+
+
+def _run_scale(fn: Callable, case: _ScaleCase) -> dict[str, Any]:
+    traps: list[str] = []
+    with _forbid(SCALE_FUNCS, "write the rule", traps):
+        out = _call(fn, *case.state, case.found, copy.copy(case.config))
+    out.update(traps=traps, value=_ship(out.get("value")))
+    return out
+
+
+def _judge_scale(name: str, case: _ScaleCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
+    where = _where(case.name, hidden, seed)
+    raised = _raised(name, out, where)
+    if raised:
+        return raised
+    shipped, state = out["value"], case.state
+    items = shipped.get("items", [])
+    try:
+        got = (float(_number(items[0])), int(_number(items[1])), int(_number(items[2])))
+    except (TypeError, ValueError, IndexError):
+        shown = repr(shipped["py"]) if "py" in shipped else f"a {shipped['type']}"
+        return f"{name} returned {shown} {where}; return a tuple (scale, growth_tracker, hysteresis_left)."
+    want = _ref_update(state, case.found, case.config)
+    if got != want:
+        return (f"{name}(scale={state[0]:g}, growth_tracker={state[1]}, hysteresis_left={state[2]}, "
+                f"found_inf={case.found}) returned {got}, expected {want} {where} with {case.config}: "
+                f"{_scale_hint(state, case.found, got, want, case.config)}")
+    return None
+
+
+def _number(shipped: dict[str, Any]) -> float:
+    """Return a shipped Python number or one-element tensor as a float; raise TypeError otherwise."""
+    if shipped.get("type") in ("int", "float", "bool"):
+        return shipped["py"]
+    tensor = shipped.get("tensor")
+    if isinstance(tensor, Tensor) and tensor.numel() == 1:
+        return tensor.item()
+    raise TypeError(shipped.get("type"))
 
 
 # ---------------------------------------------------------------- 5. the guarded step
@@ -611,33 +710,72 @@ def _batches(sc: _Scenario) -> list[tuple[Tensor, Tensor, Fault | None]]:
     return out
 
 
-def _step_problem(i: int, sc: _Scenario, ref: StepRecord, rec: Any, mine: _Run, theirs: _Run,
-                  before: list[Tensor]) -> str | None:
+def _ship_record(rec: Any) -> dict[str, Any]:
+    """Return a step's record as data; a field that is not a number, bool, string or None is only named."""
+    if not isinstance(rec, StepRecord):
+        return {"type": type(rec).__name__}
+    fields = {}
+    for field in ("step", "loss", "grad_norm", "scale", "next_scale", "skipped", "reason"):
+        value = _ship(getattr(rec, field, None))
+        if "tensor" in value:  # a logged tensor is compared by value, and named (it costs a sync to log)
+            value = {"type": value["type"], "py": value["tensor"].float().item()} if value["tensor"].numel() == 1 \
+                else {"type": value["type"]}
+        fields[field] = value
+    return {"type": "StepRecord", "fields": fields}
+
+
+def _state(run: _Run, params: list[Tensor]) -> dict[str, Any]:
+    """Return what the grader compares after a step: parameters, scheduler epoch, scale."""
+    return {"params": [p.detach().clone() for p in params], "epoch": int(run.scheduler.last_epoch),
+            "scale": float(GradScaler.get_scale(run.scaler))}
+
+
+def _run_step(fn: Callable, sc: _Scenario) -> dict[str, Any]:
+    theirs = _Run(sc)
+    params = list(theirs.model.parameters())  # read directly: the student's code holds the model
+    steps = []
+    for i, (x, y, fault) in enumerate(_batches(sc)):
+        theirs.fault = fault
+        traps: list[str] = []
+        with _forbid(STEP_FUNCS, "write the step", traps):
+            out = _call(fn, i, theirs.model, theirs.optimizer, theirs.scaler, theirs.scheduler, theirs.loss_fn,
+                        x.clone(), y.clone(), sc.max_norm)
+        out.update(_state(theirs, params), traps=traps, record=_ship_record(out.pop("value", None)))
+        steps.append(out)
+        if out.get("raised") or traps:
+            break
+    return {"steps": steps}
+
+
+def _step_problem(i: int, sc: _Scenario, ref: StepRecord, rec: dict[str, Any], mine: dict[str, Any],
+                  theirs: dict[str, Any], before: list[Tensor]) -> str | None:
     """Return what is wrong with the student's step ``i``, or None if it matches TrainStep's."""
     kind = f"skipped: {ref.reason}" if ref.skipped else ("clipped" if ref.clipped else "normal")
     at = f"at step {i} ({kind})"
-    if not isinstance(rec, StepRecord):
-        return f"returned {type(rec).__name__} {at}; return a labkit.StepRecord (the log of this step)."
-    ref_epoch, their_epoch = mine.scheduler.last_epoch, theirs.scheduler.last_epoch
-    if their_epoch > ref_epoch:
+    if rec["type"] != "StepRecord":
+        return f"returned {rec['type']} {at}; return a labkit.StepRecord (the log of this step)."
+    fields = {k: v.get("py", f"a {v['type']}") for k, v in rec["fields"].items()}
+    if theirs["epoch"] > mine["epoch"]:
         return (f"the scheduler advanced on a skipped step {at}: call scheduler.step() only when "
                 "scaler.step(optimizer) returned True (the optimizer really stepped).")
-    if their_epoch < ref_epoch:
+    if theirs["epoch"] < mine["epoch"]:
         return f"the scheduler did not advance {at}: call scheduler.step() after every step the optimizer took."
-    scale, their_scale = ref.scale, theirs.scaler.get_scale()
-    if ref.reason == "nonfinite_loss" and their_scale != mine.scaler.get_scale():
+    scale, their_scale = ref.scale, theirs["scale"]
+    if ref.reason == "nonfinite_loss" and their_scale != mine["scale"]:
         return (f"the loss scale changed on a NaN/inf loss {at} ({scale:g} -> {their_scale:g}): check the loss before "
                 "backward and skip without backward or scaler.update(); a bad batch is not a scaling problem.")
-    norm = rec.grad_norm
-    if sc.compare_norm and not ref.skipped and isinstance(norm, (int, float)) and not _close(norm, ref.grad_norm):
-        ratio = norm / ref.grad_norm if ref.grad_norm else math.inf
-        if _close(ratio, scale, 0.02):
-            return (f"the logged norm differs by a factor of ~{ratio:.0f} (the loss scale) {at}: did you clip before "
-                    "unscaling? Call scaler.unscale_(optimizer) first, then measure and clip.")
-        return (f"logged grad_norm={norm:.6g} {at}, expected {ref.grad_norm:.6g}: log the global norm of the unscaled "
-                "gradients, before clipping.")
-    params = theirs.params()
-    want = mine.params()
+    norm = fields["grad_norm"]
+    if sc.compare_norm and not ref.skipped:
+        if not isinstance(norm, (int, float)) or isinstance(norm, bool):
+            return f"logged grad_norm={norm} {at}; log the global norm of the unscaled gradients as a number."
+        if not _close(norm, ref.grad_norm):
+            ratio = norm / ref.grad_norm if ref.grad_norm else math.inf
+            if _close(ratio, scale, 0.02):
+                return (f"the logged norm differs by a factor of ~{ratio:.0f} (the loss scale) {at}: did you clip "
+                        "before unscaling? Call scaler.unscale_(optimizer) first, then measure and clip.")
+            return (f"logged grad_norm={norm:.6g} {at}, expected {ref.grad_norm:.6g}: log the global norm of the "
+                    "unscaled gradients, before clipping.")
+    params, want = theirs["params"], mine["params"]
     if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(params, want)):
         if ref.skipped:
             return (f"the parameters changed on a skipped step {at}: on a non-finite loss or gradient, neither "
@@ -646,26 +784,226 @@ def _step_problem(i: int, sc: _Scenario, ref: StepRecord, rec: Any, mine: _Run, 
         ref_delta = torch.cat([(a - b).flatten() for a, b in zip(want, before)]).norm().item()
         ratio = theirs_delta / ref_delta if ref_delta else math.inf
         if ref.clipped and _close(ratio, 1 / scale, 0.05):
-            return (f"the update is ~{scale:.0f}x too small {at}: the norm differs by a factor of ~{scale:.0f}, the loss "
-                    "scale: did you clip before unscaling? Call scaler.unscale_(optimizer) first, then clip.")
+            return (f"the update is ~{scale:.0f}x too small {at}: the norm differs by a factor of ~{scale:.0f}, the "
+                    "loss scale: did you clip before unscaling? Call scaler.unscale_(optimizer) first, then clip.")
         if _close(ratio, scale, 0.05):
             return f"the update is ~{scale:.0f}x too large {at}: the gradients were never unscaled (scaler.unscale_)."
         if ref.clipped and ratio > 1.5:
             return (f"the update is {ratio:.3g}x too large {at}: clip the unscaled gradients to max_norm before "
                     "scaler.step(optimizer).")
         return (f"the parameters after step {i} differ from labkit.TrainStep's {at}: follow the order zero_grad -> "
-                "forward under autocast -> loss check -> scale(loss).backward() -> unscale_ -> norm -> check -> clip -> "
-                "step -> scheduler -> update.")
-    if bool(rec.skipped) != ref.skipped or rec.reason != ref.reason:
-        return (f"logged skipped={rec.skipped!r}, reason={rec.reason!r} {at}; expected "
+                "forward under autocast -> loss check -> scale(loss).backward() -> unscale_ -> norm -> check -> "
+                "clip -> step -> scheduler -> update.")
+    if bool(fields["skipped"]) != ref.skipped or fields["reason"] != ref.reason:
+        return (f"logged skipped={fields['skipped']!r}, reason={fields['reason']!r} {at}; expected "
                 f"skipped={ref.skipped}, reason={ref.reason!r}.")
-    if their_scale != mine.scaler.get_scale():
-        return (f"the loss scale after step {i} is {their_scale:g}, expected {mine.scaler.get_scale():g}: call "
+    if their_scale != mine["scale"]:
+        return (f"the loss scale after step {i} is {their_scale:g}, expected {mine['scale']:g}: call "
                 "scaler.update() once per step that ran backward, skipped or not.")
-    if rec.scale != ref.scale or rec.next_scale != ref.next_scale:
-        return (f"logged scale={rec.scale!r}, next_scale={rec.next_scale!r} {at}; expected "
+    if fields["scale"] != ref.scale or fields["next_scale"] != ref.next_scale:
+        return (f"logged scale={fields['scale']!r}, next_scale={fields['next_scale']!r} {at}; expected "
                 f"{ref.scale:g} and {ref.next_scale:g}: log scaler.get_scale() before the step and after update().")
     return None
+
+
+_REFERENCES: dict[str, tuple[list[Tensor], list[tuple[StepRecord, dict[str, Any]]]]] = {}
+
+
+def _reference(sc: _Scenario) -> tuple[list[Tensor], list[tuple[StepRecord, dict[str, Any]]]]:
+    """Return TrainStep's run of ``sc``: the initial parameters, then each step's record and state.
+
+    The visible scenarios are the same for every student: a class computes them once.
+    """
+    key = repr(sc)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    mine = _Run(sc)
+    reference = TrainStep(mine.model, mine.optimizer, mine.loss_fn, precision="fp16", max_norm=sc.max_norm,
+                          scaler=mine.scaler, scheduler=mine.scheduler, skip_alarm=None, clip_alarm=None)
+    params = list(mine.model.parameters())
+    initial, steps = [p.detach().clone() for p in params], []
+    for x, y, fault in _batches(sc):
+        mine.fault = fault
+        steps.append((reference(x, y), _state(mine, params)))
+    if len(_REFERENCES) > 16:  # hidden scenarios differ per student: keep the cache small
+        _REFERENCES.clear()
+    _REFERENCES[key] = (initial, steps)
+    return initial, steps
+
+
+def _judge_step(name: str, sc: _Scenario, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
+    before, reference = _reference(sc)
+    steps = out.get("steps", [])
+    for i, (ref, mine) in enumerate(reference[: len(steps)]):  # the harness stops only after a problem
+        theirs = steps[i]
+        raised = _raised(name, theirs, _where(f"{sc.name}, step {i}", hidden, seed))
+        problem = raised or _step_problem(i, sc, ref, theirs["record"], mine, theirs, before)
+        if problem is not None:
+            return problem if raised else f"[{sc.name}{'' if not hidden else f', seed={seed}'}] {problem}"
+        before = theirs["params"]
+    return None
+
+
+# ---------------------------------------------------------------- the checks, in process and split
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's halves: its cases from (hidden, seed), the student side, the grader side."""
+
+    cases: Callable[[bool, int], list[Any]]
+    run: Callable[[Callable, Any], dict[str, Any]]
+    judge: Callable[[str, Any, dict[str, Any], bool, int], str | None]
+    every_case: bool = False  # report each case's first problem (scenarios), not only the first case's
+
+
+def _by_name(judge_: Callable) -> Callable:
+    """Adapt a judge that takes ``where`` to the (name, case, out, hidden, seed) signature."""
+    def adapted(name: str, case: Any, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
+        label = case[0].name if isinstance(case, tuple) else case.name
+        return judge_(name, case, out, _where(label, hidden, seed))
+    return adapted
+
+
+CHECKS = {
+    "check_grad_norm": Check(_norm_cases, _run_norm, _by_name(_judge_norm)),
+    "check_clip": Check(_clip_cases, _run_clip, _by_name(_judge_clip)),
+    "check_skip_decision": Check(_skip_cases, _run_skip, _by_name(_judge_skip)),
+    "check_update_scale": Check(_scale_cases, _run_scale, _judge_scale),
+    "check_guarded_step": Check(_scenarios, _run_step, _judge_step, every_case=True),
+}
+
+
+def run(check: str, fn: Callable, hidden: bool, seed: int, outs: list[dict[str, Any]] | None = None,
+        before_case: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Call ``fn`` on every case of ``check``: the student's side, whose result is plain data.
+
+    Appends to ``outs`` as it goes (what came before a timeout is kept), calls ``before_case()``
+    before each case (the harness restarts its alarm there); stops after the first case that
+    raised or touched a banned function (later cases would only repeat it).
+
+    >>> outs = run("check_skip_decision", lambda loss, parameters: None, hidden=False, seed=0)
+    >>> [out["value"] for out in outs][:2]
+    [{'type': 'NoneType', 'py': None}, {'type': 'NoneType', 'py': None}]
+    >>> judge("check_skip_decision", "skip_reason", False, 0, outs)[:62]
+    "skip_reason returned None on the case 'NaN loss', expected 'no"
+    """
+    outs = [] if outs is None else outs
+    for case in CHECKS[check].cases(hidden, seed):
+        if before_case is not None:
+            before_case()
+        out = CHECKS[check].run(fn, case)
+        out.pop("_exc", None)
+        outs.append(out)
+        if out.get("raised") or out.get("traps"):
+            break
+    return outs
+
+
+def judge(check: str, name: str, hidden: bool, seed: int, outs: list[dict[str, Any]]) -> str | None:
+    """Compare what ``run`` shipped with labkit's reference: the failure message, or None.
+
+    ``outs`` shorter than the cases means the run stopped there (a timeout, a crash): the
+    caller says why.
+    """
+    spec, problems = CHECKS[check], []
+    for case, out in zip(spec.cases(hidden, seed), outs):
+        problem = spec.judge(name, case, out, hidden, seed)
+        if problem is not None:
+            problems.append(problem)
+            if not spec.every_case:
+                break
+    return _joined(name, problems) if problems else None
+
+
+def _joined(name: str, problems: list[str]) -> str:
+    """Return the problems of several cases as one message (each said once)."""
+    text = " ".join(dict.fromkeys(problems))
+    return text if text.startswith(name) else f"{name}: {text}"
+
+
+def _check(check: str, fn: Callable, hidden: bool, seed: int | None) -> None:
+    """Run and judge case by case in this process (the notebook's visible test cells)."""
+    seed = _seed(hidden, seed)
+    name = getattr(fn, "__name__", "your function")
+    spec, problems = CHECKS[check], []
+    for case in spec.cases(hidden, seed):
+        out = spec.run(fn, case)
+        problem = spec.judge(name, case, out, hidden, seed)
+        if problem is not None:
+            if not spec.every_case:
+                raise AssertionError(problem) from out.get("_exc")
+            problems.append(problem)
+    if problems:
+        raise AssertionError(_joined(name, problems))
+
+
+def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, seed: int | None = None) -> None:
+    """Check that ``fn(parameters)`` returns the global L2 norm of their ``.grad`` as ``labkit.grad_norm`` does.
+
+    >>> def global_grad_norm(parameters):
+    ...     norms = [p.grad.float().norm() for p in parameters if p.grad is not None]
+    ...     return torch.stack(norms).norm() if norms else torch.tensor(0.0)
+    >>> check_grad_norm(global_grad_norm, hidden=True, seed=0)
+    >>> check_grad_norm(lambda parameters: torch.tensor(7.0))
+    Traceback (most recent call last):
+    ...
+    AssertionError: <lambda> returned 7 on the case 'grads [3, 4] and [12]', labkit.grad_norm gives 13: the norm differs by a factor of ~0.538.
+    """
+    _check("check_grad_norm", fn, hidden, seed)
+
+
+def check_clip(fn: Callable[[list[Tensor], float], Tensor], hidden: bool = False, seed: int | None = None) -> None:
+    """Check that ``fn(parameters, max_norm)`` clips in place, returns the pre-clip norm and never syncs.
+
+    The reference is ``labkit.clip_grad_norm_``: a non-finite norm leaves the gradients untouched.
+
+    >>> import labkit
+    >>> def clip_to_norm_(parameters, max_norm):
+    ...     norm = labkit.grad_norm(parameters)
+    ...     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    ...     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    ...     for p in parameters:
+    ...         if p.grad is not None:
+    ...             p.grad.mul_(coef.to(p.grad.dtype))
+    ...     return norm
+    >>> check_clip(clip_to_norm_, hidden=True, seed=0)
+    """
+    _check("check_clip", fn, hidden, seed)
+
+
+def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden: bool = False,
+                        seed: int | None = None) -> None:
+    """Check that ``fn(loss, parameters)`` returns ``None`` (step), ``"nonfinite_loss"`` or ``"nonfinite_grad"``.
+
+    A bad loss wins over bad gradients (on a bad loss, backward must not even run).
+
+    >>> import math, labkit
+    >>> def skip_reason(loss, parameters):
+    ...     if not math.isfinite(loss.item()):
+    ...         return "nonfinite_loss"
+    ...     return None if torch.isfinite(labkit.grad_norm(parameters)) else "nonfinite_grad"
+    >>> check_skip_decision(skip_reason, hidden=True, seed=0)
+    """
+    _check("check_skip_decision", fn, hidden, seed)
+
+
+def check_update_scale(fn: Callable[..., tuple[float, int, int]], hidden: bool = False, seed: int | None = None) -> None:
+    """Check ``fn(scale, growth_tracker, hysteresis_left, found_inf, config)`` against ``labkit.update_scale``.
+
+    ``fn`` takes and returns plain numbers: ``(scale, growth_tracker, hysteresis_left)``.
+
+    >>> import labkit
+    >>> def next_scale(scale, growth_tracker, hysteresis_left, found_inf, config):
+    ...     if found_inf:
+    ...         hysteresis_left = max(hysteresis_left - 1, 0)
+    ...         return (scale * config.backoff_factor if hysteresis_left == 0 else scale), 0, hysteresis_left
+    ...     if growth_tracker + 1 == config.growth_interval:
+    ...         return scale * config.growth_factor, 0, config.hysteresis
+    ...     return scale, growth_tracker + 1, hysteresis_left
+    >>> check_update_scale(next_scale, hidden=True, seed=0)
+    """
+    _check("check_update_scale", fn, hidden, seed)
 
 
 def check_guarded_step(fn: Callable[..., StepRecord], hidden: bool = False, seed: int | None = None) -> None:
@@ -700,23 +1038,4 @@ def check_guarded_step(fn: Callable[..., StepRecord], hidden: bool = False, seed
     ...                              reason=None if stepped else "nonfinite_grad")
     >>> check_guarded_step(guarded_step, hidden=True, seed=0)
     """
-    seed = _seed(hidden, seed)
-    name = getattr(fn, "__name__", "your function")
-    problems = []
-    for sc in _scenarios(hidden, seed):
-        mine, theirs = _Run(sc), _Run(sc)
-        reference = TrainStep(mine.model, mine.optimizer, mine.loss_fn, precision="fp16", max_norm=sc.max_norm,
-                              scaler=mine.scaler, scheduler=mine.scheduler, skip_alarm=None, clip_alarm=None)
-        for i, (x, y, fault) in enumerate(_batches(sc)):
-            mine.fault = theirs.fault = fault
-            ref = reference(x, y)
-            before = theirs.params()
-            where = _where(f"{sc.name}, step {i}", hidden, seed)
-            rec = _call(fn, where, i, theirs.model, theirs.optimizer, theirs.scaler, theirs.scheduler, theirs.loss_fn,
-                        x.clone(), y.clone(), sc.max_norm)
-            problem = _step_problem(i, sc, ref, rec, mine, theirs, before)
-            if problem is not None:
-                problems.append(f"[{sc.name}{'' if not hidden else f', seed={seed}'}] {problem}")
-                break
-    if problems:
-        raise AssertionError(f"{name}: " + " ".join(problems))
+    _check("check_guarded_step", fn, hidden, seed)

@@ -1,43 +1,84 @@
-"""Release and grade nbgrader-format notebooks with nbformat and nbclient (nbgrader not needed).
+"""Release and grade nbgrader-format notebooks (nbgrader not needed); grading runs no student code here.
 
 The format is nbgrader's (``metadata.nbgrader`` with ``schema_version: 3``; solution regions
 between ``### BEGIN SOLUTION`` / ``### END SOLUTION``, hidden tests between
 ``### BEGIN HIDDEN TESTS`` / ``### END HIDDEN TESTS``), so instructors may use nbgrader itself.
+Notebooks are plain JSON dicts here (nbformat's validator costs seconds to import): an
+``nbformat.NotebookNode`` works too.
+
+Grading: the submission's code cells run top to bottom in a sandbox (``sandbox.py``,
+``harness.py``), test cells never; each test cell's ``check_*(fn, hidden=...)`` calls say
+which of the student's functions the harness calls on which cases; the verdict is reached
+here, from the data it shipped, against labkit's reference.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
+import hashlib
+import json
 import re
-from dataclasses import dataclass
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import nbformat
-from nbformat import NotebookNode
+__all__ = ["Part", "Report", "grade", "plan", "read", "release", "validate"]
 
-__all__ = ["Part", "Report", "grade", "release", "validate"]
-
+# judging builds reference models under torch's global RNG (seeded, then restored): one thread at a time,
+# or two graded at once (--jobs) would draw each other's weights
+_JUDGING = threading.Lock()
 CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 TEXT_STUB = "YOUR ANSWER HERE"
-TIMEOUT = "CellTimeout"  # the ename our timeout reply carries
+Cell = dict[str, Any]
 
 
-def _meta(cell: NotebookNode) -> dict[str, Any]:
-    return cell.get("metadata", {}).get("nbgrader", {})
+def read(path: str | Path) -> dict[str, Any]:
+    """Return the notebook at ``path`` as a dict with each cell's source as one string.
+
+    Raises ``ValueError`` (with what is wrong) for a file that is not a v4 notebook.
+    """
+    try:
+        nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list) or nb.get("nbformat") != 4:
+        raise ValueError("not a version 4 notebook (no 'cells' list, or nbformat != 4)")
+    for cell in nb["cells"]:
+        if not isinstance(cell, dict) or not isinstance(cell.get("source", ""), (str, list)):
+            raise ValueError("a cell is not a JSON object with a source")
+        cell["source"] = _text(cell.get("source", ""))
+        cell.setdefault("metadata", {})
+        cell.setdefault("cell_type", "code")
+    return nb
 
 
-def _grade_id(cell: NotebookNode) -> str | None:
+def _text(source: str | list[str]) -> str:
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _meta(cell: Cell) -> dict[str, Any]:
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return meta if isinstance(meta, dict) else {}
+
+
+def _grade_id(cell: Cell) -> str | None:
     meta = _meta(cell)
     return meta.get("grade_id") if meta.get("grade") or meta.get("solution") or meta.get("locked") else None
 
 
-def _is_test(cell: NotebookNode) -> bool:
+def _is_test(cell: Cell) -> bool:
     """An autograder test cell: graded code that is not the student's to write."""
     meta = _meta(cell)
-    return bool(meta.get("grade")) and not meta.get("solution") and cell.cell_type == "code"
+    return bool(meta.get("grade")) and not meta.get("solution") and cell["cell_type"] == "code"
 
 
-def _is_manual(cell: NotebookNode) -> bool:
+def _is_manual(cell: Cell) -> bool:
     meta = _meta(cell)
     return bool(meta.get("grade")) and bool(meta.get("solution"))
 
@@ -65,17 +106,17 @@ def _strip_region(source: str, begin: str, end: str, stub: str | None) -> tuple[
     return "\n".join(out), found
 
 
-def validate(nb: NotebookNode) -> None:
+def validate(nb: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``nb`` is a well-formed nbgrader source notebook.
 
-    >>> cell = nbformat.v4.new_code_cell("1", metadata={"nbgrader": {"grade": True, "schema_version": 3}})
-    >>> validate(nbformat.v4.new_notebook(cells=[cell]))
+    >>> cell = {"cell_type": "code", "source": "1", "metadata": {"nbgrader": {"grade": True, "schema_version": 3}}}
+    >>> validate({"cells": [cell]})
     Traceback (most recent call last):
     ...
     ValueError: cell 0 has nbgrader flags but no grade_id; give every graded, solution or locked cell a unique grade_id.
     """
     seen: set[str] = set()
-    for i, cell in enumerate(nb.cells):
+    for i, cell in enumerate(nb["cells"]):
         meta = _meta(cell)
         flagged = meta.get("grade") or meta.get("solution") or meta.get("locked")
         if flagged:
@@ -92,62 +133,152 @@ def validate(nb: NotebookNode) -> None:
             raise ValueError(f"graded cell {meta.get('grade_id')!r} needs a number of points (metadata.nbgrader.points).")
         for begin, end, allowed, kind in (("BEGIN SOLUTION", "END SOLUTION", meta.get("solution"), "a solution"),
                                           ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", _is_test(cell), "an autograder test")):
-            _, found = _strip_region(cell.source, begin, end, None)
+            _, found = _strip_region(cell["source"], begin, end, None)
             if found and not allowed:
                 raise ValueError(f"cell {i} holds a {begin!r} region but is not {kind} cell; mark it in "
                                  "metadata.nbgrader or move the region.")
 
 
-def release(nb: NotebookNode) -> NotebookNode:
+def release(nb: dict[str, Any]) -> dict[str, Any]:
     """Return the student version: solutions stubbed, hidden tests removed, outputs cleared.
 
-    >>> cell = nbformat.v4.new_code_cell("def f():\\n    ### BEGIN SOLUTION\\n    return 1\\n    ### END SOLUTION",
-    ...     metadata={"nbgrader": {"solution": True, "grade": False, "locked": False, "grade_id": "f",
-    ...                            "schema_version": 3}})
-    >>> print(release(nbformat.v4.new_notebook(cells=[cell])).cells[0].source)
+    >>> cell = {"cell_type": "code", "source": "def f():\\n    ### BEGIN SOLUTION\\n    return 1\\n    ### END SOLUTION",
+    ...         "metadata": {"nbgrader": {"solution": True, "grade": False, "locked": False, "grade_id": "f",
+    ...                                   "schema_version": 3}}}
+    >>> print(release({"cells": [cell]})["cells"][0]["source"])
     def f():
         # YOUR CODE HERE
         raise NotImplementedError()
     """
     validate(nb)
     student = copy.deepcopy(nb)
-    for cell in student.cells:
+    for cell in student["cells"]:
         meta = _meta(cell)
-        stub = CODE_STUB if cell.cell_type == "code" else TEXT_STUB
-        cell.source, replaced = _strip_region(cell.source, "BEGIN SOLUTION", "END SOLUTION", stub)
+        stub = CODE_STUB if cell["cell_type"] == "code" else TEXT_STUB
+        cell["source"], replaced = _strip_region(cell["source"], "BEGIN SOLUTION", "END SOLUTION", stub)
         if meta.get("solution") and not replaced:
-            cell.source = stub
-        cell.source, _ = _strip_region(cell.source, "BEGIN HIDDEN TESTS", "END HIDDEN TESTS", None)
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
+            cell["source"] = stub
+        cell["source"], _ = _strip_region(cell["source"], "BEGIN HIDDEN TESTS", "END HIDDEN TESTS", None)
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
         # JupyterLab honours these, as for nbgrader's LockCells; grading restores the cells anyway
         if meta.get("locked") or _is_test(cell):
-            cell.metadata.update(editable=False, deletable=False)
+            cell["metadata"].update(editable=False, deletable=False)
         elif meta.get("solution"):
-            cell.metadata["deletable"] = False
+            cell["metadata"]["deletable"] = False
     return student
+
+
+
+
+# ---------------------------------------------------------------- what each part checks
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``check_*(fn, hidden=...)`` call of a test cell."""
+
+    check: str
+    fn: str
+    hidden: bool
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A graded cell: its points, and the calls the grader makes for it (none for a written answer)."""
+
+    grade_id: str
+    points: float
+    manual: bool
+    calls: tuple[Call, ...]
+
+
+CHECK_NAMES = ("check_grad_norm", "check_clip", "check_skip_decision", "check_update_scale", "check_guarded_step")
+
+
+def _calls(cell: Cell) -> tuple[Call, ...]:
+    """Return the check calls of a test cell; raise ValueError if it holds code the harness cannot replay.
+
+    Only imports, ``print(...)`` and ``check_*(name)`` / ``check_*(name, hidden=True)`` are
+    allowed: the grader makes these calls itself, outside the student's process.
+    """
+    gid = _grade_id(cell)
+    calls = []
+    for node in ast.parse(cell["source"]).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            call = node.value
+            name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+            if name == "print":
+                continue
+            hidden = [k for k in call.keywords if k.arg == "hidden"]
+            if (name in CHECK_NAMES and len(call.args) == 1 and isinstance(call.args[0], ast.Name)
+                    and {k.arg for k in call.keywords} <= {"hidden"}
+                    and all(isinstance(k.value, ast.Constant) and isinstance(k.value.value, bool) for k in hidden)):
+                calls.append(Call(name, call.args[0].id, bool(hidden and hidden[0].value.value)))
+                continue
+        raise ValueError(f"test cell {gid!r}, line {node.lineno}: the grader replays only labkit.grading's "
+                         f"check_*(function_name, hidden=True|False) calls (plus imports and print), outside the "
+                         f"student's process; write other tests as a check in labkit.grading.")
+    if not calls:
+        raise ValueError(f"test cell {gid!r} calls no labkit.grading check_*: it would give its points to anyone.")
+    return tuple(calls)
+
+
+def _only_checks(source: str) -> bool:
+    try:
+        return bool(_calls({"source": source, "metadata": {}}))
+    except (ValueError, SyntaxError):
+        return False
+
+
+def plan(source: dict[str, Any]) -> list[Planned]:
+    """Return the graded cells of a valid ``source`` in order, each with the calls the grader makes."""
+    validate(source)
+    out = []
+    for cell in source["cells"]:
+        meta = _meta(cell)
+        if meta.get("grade"):
+            manual = _is_manual(cell)
+            out.append(Planned(_grade_id(cell), float(meta["points"]), manual, () if manual else _calls(cell)))
+    return out
+
+
+# ---------------------------------------------------------------- the report
 
 
 @dataclass
 class Part:
-    """One graded cell's result; ``manual`` parts are left for a person to grade."""
+    """One graded cell's result; ``manual`` parts are left for a person to grade.
+
+    ``seed`` is the seed of its hidden cases (None without any); ``status`` is "ok",
+    "failed", "not graded" (the run stopped before it) or "tampering" (not scored).
+    """
 
     grade_id: str
     points: float
     max_points: float
     message: str
     manual: bool = False
+    seed: int | None = None
+    status: str = "ok"
 
     def to_dict(self) -> dict[str, Any]:
         return {"grade_id": self.grade_id, "points": self.points, "max_points": self.max_points,
-                "message": self.message}
+                "message": self.message, "status": self.status, "seed": self.seed}
 
 
 @dataclass
 class Report:
-    """The grading of one submission: every graded part, in the source's order."""
+    """The grading of one submission: every graded part, in the source's order, and how it was run."""
 
     parts: list[Part]
+    seed: int = 0
+    tampering: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    sandbox: str = "bwrap"
+    output: str = ""
 
     def score(self) -> float:
         return sum(p.points for p in self.parts if not p.manual)
@@ -156,149 +287,244 @@ class Report:
         return sum(p.max_points for p in self.parts if include_manual or not p.manual)
 
     def to_dict(self, include_manual: bool = False) -> dict[str, Any]:
-        """Return ``{"score", "max_score", "parts": [{"grade_id", "points", "max_points", "message"}]}``."""
+        """Return ``{"score", "max_score", "parts": [...], "seed", "tampering", "warnings", "sandbox"}``."""
         parts = [p for p in self.parts if include_manual or not p.manual]
         return {"score": self.score(), "max_score": self.max_score(include_manual),
-                "parts": [p.to_dict() for p in parts]}
+                "parts": [p.to_dict() for p in parts], "seed": self.seed, "tampering": self.tampering,
+                "warnings": self.warnings, "sandbox": self.sandbox}
 
     def format(self, include_manual: bool = False) -> str:
         """Return the per-part report a person reads: points, then the first failure message."""
         width = max([len(p.grade_id) for p in self.parts] + [4])
-        lines = []
+        lines = [f"TAMPERING (not scored): {t}" for t in self.tampering]
+        lines += [f"warning: {w}" for w in self.warnings]
         for p in self.parts:
             if p.manual and not include_manual:
                 lines.append(f"{p.grade_id:<{width}}  {'-':>3} / {p.max_points:<3g} {p.message} (not counted)")
             else:
                 lines.append(f"{p.grade_id:<{width}}  {p.points:>3g} / {p.max_points:<3g} {p.message or 'ok'}")
-        lines.append(f"{'score':<{width}}  {self.score():>3g} / {self.max_score(include_manual):g}")
+        lines.append(f"{'score':<{width}}  {self.score():>3g} / {self.max_score(include_manual):g}"
+                     f"   (seed {self.seed}: --seed {self.seed} replays these hidden cases)")
         return "\n".join(lines)
 
 
-def _assemble(source: NotebookNode, submission: NotebookNode) -> NotebookNode:
-    """Return the notebook to run: the source's cells by grade_id, the student's own cells where they were.
+# ---------------------------------------------------------------- grading
 
-    Locked and test cells come from the instructor (hidden tests included), so an edited or
-    deleted test cannot be gamed; answers come from the submission, or the stub if deleted.
-    Cells the student added run just before the source cell they preceded.
+
+def default_seed(source: dict[str, Any], student: str) -> int:
+    """Return the seed a student's hidden cases get unless ``--seed`` says otherwise: the same on every regrade.
+
+    It hashes the instructor's source (which students never see) with the student's name.
     """
-    stubs = {_grade_id(c): c for c in release(source).cells if _grade_id(c)}
-    anchors = {gid for gid in stubs}
-    answers: dict[str, NotebookNode] = {}
-    before: dict[str, list[NotebookNode]] = {}
-    pending: list[NotebookNode] = []
-    for cell in submission.cells:
-        gid = _grade_id(cell)
-        if gid in anchors and gid not in answers:
-            answers[gid] = cell
-            before[gid], pending = pending, []
-        elif gid not in anchors:  # the student's own cell: it runs, but claims no grade_id
-            own = copy.deepcopy(cell)
-            own.metadata.pop("nbgrader", None)
-            pending.append(own)
-    cells = []
-    for cell in source.cells:
-        gid = _grade_id(cell)
-        if gid is None:
-            continue  # unflagged source cells are the student's to keep, edit or delete
-        cells.extend(before.get(gid, []))
-        meta = _meta(cell)
-        if meta.get("solution") and not meta.get("locked"):
-            answer = answers.get(gid, stubs[gid])
-            cells.append(copy.deepcopy(answer if answer.cell_type == cell.cell_type else stubs[gid]))
-        else:
-            cells.append(copy.deepcopy(cell))
-    cells.extend(pending)
-    for cell in cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    run = copy.deepcopy(source)
-    run.cells = cells
-    return run
+    text = json.dumps([c["source"] for c in source["cells"]]) + "\0" + student
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
 
 
-def _kernel_manager_class() -> type:
-    """Return a KernelManager that starts ipykernel in this interpreter, whatever kernelspecs are installed.
-
-    A ``python3`` kernelspec in ~/.local/share/jupyter would otherwise win and could run
-    another Python, without torch or labkit.
-    """
-    from ipykernel.kernelspec import RESOURCES, get_kernel_dict
-    from jupyter_client import AsyncKernelManager
-    from jupyter_client.kernelspec import KernelSpec
-
-    class ThisPython(AsyncKernelManager):
-        @property
-        def kernel_spec(self) -> KernelSpec:
-            return KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())
-
-    return ThisPython
+def part_seed(seed: int, grade_id: str) -> int:
+    """Return the seed of one part's hidden cases, from the submission's seed."""
+    return int(hashlib.sha256(f"{seed}:{grade_id}".encode()).hexdigest()[:8], 16)
 
 
-def execute(nb: NotebookNode, timeout: float, cwd: str) -> dict[int, dict[str, Any]]:
-    """Run ``nb`` in a fresh kernel; return each code cell's execute reply by index.
-
-    A cell that runs past ``timeout`` seconds is interrupted and replies ``CellTimeout``;
-    the later cells still run. After a kernel death the remaining cells have no reply.
-    """
-    from nbclient import NotebookClient
-    from nbclient.exceptions import DeadKernelError
-
-    replies: dict[int, dict[str, Any]] = {}
-
-    def record(cell: NotebookNode, cell_index: int, execute_reply: dict[str, Any]) -> None:
-        replies[cell_index] = execute_reply["content"]
-
-    client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", kernel_manager_class=_kernel_manager_class(),
-        allow_errors=True, interrupt_on_timeout=True,
-        error_on_timeout={"ename": TIMEOUT, "evalue": f"the cell ran longer than {timeout:g} s (an infinite loop?) "
-                          "and was interrupted", "traceback": []},
-        skip_cells_with_tag="", on_cell_executed=record, resources={"metadata": {"path": cwd}},
-    )
+def _defines(source: str) -> set[str]:
     try:
-        client.execute()
-    except DeadKernelError:
-        pass  # the cells after the crash have no reply, and are reported as not run
-    return replies
+        return {n.name for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    except SyntaxError:
+        return set()
 
 
-def _error(reply: dict[str, Any] | None) -> str | None:
-    """Return ``"Name: value"`` for a failed reply, ``"did not run"`` for none, None on success."""
-    if reply is None:
-        return "did not run: the kernel died before this cell (did the submission exit or crash Python?)"
-    if reply.get("status") == "ok":
-        return None
-    return f"{reply.get('ename', 'Error')}: {reply.get('evalue', '')}".strip()
+def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Return the code cells the harness runs, top to bottom as the student's notebook has them, and warnings.
+
+    Test cells are left out (the grader makes their calls itself), also the student's cells that
+    only import and call checks (a test cell whose metadata was lost); locked cells run as the instructor wrote them; answer cells and the
+    student's own cells run as written, every copy, in order, so a function is graded as
+    the notebook run top to bottom defines it.
+    """
+    locked = {_grade_id(c): c for c in source["cells"] if _meta(c).get("locked") and not _meta(c).get("solution")
+              and not _is_test(c) and c["cell_type"] == "code"}
+    tests = {_grade_id(c) for c in source["cells"] if _is_test(c)}
+    answers = {_grade_id(c) for c in source["cells"] if _meta(c).get("solution")}
+    cells, seen, copies, warnings = [], set(), {}, []
+    for i, cell in enumerate(submission["cells"], 1):
+        if cell.get("cell_type") != "code":
+            continue
+        gid, src = _grade_id(cell), _text(cell.get("source", ""))
+        if gid in tests or (gid is None and _only_checks(src)):
+            continue  # a test cell, or a copy that lost its metadata: the grader makes these calls itself
+        if gid in locked:
+            if gid in seen:
+                continue
+            seen.add(gid)
+            cells.append({"label": f"cell {i} '{gid}'", "source": locked[gid]["source"], "grade_id": gid})
+        elif gid in answers:
+            copies[gid] = copies.get(gid, 0) + 1
+            cells.append({"label": f"cell {i} '{gid}'", "source": src, "grade_id": gid})
+        else:
+            cells.append({"label": f"cell {i}", "source": src, "grade_id": None})
+    missing = [{"label": f"'{g}' (restored)", "source": c["source"], "grade_id": g} for g, c in locked.items()
+               if g not in seen]
+    for gid, n in copies.items():
+        if n > 1:
+            warnings.append(f"'{gid}' is in {n} cells (a copied cell keeps its grade_id): graded what the notebook "
+                            "defines run top to bottom, i.e. the last copy wins; delete the stale copy")
+    if not any(_grade_id(c) for c in submission["cells"]):
+        warnings.append("the submission has no nbgrader metadata (saved by another tool?): graded the functions "
+                        "its code defines, top to bottom")
+    return missing + cells, warnings
 
 
-def grade(source: NotebookNode, submission: NotebookNode | None, *, timeout: float = 60.0, cwd: str = ".",
+def _not_run(outcome: Any, status: str, wall: float) -> str:
+    if outcome.timed_out:
+        return (f"not graded: the submission was stopped at the hard limit of {wall:g} s while running {status} "
+                "(it ignored the interrupt, or ran too long)")
+    return f"not graded: the submission's process ended (exit code {outcome.returncode}) while running {status}"
+
+
+def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout: float = 60.0,
+          wall: float | None = None, seed: int | None = None, student: str = "", sandbox: bool = True,
           reason: str = "") -> Report:
     """Grade ``submission`` against the instructor's ``source``; ``None`` grades an unreadable one as 0.
 
-    Each autograder test cell earns its points when it runs without error; written answers
-    are reported for a person to grade.
+    ``timeout`` bounds each cell and each check's calls; ``wall`` (default: cells x timeout,
+    at most 10 min) the whole submission, whatever it does with signals. ``seed`` replays a
+    grading (default: ``default_seed``); ``sandbox=False`` runs without bubblewrap.
     """
-    validate(source)
-    graded = [c for c in source.cells if _meta(c).get("grade")]
+    from . import static
+
+    planned = plan(source)
+    seed = default_seed(source, student) if seed is None else seed
+    seeds = {p.grade_id: part_seed(seed, p.grade_id) if any(c.hidden for c in p.calls) else None for p in planned}
+
+    def every(message: str, status: str) -> list[Part]:
+        return [Part(p.grade_id, 0, p.points, "graded by hand" if p.manual else message, p.manual, seeds[p.grade_id],
+                     "manual" if p.manual else status) for p in planned]
+
     if submission is None:
-        return Report([Part(_grade_id(c), 0, _meta(c)["points"], reason, _is_manual(c)) for c in graded])
-    run = _assemble(source, submission)
-    replies = execute(run, timeout, cwd)
-    position = {_grade_id(c): i for i, c in enumerate(run.cells) if _grade_id(c)}
-    parts = []
-    for cell in graded:
-        gid, meta = _grade_id(cell), _meta(cell)
-        i = position[gid]
-        if _is_manual(cell):
-            answer = run.cells[i].source.strip()
-            message = "not answered" if answer in ("", TEXT_STUB) else "graded by hand"
-            parts.append(Part(gid, 0, meta["points"], message, manual=True))
+        return Report(every(reason, "failed"), seed, sandbox="bwrap" if sandbox else "none")
+    cells, warnings = _cells(source, submission)
+    tampering = []
+    for cell in cells:
+        if cell["grade_id"] is None or cell["grade_id"] not in {_grade_id(c) for c in source["cells"]
+                                                                if _meta(c).get("locked")}:
+            tampering += [f"{cell['label']}, {t}" for t in static.tampering(static.python_source(cell["source"]))]
+    manual_text = {_grade_id(c): c.get("source", "") for c in submission["cells"] if _is_manual(c)}
+    if tampering:
+        report = Report(every("not scored: the submission reaches into the grader (see tampering); a person "
+                              "must review it", "tampering"), seed, tampering, warnings, "bwrap" if sandbox else "none")
+    else:
+        report = _run(source, planned, cells, seeds, timeout, wall, sandbox, seed, warnings)
+    for part in report.parts:
+        if part.manual:
+            answer = _text(manual_text.get(part.grade_id, "")).strip()
+            part.message = "not answered" if answer in ("", TEXT_STUB) else "graded by hand"
+    return report
+
+
+def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, Any]], seeds: dict[str, int | None],
+         timeout: float, wall: float | None, sandbox: bool, seed: int, warnings: list[str]) -> Report:
+    """Run the cells and the parts' calls in the sandbox, then judge what came back, part by part."""
+    from . import checks, static
+    from . import sandbox as box
+
+    calls = [c for p in planned for c in p.calls]
+    wall = wall if wall is not None else min(600.0, timeout * (len(cells) + len(calls)) + 30)
+    limits = box.Limits(wall=wall)
+    work = Path(tempfile.mkdtemp(prefix="labkit-grade-"))
+    try:
+        (work / "job").mkdir()
+        (work / "out").mkdir()
+        job = {"timeout": timeout, "cells": [{"label": c["label"], "source": c["source"]} for c in cells],
+               "parts": [{"grade_id": p.grade_id, "calls": [
+                   {"check": c.check, "fn": c.fn, "hidden": c.hidden, "seed": seeds[p.grade_id] if c.hidden else 0}
+                   for c in p.calls]} for p in planned if not p.manual]}
+        (work / "job" / "job.json").write_text(json.dumps(job), encoding="utf-8")
+        argv = (box.command(work / "job", work / "out", limits) if sandbox
+                else box.unsandboxed(work / "job", work / "out", limits))
+        outcome = box.run(argv, limits)
+        status_file = work / "out" / "status"
+        if not status_file.exists():  # the harness writes it before any student code: the sandbox itself failed
+            raise box.SandboxError(f"the sandbox did not start the harness (exit code {outcome.returncode}): "
+                                   f"{outcome.output[-2000:]}")
+        status = status_file.read_text(encoding="utf-8", errors="replace")[:300]
+        import torch
+
+        def load(name: str) -> Any:
+            path = work / "out" / name
+            if not path.exists():
+                return None
+            try:
+                return torch.load(path, weights_only=True)
+            except Exception as e:  # not what the harness writes: forged or cut short
+                return {"unreadable": f"{type(e).__name__}: {e}"}
+
+        try:
+            ran = json.loads((work / "out" / "cells.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            ran = None
+        except ValueError as e:
+            ran = {"unreadable": f"cells.json: {e}"}
+        results = {i: load(f"part-{i}.pt") for i in range(len(job["parts"]))}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = Report([], seed, [], warnings, "bwrap" if sandbox else "none", outcome.output)
+    stopped = _not_run(outcome, status, wall) if status != "done" else None
+    cell_errors = {c["label"]: c["error"] for c in (ran or {}).get("cells", []) if isinstance(c, dict)} \
+        if isinstance(ran, dict) else {}
+    for value in [ran, *results.values()]:
+        if isinstance(value, dict) and (value.get("tampered") or value.get("unreadable")):
+            report.tampering.append(f"the harness's results: {value.get('tampered') or value.get('unreadable')}")
+    report.tampering = sorted(set(report.tampering))
+    graded = iter(range(len(job["parts"])))
+    for p in planned:
+        if p.manual:
+            report.parts.append(Part(p.grade_id, 0, p.points, "graded by hand", True, None, "manual"))
             continue
-        error = _error(replies.get(i))
-        if error is not None:
-            answer = next((j for j in range(i - 1, -1, -1) if _meta(run.cells[j]).get("solution")), None)
-            cause = _error(replies.get(answer)) if answer is not None and run.cells[answer].cell_type == "code" else None
-            if cause is not None and not cause.startswith("NotImplementedError"):
-                error += f" (your answer cell {_grade_id(run.cells[answer])!r} raised {cause})"
-        parts.append(Part(gid, meta["points"] if error is None else 0, meta["points"], error or ""))
-    return Report(parts)
+        result = results[next(graded)]
+        if report.tampering:
+            part = Part(p.grade_id, 0, p.points, "not scored: the submission tampered with the grader's harness "
+                        "(see tampering); a person must review it", status="tampering")
+        elif result is None:
+            part = Part(p.grade_id, 0, p.points, stopped or "not graded: no result", status="not graded")
+        else:
+            try:
+                with _JUDGING:
+                    message = _judge_part(p, result, seeds[p.grade_id], cells, cell_errors, timeout)
+            except Exception as e:  # malformed data: only a harness that was tampered with ships that
+                report.tampering.append(f"the harness's results for {p.grade_id!r}: {type(e).__name__}: {e}")
+                message = "not scored: the results shipped for this part are malformed (tampering?)"
+            banned = [f"{c['label']}, {hit}" for c in cells if _defines(c["source"]) & {k.fn for k in p.calls}
+                      for k in p.calls for hit in static.banned_calls(static.python_source(c["source"]),
+                                                                      checks.BANNED[k.check])]
+            if banned and message is None:
+                message = (f"uses what this part asks you to write yourself: {'; '.join(sorted(set(banned)))}")
+            part = Part(p.grade_id, p.points if message is None else 0, p.points, message or "",
+                        status="ok" if message is None else "failed")
+        part.seed = seeds[p.grade_id]
+        report.parts.append(part)
+    return report
+
+
+def _judge_part(p: Planned, result: dict[str, Any], seed: int | None, cells: list[dict[str, Any]],
+                cell_errors: dict[str, str | None], timeout: float) -> str | None:
+    """Return the first problem of one part's calls, from the data the harness shipped, or None."""
+    from . import checks
+
+    for call, shipped in zip(p.calls, result["results"], strict=True):
+        hidden_seed = seed if call.hidden else 0
+        if "missing" in shipped:
+            defining = [c for c in cells if call.fn in _defines(c["source"])]
+            errors = [f"{c['label']} raised {cell_errors[c['label']]}" for c in defining if cell_errors.get(c["label"])]
+            if shipped["missing"] is not None:
+                return f"{call.fn} is a {shipped['missing']}, not a function: keep the name for your function."
+            return (f"{call.fn} is not defined" + (f" ({'; '.join(errors)})" if errors else
+                    ": run its answer cell, and keep the function's name") + ".")
+        problem = checks.judge(call.check, call.fn, call.hidden, hidden_seed, shipped["outs"])
+        if problem is not None:
+            return problem
+        if "timeout" in shipped:
+            return (f"{call.fn} ran longer than {timeout:g} s on case #{len(shipped['outs']) + 1} of "
+                    f"{call.check}({'hidden, seed=' + str(hidden_seed) if call.hidden else 'visible'}) and was "
+                    "interrupted: an infinite loop?")
+        if "ended" in shipped:
+            return f"{call.fn} ended the run ({shipped['ended']}) on case #{len(shipped['outs']) + 1}."
+    return None

@@ -1,0 +1,234 @@
+"""Submissions that attack the grader: none earns a point it did not, reaches outside its sandbox, or survives.
+
+Attacks the grader reads and refuses (tampering) cost no sandbox run; the ones that get past
+that reading run for real, grouped so one sandboxed run shows several.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.grading import notebook, sandbox, static
+from labkit.grading.__main__ import main
+from labkit.grading.notebook import grade
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_grading import AUTOGRADED, SOURCE, sandboxed, solution, source, submission  # noqa: E402
+
+SOLVED = {a: solution(a) for a in ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")}
+LABKIT_FILE = Path(notebook.__file__).parents[1] / "clip.py"
+
+# each would have given full marks (11/11) to the instructor's solutions plus this one cell, or more to less
+TAMPERING = {
+    "checks replaced": ("import labkit.grading as G\nG.check_grad_norm = lambda *a, **k: None",
+                        "line 1: imports labkit.grading (the grader)"),
+    "checks replaced, from-import": ("from labkit import grading\ngrading.check_clip = print",
+                                     "line 1: imports labkit.grading (the grader)"),
+    "builtins.__import__": ("import builtins\nbuiltins.__import__ = lambda *a, **k: None",
+                            "line 1: imports builtins (the builtins)", "line 2: reads __import__"),
+    "an input transformer": ("get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])",
+                             "line 1: uses get_ipython"),
+    "sys.modules": ("import sys\nnorm = sys.modules['labkit.clip'].grad_norm", "line 1: imports sys (the interpreter)"),
+    "the grader's command line": ("import os\nprint(open(f'/proc/{os.getppid()}/cmdline').read())",
+                                  "line 1: imports os (the process)", "line 2: uses open"),
+    "the instructor's solutions": ("exec(open('notebooks/exercises/ps1_clipping_and_scaling.ipynb').read())",
+                                   "line 1: uses exec", "line 1: uses open"),
+    "a shell escape": ("!cat /proc/1/cmdline", "line 1: uses get_ipython"),
+    "a cell magic": ("%%writefile /tmp/x.py\nprint(1)", "line 1: uses get_ipython"),
+    "the wrapper's insides": ("import labkit\nnorm = labkit.grad_norm.__wrapped__", "line 2: reads __wrapped__"),
+    "a name built at run time": ("import labkit\nnorm = getattr(labkit, 'grad' + '_norm')", "line 2: uses getattr"),
+    "frames": ("try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    up = e.__traceback__.tb_frame.f_back",
+               "line 4: reads __traceback__", "line 4: reads f_back (a frame)", "line 4: reads tb_frame (a frame)"),
+    "the alarm": ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)",
+                  "line 1: imports signal (the grader's timers)"),
+    "an attribute named in a string": ("from operator import attrgetter\ng = attrgetter('__globals__')",
+                                       "line 1: imports operator (attributes by name)",
+                                       "line 2: names __globals__ in a string"),
+    "a pickle that imports": ("import torch\nobj = torch.load(PAYLOAD, weights_only=False)",
+                              "line 2: uses torch.load (loads code or reaches C)"),
+    "C through numpy": ("import numpy\napi = numpy.ctypeslib.ctypes.pythonapi",
+                        "line 2: uses numpy.ctypeslib (loads code or reaches C)"),
+    "a setsid child": ("import subprocess\nsubprocess.Popen(['sleep', '100'], start_new_session=True)",
+                       "line 1: imports subprocess (other processes)"),
+}
+
+
+@pytest.mark.parametrize("attack", TAMPERING)
+def test_code_that_reaches_into_the_grader_is_reported_and_not_run(attack, monkeypatch):
+    code, *findings = TAMPERING[attack]
+    monkeypatch.setattr(sandbox, "run", lambda *a, **k: pytest.fail("a tampering submission was run"))
+    report = grade(source(), submission(SOLVED, prepend=[code]))
+    assert report.score() == 0
+    assert report.tampering == [f"cell 2, {finding}" for finding in findings]
+    assert {p.status for p in report.parts if not p.manual} == {"tampering"}
+    assert report.format().startswith(f"TAMPERING (not scored): cell 2, {findings[0]}")
+
+
+# ---------------------------------------------------------------- past the reading: the traps and the harness
+
+SAVED = """import labkit, torch
+saved_norm = labkit.grad_norm
+from torch.nn.utils import clip_grad_norm_ as torch_clip
+Step = labkit.TrainStep
+"""
+BANNED = {
+    # a reference saved before the test, called in a try that swallows the trap
+    "grad_norm_answer": """def global_grad_norm(parameters):
+    try:
+        return saved_norm(parameters)
+    except BaseException:
+        return torch.tensor(0.0)""",
+    "clip_answer": """def clip_to_norm_(parameters, max_norm):
+    return torch_clip(parameters, max_norm)""",
+    # right answers, but labkit's rule is named in the cell (on a path the cases never take)
+    "scale_answer": solution("scale_answer").replace(
+        "    if found_inf:", "    if config is None:\n        return labkit.update_scale(scale)\n    if found_inf:", 1),
+    "step_answer": """def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):
+    return Step(model, optimizer, loss_fn, precision="fp16", max_norm=max_norm, scaler=scaler,
+                scheduler=scheduler, skip_alarm=None, clip_alarm=None)(inputs, targets)""",
+    "skip_answer": solution("skip_answer"),
+}
+
+
+@pytest.fixture(scope="module")
+def banned_report():
+    sandboxed()
+    return grade(source(), submission(BANNED, prepend=[SAVED]), timeout=30, student="mallory")
+
+
+def test_library_calls_a_part_bans_earn_nothing_however_they_are_reached(banned_report):
+    by_id = {p.grade_id: p for p in banned_report.parts}
+    assert {g: by_id[g].points for g in AUTOGRADED} == {
+        "grad_norm_tests": 0, "clip_tests": 0, "skip_tests": 2, "scale_tests": 0, "step_tests": 0}
+    assert "called labkit.grad_norm: this part asks you to compute the norm yourself" in by_id["grad_norm_tests"].message
+    assert "called torch.nn.utils.clip_grad_norm_: this part asks you to write the clipping yourself" in \
+        by_id["clip_tests"].message
+    assert by_id["scale_tests"].message == ("uses what this part asks you to write yourself: cell 14 'scale_answer', "
+                                            "line 4: labkit.update_scale")
+    assert "called labkit.TrainStep: this part asks you to write the step yourself" in by_id["step_tests"].message
+    assert banned_report.tampering == []
+
+
+def test_a_harness_changed_at_run_time_is_reported_as_tampering_not_scored(monkeypatch):
+    """Past the reading (switched off here), replacing the harness's caller would have given 11/11."""
+    sandboxed()
+    monkeypatch.setattr(static, "tampering", lambda source: [])
+    attack = "import labkit.grading.checks as c\nc.run = lambda *a, **k: None"
+    report = grade(source(), submission(SOLVED, prepend=[attack]), timeout=30)
+    assert report.score() == 0
+    assert report.tampering == ["the harness's results: ['checks.run']"]
+    assert {p.status for p in report.parts if not p.manual} == {"tampering"}
+
+
+# ---------------------------------------------------------------- the sandbox itself
+
+HOSTILE = r'''
+import json, os, resource, signal, socket, subprocess
+found = {"uid": os.getuid(), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}
+found["seen"] = [p for p in PATHS if os.path.exists(p)]
+found["labkit_writable"] = False
+for path in (LABKIT_FILE, "/labkit/labkit/clip.py"):  # the grader's path, and the sandbox's view of it
+    try:
+        with open(path, "a") as f:
+            f.write("# owned")
+        found["labkit_writable"] = True
+    except OSError:
+        pass
+try:
+    socket.create_connection(("1.1.1.1", 53), timeout=2)
+    found["network"] = True
+except OSError:
+    found["network"] = False
+found["limits"] = [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)]
+try:
+    hog = bytearray(8 << 30)
+    found["8 GiB"] = True
+except MemoryError:
+    found["8 GiB"] = False
+with open("/tmp/labkit-sandbox-marker", "w") as f:
+    f.write("left behind?")
+subprocess.Popen(["sleep", "1234.5"], start_new_session=True)
+print("FOUND " + json.dumps(found), flush=True)
+print("x" * (3 << 20), flush=True)
+for s in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+while True:
+    pass
+'''
+
+
+def _sleepers() -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x001234.5\x00":
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path):
+    """No instructor file, other submission, gradebook, network or writable labkit; limits; nothing survives."""
+    sandboxed()
+    other = tmp_path / "submitted" / "bob" / "ps1" / "ps1.ipynb"
+    other.parent.mkdir(parents=True)
+    other.write_text("{}")
+    paths = [str(SOURCE), str(other), str(tmp_path / "gradebook.csv"), str(Path.cwd() / "tests")]
+    (tmp_path / "gradebook.csv").write_text("student,points\n")
+    labkit_sha = hashlib.sha256(LABKIT_FILE.read_bytes()).hexdigest()
+    job, out = tmp_path / "job", tmp_path / "out"
+    job.mkdir()
+    out.mkdir()
+    code = f"PATHS = {paths!r}\nLABKIT_FILE = {str(LABKIT_FILE)!r}\n" + HOSTILE
+    (job / "job.json").write_text(json.dumps({"timeout": 2, "cells": [{"label": "cell 3", "source": code}],
+                                              "parts": []}))
+    limits = sandbox.Limits(wall=8)
+    outcome = sandbox.run(sandbox.command(job, out, limits), limits)
+
+    assert outcome.timed_out and 8 <= outcome.seconds < 16
+    assert (out / "status").read_text() == "cell cell 3"  # the cell that was running is the one blamed
+    found = json.loads(outcome.output.split("FOUND ", 1)[1].split("\n", 1)[0])
+    assert found["seen"] == [] and found["labkit_writable"] is False and found["network"] is False
+    assert found["uid"] == (sandbox.NOBODY if os.geteuid() == 0 else os.geteuid())
+    assert max(found["pids"]) < 50  # its own PID namespace: the grader's processes are not there
+    assert found["limits"] == [limits.memory, limits.processes, int(limits.wall) + 5] and found["8 GiB"] is False
+    assert len(outcome.output.encode()) <= limits.output  # 3 MiB printed, 1 MiB kept
+    assert hashlib.sha256(LABKIT_FILE.read_bytes()).hexdigest() == labkit_sha
+    assert not Path("/tmp/labkit-sandbox-marker").exists()
+    assert _sleepers() == []  # the setsid child died with the sandbox
+
+
+def test_without_bubblewrap_grading_refuses_and_says_how_to_fix_it(monkeypatch, tmp_path, capsys):
+    real = sandbox.shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else real(name))
+    with pytest.raises(sandbox.SandboxMissing, match="apt-get install bubblewrap"):
+        grade(source(), submission(SOLVED))
+    path = tmp_path / "ada.ipynb"
+    nbformat.write(submission(SOLVED), path)
+    assert main(["grade", str(SOURCE), str(path)]) == 1
+    assert "pass --no-sandbox to grade notebooks you trust" in capsys.readouterr().err
+
+
+def test_no_sandbox_runs_the_same_harness_in_its_own_session(tmp_path):
+    job, out = tmp_path / "job", tmp_path / "out"
+    job.mkdir()
+    out.mkdir()
+    (job / "job.json").write_text(json.dumps({"timeout": 5, "cells": [{"label": "a", "source": "print(6 * 7)"}],
+                                              "parts": []}))
+    limits = sandbox.Limits(wall=60)
+    outcome = sandbox.run(sandbox.unsandboxed(job, out, limits), limits)
+    assert outcome.returncode == 0 and not outcome.timed_out and "42" in outcome.output
+    assert (out / "status").read_text() == "done"
+    assert json.loads((out / "cells.json").read_text())["cells"][0]["error"] is None
+
+
+def test_a_sandbox_that_cannot_start_stops_grading_instead_of_giving_zeros(monkeypatch):
+    monkeypatch.setattr(sandbox, "command", lambda job, out, limits: ["sh", "-c", "echo 'bwrap: No permissions'; exit 1"])
+    with pytest.raises(sandbox.SandboxError, match=r"did not start the harness \(exit code 1\): bwrap: No permissions"):
+        grade(source(), submission(SOLVED))
