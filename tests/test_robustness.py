@@ -567,3 +567,38 @@ def test_resume_is_exact_and_the_summary_covers_the_whole_run(task):
         records_equal(step(*task.batch(i)), expected[i])
     assert step.log.summary() == straight[3].log.summary()
     assert_same(snapshot(model, opt, sched), snapshot(*straight[:3]))
+
+
+# ---------------------------------------------------------------- the deferred path (sync_every) keeps the promises
+
+
+@pytest.mark.parametrize("precision, kind", [("fp32", "nan"), ("fp16", "overflow")])
+def test_deferred_steps_restore_buffers_on_a_skip_and_record_every_lr(task, precision, kind):
+    model = bn_model()
+    groups = [{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.01}]
+    opt = torch.optim.SGD(groups, lr=0.05)
+    step = TrainStep(model, opt, task.loss_fn, precision=precision, faults={1: kind}, sync_every=4)
+    step(*task.batch(0))
+    before = snapshot(model, opt)
+    record = step(*task.batch(1))  # the skip is decided on the device: the buffers come back by a select
+    assert record.skipped
+    assert_same(snapshot(model, opt), before)
+    assert not step(*task.batch(2)).skipped
+    assert [r.lrs for r in step.log] == [[0.05, 0.01]] * 3 and [r.lr for r in step.log] == [0.05] * 3
+    model.eval()
+    assert torch.isfinite(model(task.batch(3)[0])).all()
+
+
+def test_deferred_scheduler_error_comes_after_the_step_is_complete_and_numbered(task):
+    model = task.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=1)  # raises from step 1 on
+    step = TrainStep(model, opt, task.loss_fn, scheduler=sched, sync_every=2)
+    step(*task.batch(0))
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="Tried to step"):  # OneCycleLR's own message, unchanged
+        step(*task.batch(1))
+    assert not torch.equal(before["params"]["0.weight"], snapshot(model, opt)["params"]["0.weight"])  # it stepped
+    assert step.step_count == 2 and [r.step for r in step.log] == [0, 1] and not any(r.skipped for r in step.log)
+    step.scheduler = None
+    assert not step(*task.batch(2)).skipped and step.step_count == 3
