@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "describe", "format_scale", "init_distributed", "main", "run_demo", "title"]
 
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
+# The GPT needs no injected fault (its overflows come by themselves) and SGD's lr for it is higher.
+TASK_DEFAULTS = {"toy": {"faults": DEFAULT_FAULTS, "lr": 0.05}, "gpt": {"faults": [], "lr": 0.3}}
 PRECISIONS = ("fp32", "bf16", "fp16")  # labkit.step.PRECISIONS, without importing torch for --help
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a loss scale lives in float32
 
@@ -86,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth-interval", type=_positive(int), default=50,
                    help="clean steps before the scale grows (default 50)")
     p.add_argument("--steps", type=_positive(int), default=300, help="training steps (default 300)")
-    p.add_argument("--lr", type=_positive(float), default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+    p.add_argument("--lr", type=_positive(float),
+                   help="SGD learning rate, momentum 0.9 (default 0.05 for toy, 0.3 for gpt)")
+    p.add_argument("--task", choices=list(TASK_DEFAULTS), default="toy",
+                   help="toy (regression, default) or gpt (a small GPT on the Python stdlib's source, no faults by default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="data and weights (default 0)")
     p.add_argument(
@@ -270,7 +275,8 @@ def _check_out(parser: argparse.ArgumentParser, out: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # before torch is imported: --help and bad flags answer at once
-    specs = args.inject if args.inject is not None else DEFAULT_FAULTS
+    task_defaults = TASK_DEFAULTS[args.task]
+    specs = args.inject if args.inject is not None else task_defaults["faults"]
     faults = [] if specs == ["none"] else specs
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it (with RANK, LOCAL_RANK, MASTER_*)
     if world == 1 and args.parallel is not None:
@@ -303,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every setting checked before anything is written or a process group joined
         config = ExperimentConfig(
             precision=args.precision, max_norm=args.max_norm, init_scale=args.init_scale,
-            growth_interval=args.growth_interval, faults=faults, steps=args.steps, lr=args.lr, seed=args.seed,
-            device=str(device), parallel=args.parallel, fault_rank=args.fault_rank,
+            growth_interval=args.growth_interval, faults=faults, steps=args.steps, seed=args.seed,
+            lr=args.lr if args.lr is not None else task_defaults["lr"],
+            device=str(device), parallel=args.parallel, fault_rank=args.fault_rank, task=args.task,
         )
     except ValueError as e:
         parser.error(str(e))
@@ -313,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         which = "the default --inject" if args.inject is None else "--inject"
         print(f"note: {which} puts faults at steps {_ranges(late)}, past the last step ({args.steps - 1}); "
               f"they never fire (raise --steps to see them)", file=sys.stderr)
+    fingerprint = getattr(config.make_task(), "fingerprint", None)
+    if fingerprint is not None and int(os.environ.get("RANK", "0")) == 0:  # the data a run saw: equal hashes, equal text
+        print(f"task {args.task}: data sha256 {fingerprint}")
     created = _check_out(parser, args.out) if int(os.environ.get("RANK", "0")) == 0 else None
     if world > 1:
         device = init_distributed(device)

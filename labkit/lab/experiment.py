@@ -1,4 +1,4 @@
-"""One toy-task run as a pure function of its settings: what the lab's widgets and the demo call."""
+"""One run of a built-in task as a pure function of its settings: what the lab's widgets and the demo call."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..faults import FaultSchedule
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
-from ..tasks import ToyTask
+from ..tasks import TASKS, Task, make_task
 
 __all__ = ["ExperimentConfig", "default_device", "run_experiment"]
 
@@ -59,6 +59,8 @@ class ExperimentConfig:
     Under an initialized process group each rank trains on its slice of every global batch,
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
+    ``task`` names a built-in task (``"toy"``, ``"gpt"``: ``labkit.tasks.TASKS``, sized for the
+    device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``).
 
     >>> c = ExperimentConfig(precision="fp32", faults=["60:spike:1000"])
     >>> c.faults, c.fault_schedule().get(60).label
@@ -84,6 +86,7 @@ class ExperimentConfig:
     device: str | None = None
     parallel: str | None = None
     fault_rank: int | None = None
+    task: str | Task = "toy"
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -116,6 +119,11 @@ class ExperimentConfig:
         if isinstance(self.faults, str):
             raise TypeError(f"faults must be a list of specs, e.g. [{self.faults!r}], not one string.")
         object.__setattr__(self, "faults", tuple(self.faults))  # a list from the caller, frozen here
+        if isinstance(self.task, str) and self.task not in TASKS:
+            raise ValueError(f"task must be one of {sorted(TASKS)} or a task object, got {self.task!r}.")
+        if not isinstance(self.task, (str, Task)):
+            raise TypeError(f"task must be a name or have name, model(device), batch(step, device) and loss_fn; "
+                            f"got {type(self.task).__name__}.")
         self.fault_schedule()
         if self.device is not None:
             try:
@@ -132,6 +140,10 @@ class ExperimentConfig:
     def resolved_device(self) -> torch.device:
         """Return the device the run uses: ``device``, or the GPU when there is one."""
         return torch.device(self.device or default_device())
+
+    def make_task(self) -> Task:
+        """Return the task the run trains: the named one with ``seed``, sized for the device, or ``task`` itself."""
+        return make_task(self.task, self.seed, self.resolved_device()) if isinstance(self.task, str) else self.task
 
 
 def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
@@ -174,7 +186,7 @@ def run_experiment(
     log_dir: str | os.PathLike | None = None,
     histogram_every: int = 10,
 ) -> StepLog:
-    """Train a fresh toy model as ``config`` says and return its log; ``on_record`` sees each record.
+    """Train a fresh model of ``config.task`` as ``config`` says and return its log; ``on_record`` sees each record.
 
     Nothing outside the call is touched: a widget may start it again with other settings
     while an old figure is still on screen. ``log_to`` (``"tensorboard,trackio,mlflow,wandb"``)
@@ -191,7 +203,7 @@ def run_experiment(
     trackers = parse_trackers(log_to)  # bad names and missing packages fail here, before any training
     check_trackers(trackers)
     _positive_int("histogram_every", histogram_every)
-    task = ToyTask(seed=config.seed)
+    task = config.make_task()
     model = task.model(device)
     if world > 1:
         model = _parallelize(model, config.parallel or "ddp", device)

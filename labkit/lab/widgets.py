@@ -33,7 +33,7 @@ from ..records import StepLog
 __all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows", "scaler_runs"]
 
 CONTROLS = ("max_norm", "fault", "fault_step", "fault_count", "fault_magnitude",
-            "init_scale", "growth_interval", "precision", "loss_scaling")
+            "init_scale", "growth_interval", "precision", "loss_scaling", "lr")
 MAX_NORMS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
 EPISODE = {"fault": "spike", "fault_step": 50, "fault_count": 1, "fault_magnitude": 1000.0}
 _FAULT_KEYS = tuple(EPISODE)
@@ -68,7 +68,7 @@ def config_from(base: ExperimentConfig, values: Mapping[str, Any]) -> Experiment
     unknown = set(values) - set(CONTROLS)
     if unknown:
         raise KeyError(f"unknown controls {sorted(unknown)}; known: {', '.join(CONTROLS)}.")
-    changes: dict[str, Any] = {k: v for k, v in values.items() if k in ("growth_interval", "precision", "loss_scaling")}
+    changes: dict[str, Any] = {k: v for k, v in values.items() if k in ("growth_interval", "precision", "loss_scaling", "lr")}
     if "max_norm" in values:
         changes["max_norm"] = None if values["max_norm"] == math.inf else values["max_norm"]
     if "init_scale" in values:
@@ -138,6 +138,9 @@ def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
         return W.ToggleButtons(options=["fp32", "bf16", "fp16"], value=value, description="precision")
     if name == "loss_scaling":
         return W.Checkbox(value=value, description="loss scaling")
+    if name == "lr":
+        return W.FloatLogSlider(value=value, base=10, min=-4, max=1, step=0.05, description="learning rate",
+                                continuous_update=False)
     raise KeyError(f"unknown control {name!r}; known: {', '.join(CONTROLS)}.")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,7 @@ class ToyTask:
     True
     """
 
+    name: ClassVar[str] = "toy"
     in_features: int = 16
     hidden: int = 64
     batch_size: int = 64

@@ -1,0 +1,491 @@
+"""What the gradients look like inside a run: the probe that reads them and the pictures of them.
+
+``GradientProbe`` watches a model while ``run_experiment`` (or any loop around ``TrainStep``)
+trains it, through hooks only, so the step itself is untouched: for every step it records each
+layer's gradient norm (unscaled, before clipping), the fraction of activation gradients that are
+exactly zero (flushed: in fp16 without a scaler, gradients below 2**-24 underflow), and a sample
+of activation-gradient values. ``Probed(task, probe)`` is the task with the probe attached to
+every model it builds, so it goes wherever a task goes (``ExperimentConfig(task=...)``).
+
+The pictures: ``GradHistogram`` (log2|g| over fp16's and bf16's ranges, with a loss-scale
+slider; Micikevicius et al. 2018, "Mixed Precision Training", Fig. 3, live), ``plot_u_curve``
+(flushed and overflowing fractions against log2 of the scale), ``plot_layer_heatmap`` and
+``plot_sawtooth``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor, nn
+
+from ..records import StepLog
+from ..tasks import Task
+from .plots import _ipympl_active
+
+__all__ = ["FP16_RANGE", "BF16_RANGE", "GradHistogram", "GradientProbe", "Probed", "flush_fractions",
+           "plot_layer_heatmap", "plot_sawtooth", "plot_u_curve", "u_curve"]
+
+_F16, _BF16 = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
+# log2 of |x|: (smallest subnormal, smallest normal, largest finite)
+FP16_RANGE = (math.log2(_F16.smallest_normal) - 10, math.log2(_F16.smallest_normal), math.log2(_F16.max))  # -24, -14, 15.9998
+BF16_RANGE = (math.log2(_BF16.smallest_normal) - 7, math.log2(_BF16.smallest_normal), math.log2(_BF16.max))  # -133, -126, 127.99
+# Round to nearest even: |x| <= 2**-25 (half the smallest subnormal) becomes 0, |x| >= 65520 becomes inf.
+_FLUSH, _OVERFLOW = 2.0**-25, 65520.0
+
+
+def flush_fractions(values: Tensor, log2_scale: float) -> tuple[float, float]:
+    """Return the fractions of nonzero ``values`` that fp16 flushes to 0 and to inf after ``* 2**log2_scale``.
+
+    Exactly what a cast does (the thresholds are round-to-nearest-even's); zeros are left out,
+    since they are zero at any scale.
+
+    >>> g = torch.tensor([1e-9, 1e-3, 1.0, 0.0])
+    >>> flush_fractions(g, 0), flush_fractions(g, 20)
+    ((0.3333333333333333, 0.0), (0.0, 0.3333333333333333))
+    """
+    under, over = u_curve(values, [log2_scale])
+    return under[0], over[0]
+
+
+def u_curve(values: Tensor, log2_scales: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Return the flushed and the overflowing fraction of ``values`` at each log2 scale: the U's two arms.
+
+    One sort, then two binary searches per scale: a slider or a 50-point curve over 10**5
+    gradients costs milliseconds.
+
+    >>> under, over = u_curve(torch.tensor([2.0**-30, 1.0]), [0, 10, 20])
+    >>> under, over
+    ([0.5, 0.0, 0.0], [0.0, 0.0, 0.5])
+    """
+    a = values.detach().abs().double().flatten()
+    a = a[a > 0].sort().values
+    n = a.numel()
+    if n == 0:
+        return [0.0] * len(log2_scales), [0.0] * len(log2_scales)
+    s = torch.tensor([2.0**k for k in log2_scales], dtype=torch.float64)
+    # |g| * s <= FLUSH  <=>  |g| <= FLUSH / s (exact: s is a power of two), likewise for overflow
+    flushed = torch.searchsorted(a, _FLUSH / s, right=True)
+    kept = torch.searchsorted(a, _OVERFLOW / s, right=False)
+    return (flushed.double() / n).tolist(), ((n - kept).double() / n).tolist()
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+class GradientProbe:
+    """Record per-layer gradient norms, flushed fractions and gradient samples of a model, by hooks.
+
+    ``attach(model)`` hooks every ``nn.Linear``'s input and output (their gradients are the
+    activation gradients that fp16 carries in backward) and every parameter (its gradient's norm, grouped by module),
+    and the task's loss (its gradient is the loss scale, so no scaler is needed to unscale).
+    ``begin(step)`` closes the previous step: one host sync per step, the probe's own cost
+    (a few small tensors), not the training step's. Attaching again forgets the old run.
+
+    >>> from labkit.tasks import GPTTask
+    >>> from labkit.lab.experiment import ExperimentConfig, run_experiment
+    >>> probe = GradientProbe()
+    >>> task = Probed(GPTTask(n_layer=1, n_embd=16, block_size=8, batch_size=2), probe)
+    >>> log = run_experiment(ExperimentConfig(task=task, precision="fp32", steps=3, device="cpu"))
+    >>> probe.steps, probe.layers[:2], len(probe.layer_norms["wte"])
+    ([0, 1, 2], ['wte', 'wpe'], 3)
+    """
+
+    def __init__(self, sample: int = 65536) -> None:
+        self.sample = sample
+        self._handles: list = []
+        self.model: nn.Module | None = None
+        self.listeners: list[Callable[[GradientProbe], None]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.layers: list[str] = []
+        self._steps: list[int] = []
+        self._norms: dict[str, list[float]] = {}
+        self._zero_fraction: list[float] = []
+        self._scale: list[float] = []
+        self._values = torch.zeros(0)
+        self._step: int | None = None
+        self._pending: dict | None = None
+
+    # Read through close(): the last step's numbers are still tensors until someone asks.
+    @property
+    def steps(self) -> list[int]:
+        """The steps that ran backward, in order."""
+        self.close()
+        return self._steps
+
+    @property
+    def layer_norms(self) -> dict[str, list[float]]:
+        """Per module (parameters grouped by owner): the unscaled, unclipped gradient norm of each step."""
+        self.close()
+        return self._norms
+
+    @property
+    def zero_fraction(self) -> list[float]:
+        """Per step: the fraction of activation-gradient entries (``nn.Linear`` inputs and outputs) that were exactly 0."""
+        self.close()
+        return self._zero_fraction
+
+    @property
+    def loss_scale(self) -> list[float]:
+        """Per step: the gradient that reached the loss, i.e. the loss scale (1 without a scaler)."""
+        self.close()
+        return self._scale
+
+    @property
+    def values(self) -> Tensor:
+        """The last step's gradients, unscaled, float32: the activation gradients and the weight gradients.
+
+        At most ``sample`` entries (evenly strided) of each; entries that flushed are 0.
+        """
+        self.close()
+        return self._values
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Hook ``model`` (and unhook the previous one); return it."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._reset()
+        self.model = model  # the model this probe watches: e.g. for its validation loss after the run
+        groups: dict[str, list[nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            groups.setdefault(_module_of(name), []).append(p)
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                lambda p, module=_module_of(name): self._param_grad(module, p)))
+        self.layers = list(groups)
+        self._norms = {m: [] for m in self.layers}
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                self._handles.append(module.register_forward_hook(self._linear_output))
+        return model
+
+    def _buffers(self) -> dict:
+        if self._pending is None:
+            self._pending = {"sq": {}, "zeros": [], "numel": 0, "samples": [], "scale": None}
+        return self._pending
+
+    def _linear_output(self, module: nn.Module, args: tuple, out: Tensor) -> None:
+        # Both sides of every Linear: under autocast its input is the fp16 cast, whose gradient
+        # (out_grad @ W, in fp16) is where a backward overflows first, before any weight gradient.
+        for t in (args[0], out):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(self._activation_grad)
+
+    def _activation_grad(self, g: Tensor) -> None:
+        buf = self._buffers()
+        buf["zeros"].append((g == 0).sum())
+        buf["numel"] += g.numel()
+        buf["samples"].append(self._sample(g))
+
+    def _sample(self, g: Tensor) -> Tensor:
+        stride = max(1, g.numel() // self.sample)
+        return g.detach().flatten()[::stride].float()
+
+    def _param_grad(self, module: str, p: Tensor) -> None:
+        buf = self._buffers()
+        g = p.grad.detach()
+        s = g.float().pow(2).sum()
+        buf["sq"][module] = buf["sq"][module] + s if module in buf["sq"] else s
+        buf["samples"].append(self._sample(g))
+
+    def loss_hook(self, loss: Tensor) -> Tensor:
+        """Record the gradient that reaches ``loss`` in backward: the loss scale (times the micro-batch's weight)."""
+        if loss.requires_grad:
+            loss.register_hook(self._loss_grad)
+        return loss
+
+    def _loss_grad(self, g: Tensor) -> None:
+        self._buffers()["scale"] = g.detach().float().reshape(())
+
+    def begin(self, step: int) -> None:
+        """Close the step before (if it ran backward) and start ``step``."""
+        self.close()
+        self._step = step
+
+    def close(self) -> None:
+        """Turn the last step's hooks' tensors into numbers (one host sync) and tell the listeners."""
+        buf, self._pending = self._pending, None
+        if buf is None or self._step is None or buf["scale"] is None:
+            return
+        scale = buf["scale"]
+        names = list(buf["sq"])
+        stacked = torch.stack([buf["sq"][m] for m in names] + [sum(buf["zeros"], torch.zeros(()))] + [scale])
+        numbers = stacked.tolist()  # the probe's one host sync per step
+        s = numbers[-1]
+        norms = dict(zip(names, numbers[: len(names)]))
+        for m in self.layers:
+            self._norms[m].append(math.sqrt(norms[m]) / s if m in norms else math.nan)
+        self._zero_fraction.append(numbers[-2] / max(1, buf["numel"]))
+        self._scale.append(s)
+        self._values = torch.cat(buf["samples"]).cpu() / s if buf["samples"] else torch.zeros(0)
+        self._steps.append(self._step)
+        for listener in self.listeners:
+            listener(self)
+
+    def heatmap(self) -> tuple[list[str], list[int], Tensor]:
+        """Return ``(layers, steps, log10 norms)``: the layers x steps picture's data."""
+        norms = torch.tensor([self.layer_norms[m] for m in self.layers], dtype=torch.float64)
+        return self.layers, list(self.steps), norms.log10()
+
+
+@dataclass(frozen=True, eq=False)
+class Probed:
+    """``task`` with ``probe`` attached to every model it builds: pass it wherever a task goes.
+
+    >>> from labkit.tasks import ToyTask
+    >>> Probed(ToyTask(), GradientProbe()).name
+    'toy'
+    """
+
+    task: Task
+    probe: GradientProbe
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def model(self, device: str | torch.device = "cpu") -> nn.Module:
+        return self.probe.attach(self.task.model(device))
+
+    def batch(self, step: int, device: str | torch.device = "cpu") -> tuple[Tensor, Tensor]:
+        self.probe.begin(step)
+        return self.task.batch(step, device)
+
+    @property
+    def loss_fn(self) -> Callable[[Tensor, Tensor], Tensor]:
+        inner, probe = self.task.loss_fn, self.probe
+        return lambda out, y: probe.loss_hook(inner(out, y))
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        # what the task has beyond the interface (val_loss, fingerprint, corpus) is still there
+        if name.startswith("__") or name in ("task", "probe"):  # not while copying or unpickling
+            raise AttributeError(name)
+        return getattr(self.task, name)
+
+
+_BANDS = (  # (label, lo, hi, color) in log2|x|
+    ("bf16 (normal)", BF16_RANGE[1], BF16_RANGE[2], "C2"),
+    ("fp16 subnormal", FP16_RANGE[0], FP16_RANGE[1], "C1"),
+    ("fp16 normal", FP16_RANGE[1], FP16_RANGE[2], "C0"),
+)
+
+
+def _log2_abs(values: Tensor) -> Tensor:
+    a = values.detach().abs().double().flatten()
+    return a[a > 0].log2()
+
+
+class GradHistogram:
+    """A histogram of log2|gradient| over fp16's and bf16's ranges, with a loss-scale slider.
+
+    The bands are fp16's subnormal range [2**-24, 2**-14), its normal range up to 65504, and
+    bf16's normal range (2**-126 .. 3.4e38, wider than the axis: bf16 flushes nothing here).
+    Moving the slider multiplies the gradients by ``2**log2_scale``, shifting the histogram,
+    and the title says what fp16 would flush to zero and to inf. ``update(values)`` takes new
+    gradients (``probe.values``; pass ``every=`` and attach it with ``probe.listeners.append``
+    to follow a run live). Rendered like ``LiveDashboard``: ipympl's canvas, else a PNG image.
+
+    >>> h = GradHistogram(torch.tensor([2.0**-30, 2.0**-20, 1.0]), log2_scale=0)
+    >>> h.title()
+    'scale 2^0: 33.3% flush to 0, 0.0% overflow (fp16)'
+    >>> h.set_scale(10); h.title()
+    'scale 2^10: 0.0% flush to 0, 0.0% overflow (fp16)'
+    """
+
+    def __init__(self, values: Tensor | None = None, log2_scale: int = 0, *, every: int = 10,
+                 xlim: tuple[float, float] = (-48.0, 24.0), figsize: tuple[float, float] = (8, 3.2)) -> None:
+        import ipywidgets as W
+
+        self.every, self.xlim = every, xlim
+        self.interactive = _ipympl_active()
+        if self.interactive:
+            import matplotlib.pyplot as plt
+
+            with plt.ioff():
+                fig = plt.figure(figsize=figsize)
+            fig.canvas.header_visible = False
+            fig.canvas.syncing_data_url = False  # see LiveDashboard: the page asks for the first frame
+        else:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            fig = Figure(figsize=figsize)
+            FigureCanvasAgg(fig)
+            self._image = W.Image(format="png")
+        fig.subplots_adjust(left=0.08, right=0.98, top=0.88, bottom=0.17)
+        self.figure, self.ax = fig, fig.add_subplot()
+        ax = self.ax
+        self.bands = {label: ax.axvspan(lo, hi, color=color, alpha=0.12 if "bf16" in label else 0.25, lw=0, label=label)
+                      for label, lo, hi, color in _BANDS}
+        # Named in place, not in a legend: a band's name belongs where the band is.
+        for label, lo, hi, color in _BANDS:
+            x = (max(lo, xlim[0]) + min(hi, xlim[1])) / 2 if "bf16" not in label else xlim[0] + 1
+            ax.text(x, 0.97, label, transform=ax.get_xaxis_transform(), ha="center" if "bf16" not in label else "left",
+                    va="top", fontsize=7, color=color)
+        self.edges = torch.arange(xlim[0], xlim[1] + 0.5, 0.5, dtype=torch.float64)
+        self.bars = ax.stairs([0.0] * (len(self.edges) - 1), self.edges.tolist(), fill=True, color="k", alpha=0.6)
+        ax.set_xlim(*xlim)
+        ax.set_xlabel("log2 |gradient x scale|")
+        ax.set_ylabel("fraction")
+        self.slider = W.IntSlider(value=log2_scale, min=-8, max=40, description="scale 2^", continuous_update=True)
+        self.slider.observe(lambda change: self.set_scale(change["new"]), names="value")
+        self.slider.add_class("labkit-control-hist_scale")
+        self._values = torch.zeros(0)
+        self._seen = 0
+        self.widget = W.VBox([self.slider, fig.canvas if self.interactive else self._image])
+        self.widget.add_class("labkit-histogram")
+        self.update(values if values is not None else torch.zeros(0), draw=False)
+
+    @property
+    def log2_scale(self) -> int:
+        return self.slider.value
+
+    def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
+        self._paint(idle=True)
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def fractions(self) -> tuple[float, float]:
+        """The fractions fp16 flushes to 0 and to inf at the slider's scale."""
+        return flush_fractions(self._values, self.log2_scale)
+
+    def title(self) -> str:
+        under, over = self.fractions()
+        return f"scale 2^{self.log2_scale}: {under:.1%} flush to 0, {over:.1%} overflow (fp16)"
+
+    def set_scale(self, log2_scale: int) -> None:
+        """Shift the histogram to ``gradients * 2**log2_scale`` and redraw."""
+        if self.slider.value != log2_scale:
+            self.slider.value = log2_scale  # its observer comes back here
+            return
+        self._redraw(idle=True)
+
+    def update(self, values: Tensor, draw: bool = True) -> None:
+        """Show new gradient values (e.g. ``probe.values``)."""
+        self._values = values.detach().float().cpu().flatten()
+        if draw:
+            self._redraw(idle=False)
+        else:
+            self._set_data()
+
+    def __call__(self, probe: GradientProbe) -> None:
+        """A probe listener: every ``every`` steps, show the probe's latest gradients (inside the run)."""
+        self._seen += 1
+        if self._seen % self.every == 0:
+            self.update(probe.values)
+
+    def _set_data(self) -> None:
+        x = _log2_abs(self._values) + self.log2_scale
+        counts = torch.histogram(x.clamp(self.xlim[0], self.xlim[1] - 1e-9), self.edges).hist
+        total = max(1, len(self._values))
+        self.bars.set_data((counts / total).tolist())
+        self.ax.set_ylim(0, max(0.05, float(counts.max()) / total * 1.15) if counts.numel() else 1.0)
+        self.ax.set_title(self.title(), fontsize=9)
+
+    def _redraw(self, idle: bool) -> None:
+        self._set_data()
+        self._paint(idle)
+
+    def _paint(self, idle: bool) -> None:
+        if not self.interactive:
+            buf = io.BytesIO()
+            self.figure.savefig(buf, format="png", dpi=80)
+            self._image.value = buf.getvalue()
+        elif idle:
+            self.figure.canvas.draw_idle()
+        else:
+            self.figure.canvas.draw()
+
+
+def plot_u_curve(values: Tensor, log2_scales: Sequence[int] = range(-8, 41), trajectory: Sequence[float] = (),
+                 backoffs: Sequence[float] = ()) -> Figure:
+    """Return the U-curve: the fraction fp16 flushes to 0 and to inf against log2 of the loss scale.
+
+    ``trajectory`` (the scales a run used, e.g. ``log.column("scale")``) is drawn on the curve,
+    darker for later steps; ``backoffs`` (the scales that overflowed) as red crosses.
+
+    >>> fig = plot_u_curve(torch.tensor([2.0**-30, 1.0]), trajectory=[2.0**10, 2.0**11])
+    >>> [line.get_label() for line in fig.axes[0].get_lines()][:2]
+    ['flushed to 0', 'overflow (inf)']
+    """
+    fig = Figure(figsize=(7, 3.4), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    xs = list(log2_scales)
+    under, over = u_curve(values, xs)
+    ax.plot(xs, under, color="C0", label="flushed to 0")
+    ax.plot(xs, over, color="C3", label="overflow (inf)")
+    ax.plot(xs, [u + o for u, o in zip(under, over)], color="k", lw=0.8, ls=":", label="lost")
+    if len(trajectory):
+        t = [math.log2(s) for s in trajectory]
+        lost = [sum(flush_fractions(values, s)) for s in t]
+        ax.scatter(t, lost, c=range(len(t)), cmap="viridis", s=14, zorder=3, label="dynamic scaler's steps")
+    if len(backoffs):
+        b = [math.log2(s) for s in backoffs]
+        ax.scatter(b, [sum(flush_fractions(values, s)) for s in b], marker="x", color="C3", s=40, zorder=4,
+                   label="backoff (overflowed)")
+    ax.set_xlabel("log2(loss scale)")
+    ax.set_ylabel("fraction of gradient entries")
+    ax.legend(fontsize=7, loc="upper center")
+    return fig
+
+
+def plot_layer_heatmap(probe: GradientProbe, title: str = "") -> Figure:
+    """Return the layers x steps heatmap of log10 gradient norm (unscaled, before clipping).
+
+    >>> p = GradientProbe(); p.layers = ["a", "b"]; p._norms = {"a": [1.0, 10.0], "b": [0.1, 0.1]}; p._steps = [0, 1]
+    >>> plot_layer_heatmap(p).axes[0].get_yticklabels()[1].get_text()
+    'b'
+    """
+    layers, steps, z = probe.heatmap()
+    fig = Figure(figsize=(8, 0.25 * len(layers) + 1.4), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    finite = z[torch.isfinite(z)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5) if steps else None
+    im = ax.imshow(z.numpy(), aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi, extent=extent)
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ax.set_xlabel("step")
+    fig.colorbar(im, ax=ax, label="log10 grad norm")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def plot_sawtooth(log: StepLog, title: str = "") -> Figure:
+    """Return the loss scale against step (log2 axis) with each backoff marked.
+
+    >>> from labkit.records import StepRecord
+    >>> log = StepLog([StepRecord(0, 1.0, scale=4.0, next_scale=8.0), StepRecord(1, 1.0, scale=8.0, next_scale=4.0,
+    ...                skipped=True, reason="nonfinite_grad")])
+    >>> fig = plot_sawtooth(log); fig.axes[0].get_lines()[1].get_xdata().tolist()
+    [1]
+    """
+    fig = Figure(figsize=(8, 2.8), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    steps, scales = log.column("step"), log.column("scale")
+    ax.plot(steps, scales, drawstyle="steps-post", color="C4", lw=1.2, label="loss scale")
+    back = [r for r in log if r.next_scale < r.scale]
+    ax.plot([r.step for r in back], [r.scale for r in back], "v", color="C3", ms=6, ls="none",
+            label=f"backoff: gradient overflowed ({len(back)})")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale")
+    ax.legend(fontsize=7, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def _agg(fig: Figure) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
