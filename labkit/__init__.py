@@ -14,6 +14,7 @@ import typing
 _LAZY = {
     ".alarms": ("DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"),
     ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"),
+    ".clippers": ("clip_grad_value_",),
     ".faults": ("Fault", "FaultSchedule"),
     ".records": ("LogWriteError", "StepLog", "StepRecord"),
     ".scaler": ("GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"),
@@ -25,6 +26,7 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .alarms import DeadScaleWarning, LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
     from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
+    from .clippers import clip_grad_value_
     from .faults import Fault, FaultSchedule
     from .records import LogWriteError, StepLog, StepRecord
     from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
@@ -69,6 +71,7 @@ __all__ = [
     "ToyTask",
     "TrainStep",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "clip_grads_with_norm_",
     "get_total_norm",
     "grad_norm",

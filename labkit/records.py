@@ -15,6 +15,7 @@ from typing import Any, overload
 
 from .alarms import LabkitWarning
 from .distributed import rank
+from .spikes import spike_score
 
 __all__ = ["LogWriteError", "StepLog", "StepRecord", "parse_line"]
 
@@ -89,6 +90,16 @@ class StepRecord:
     first_nonfinite: str | None = None
     stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
     lrs: list[float] = field(default_factory=list)  # every param group's lr (``lr`` is group 0's)
+    # issue 15: spike defenses. z-scores of loss and norm (NaN: no detector, or not enough history),
+    # the clipper's threshold (NaN: none, or a per-tensor rule), why it clipped, whether its lock-in
+    # guard fired, and rewinds: this step was undone (``rewound``), or it triggered one (``rewind_to``).
+    z_loss: float = math.nan
+    z_grad: float = math.nan
+    threshold: float = math.nan
+    clip_reason: str | None = None
+    lockin: bool = False
+    rewound: bool = False
+    rewind_to: int | None = None
 
     @property
     def post_clip_norm(self) -> float:
@@ -330,12 +341,20 @@ class StepLog(Sequence[StepRecord]):
         return [r.step for r in self._records if r.clipped]
 
     def summary(self) -> dict[str, Any]:
-        """Return counts a run report needs: steps, skips by reason, clip rate, scale range.
+        """Return counts a run report needs: steps, skips by reason, clip rate, scale range, spikes.
 
-        Exact over every step appended (and, after ``load_state_dict``, the steps before a
-        resume), however small the ``window``.
+        The counts are exact over every step appended (and, after ``load_state_dict``, the steps
+        before a resume), however small the ``window``. The spike scores and ``rewinds`` are
+        read from the records held (every one by default; the last ``window`` with one), since
+        a rewind marks records after they were appended.
         """
-        return self._totals.summary()
+        summary = self._totals.summary()
+        kept = [r for r in self._records if not r.skipped and not r.rewound]
+        # OLMo 2's spike score (% of values >= 7 sigma from a rolling 1000-value mean), over stepped steps
+        summary["spike_score_loss"] = spike_score(r.loss for r in kept)
+        summary["spike_score_grad"] = spike_score(r.grad_norm for r in kept)
+        summary["rewinds"] = sum(r.rewind_to is not None for r in self._records)
+        return summary
 
     def state_dict(self) -> dict[str, Any]:
         """Return the summary's running totals (not the records: those are in the JSONL file)."""

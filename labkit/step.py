@@ -18,8 +18,11 @@ from .clip import (
 )
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
+from .clippers import Clipper, GlobalClipper, NormClip, UpdateNormClip
 from .records import FIELDS, LogWriteError, StepLog, StepRecord
+from .rewind import Rewind
 from .scaler import F32, GradScaler, check_device
+from .spikes import SpikeDetector
 
 __all__ = ["PRECISIONS", "DeferredRecord", "TrainStep"]
 
@@ -262,6 +265,9 @@ class TrainStep:
         process_group: ProcessGroup | None = None,
         sync_every: int | None = None,
         observer: Any = None,
+        clipper: Clipper | None = None,
+        detector: SpikeDetector | None = None,
+        rewind: Rewind | None = None,
     ) -> None:
         device = _check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
@@ -284,7 +290,19 @@ class TrainStep:
         self.precision = precision
         if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"sync_every must be None (read every step) or an int >= 1, got {sync_every!r}.")
-        self.max_norm = None if max_norm is None else check_max_norm(max_norm)
+        # issue 15: the clip stage is a clipper (labkit.clippers); a float max_norm means NormClip(max_norm)
+        if clipper is not None and max_norm not in (None, 1.0):
+            raise ValueError(f"pass either max_norm ({max_norm!r}) or clipper ({clipper!r}), not both; for a fixed "
+                             f"threshold with a clipper object use clipper=NormClip({max_norm!r}).")
+        if clipper is not None and not isinstance(clipper, Clipper):
+            raise TypeError(f"clipper must be one of labkit.clippers (NormClip, ZClip, ...), got {type(clipper).__name__}.")
+        self.clipper = clipper if clipper is not None else (NormClip(check_max_norm(max_norm)) if max_norm is not None else None)
+        self.max_norm = self.clipper.max_norm if isinstance(self.clipper, NormClip) else None
+        if sync_every is not None and (detector is not None or rewind is not None or self.max_norm is None and clipper is not None):
+            raise ValueError("sync_every defers the records, but an adaptive clipper, a detector or a rewind decides from "
+                             "them every step: use sync_every=None with clipper=/detector=/rewind=.")
+        self.detector, self.rewind = detector, rewind
+        self._releases = 0
         self.norm_type = check_norm_type(norm_type)
         if not self.norm_type > 0:  # the inf check rides on the norms: only a p > 0 norm is inf/NaN on inf/NaN
             raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got {norm_type!r}.")
@@ -307,6 +325,8 @@ class TrainStep:
         self.step_count = 0
         self._params_key: tuple = ()
         self._params: list[tuple[str, nn.Parameter]] = []
+        if rewind is not None:
+            rewind.snapshot(self)  # step 0: a spike in the first `back` steps rewinds to the start
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         """Return ``(name, param)`` of every parameter the optimizer holds now (progressive unfreezing too).
@@ -397,6 +417,7 @@ class TrainStep:
             else:
                 values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
                 record = self._record(step, lrs, values.tolist(), norms)  # one batched copy
+                self._annotate(record)
         except BaseException:
             # the user's model, loss or optimizer raised (or a bad loss): nothing of this step is kept
             scaler._abandon_iteration()
@@ -433,19 +454,81 @@ class TrainStep:
         if self.observer is not None and bad_loss is None:
             self.observer.after_step(self._named_params(), record)
         record.fault = fault.label if fault is not None else None
+        self._observe(record, append=False)
+        if self.detector is not None:  # after the decision: a skipped or non-finite step never enters the window
+            seen = record.post_clip_norm if record.clip_reason == "z_grad" else record.grad_norm  # its own cut
+            self.detector.observe(record.loss, seen, admitted=not record.skipped)
         self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
         try:
-            self._observe(record)  # raises LogWriteError on a full disk; the record is kept in memory
+            if self.rewind is not None:  # may restore a snapshot: step_count goes back, this record is marked
+                self.rewind.after(self, record)
+            self._log.append(record)  # raises LogWriteError on a full disk; the record is kept in memory
         finally:
             if late_error is not None:
                 raise late_error
         return record
 
-    def _observe(self, record: StepRecord) -> None:
+    def _observe(self, record: StepRecord, append: bool = True) -> None:
         record.skip_streak = self.skip_alarm.observe(record.skipped, record.reason, record.step)
         if not record.skipped:
             self.clip_alarm.observe(record.clipped, record.step)
-        self._log.append(record)
+        if append:
+            self._log.append(record)
+
+    def _defenses(self, loss: Tensor, norm: Tensor, norms: Tensor, found_inf: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """Issue 15: the detector's decision and the clipper's coefficient; return ``(coef, found_inf, keep_scale)``.
+
+        The detector reads loss and norm on the host (one read, only with a detector). A z-score
+        skip sets ``found_inf`` (the optimizer skips) and keeps the scale. Global-norm clippers give
+        the coefficient from their state and observe the norm; per-tensor ones act after unscaling.
+        """
+        spike = {"z_loss": math.nan, "z_grad": math.nan, "threshold": None, "why": None, "reason": None}
+        self._spike = spike
+        action = None
+        if self.detector is not None:
+            loss_value, norm_value = torch.stack([loss.double().cpu(), norm.double().cpu()]).tolist()
+            if math.isfinite(norm_value):
+                spike["z_loss"], spike["z_grad"] = self.detector.score(loss_value, norm_value)
+                action, why = self.detector.decide(spike["z_loss"], spike["z_grad"])
+                if action == "skip":
+                    spike["reason"] = why
+                    return torch.ones_like(norm), torch.ones_like(found_inf), True
+        coef = torch.ones_like(norm)
+        clipper = self.clipper
+        if isinstance(clipper, NormClip):
+            coef = clip_coef(norm, clipper.max_norm)  # threshold and reason: set in _record, with no read
+        elif isinstance(clipper, GlobalClipper) and not isinstance(clipper, UpdateNormClip):
+            clipper._to(norm.device)
+            spike["threshold"] = clipper.threshold(clipper.state)
+            limit = clipper.limit(clipper.state, norm.float())
+            coef = clipper.coef(limit, norm.float())
+            clipper.observe(norm.float(), limit)
+        if action == "clip":
+            z_coef = clip_coef(norm, self.detector.clip_limit())  # type: ignore[union-attr]
+            spike["z_clip"] = bool((z_coef < coef).item())
+            coef = torch.minimum(coef, z_coef)
+        return coef, found_inf, False
+
+    def _annotate(self, record: StepRecord) -> None:
+        """Issue 15: add the detector's z-scores and the clipper's threshold, reason and guard to ``record``."""
+        spike = self._spike
+        record.z_loss, record.z_grad = spike["z_loss"], spike["z_grad"]
+        if spike["reason"] is not None and record.skipped:
+            record.reason = spike["reason"]
+        if spike["threshold"] is not None:  # adaptive clippers only: one small read, after the step's sync
+            record.threshold = float(spike["threshold"])
+        if record.clipped:
+            record.clip_reason = "z_grad" if spike.get("z_clip") else type(self.clipper).__name__
+            if getattr(self.clipper, "max_consecutive_clips", None) is not None:  # a guard to read
+                record.lockin = self._lockin()
+
+    def _lockin(self) -> bool:
+        """Whether the clipper's lock-in guard fired on this (clipped) step; rank 0 warns."""
+        releases = self.clipper.releases() if self.clipper is not None else 0
+        fired, self._releases = releases > self._releases, releases
+        if fired and rank() == 0:
+            self.clipper.check_lockin()  # type: ignore[union-attr]
+        return fired
 
     def _record(
         self, step: int, lrs: list[float], values: list[float], norms: Tensor | list[float], names: list[str] | None = None
@@ -459,6 +542,9 @@ class TrainStep:
             step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped and not skipped, scale=scale,
             next_scale=next_scale, skipped=skipped, reason=reason, lr=lrs[0], lrs=list(lrs),
         )
+        if self.max_norm is not None and reason != "nonfinite_loss":  # issue 15: NormClip's threshold, no read
+            record.threshold = self.max_norm
+            record.clip_reason = "NormClip" if record.clipped else None
         if reason in ("nonfinite_grad", "dead_scale") or record.clipped:
             if names is None:  # the gradients are still there: ask them
                 record.top_grads, record.first_nonfinite = _forensics(self._named_grads, norms, self.process_group)
@@ -516,10 +602,15 @@ class TrainStep:
         found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm) | ~torch.isfinite(inv_scale)).float()
         if loss_bad is not None:
             found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
-        coef = clip_coef(norm, self.max_norm) if self.max_norm is not None else torch.ones_like(norm)
+        # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
+        coef, found_inf, keep = self._defenses(loss, norm, norms, found_inf)
         if getattr(opt, "_step_supports_amp_scaling", False):
             # fused optimizer: its kernel divides by grad_scale = scale / coef and skips on found_inf
             scaler.inf_check_(opt, found_inf, unscaled=False)
+            if self.clipper is not None and not isinstance(self.clipper, GlobalClipper) or \
+                    isinstance(self.clipper, UpdateNormClip):
+                raise ValueError(f"{type(self.clipper).__name__} clips the gradients or the update itself: use a "
+                                 "non-fused optimizer with it (fused=False).")
             opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
                 self.observer.before_step(params, step)
@@ -529,10 +620,18 @@ class TrainStep:
             if not scaler.will_skip(opt):  # host sync: a plain optimizer can only be skipped from the host
                 # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
                 scale_grads_(grads, (coef * inv_scale.to(coef.device)).to(coef.dtype))
+                if self.clipper is not None and not isinstance(self.clipper, GlobalClipper):  # per tensor: on unscaled grads
+                    coef, self._spike["threshold"] = self.clipper.clip_with_norms_([p for _, p in params], norms, norm)
                 if self.observer is not None:
                     self.observer.before_step(params, step)
+                if isinstance(self.clipper, UpdateNormClip):
+                    self.clipper.begin_([p for _, p in params])
             found = scaler.step_async(opt)
-        if loss_bad is None:
+            if isinstance(self.clipper, UpdateNormClip) and not scaler.will_skip(opt):
+                coef, self._spike["threshold"] = self.clipper.after_step_([p for _, p in params])
+        if keep:  # a z-score skip is not a scaling problem: the scale stays
+            scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=scale.device))
+        elif loss_bad is None:
             scaler.update()
         else:
             scaler.update(keep_if=loss_bad.to(scale.device))
@@ -549,13 +648,18 @@ class TrainStep:
         Save the model, optimizer and scheduler as usual, next to it.
         """
         self.flush()
-        return {
+        state = {
             "step": self.step_count,
             "skip_alarm": self.skip_alarm.state_dict(),
             "clip_alarm": self.clip_alarm.state_dict(),
             "scaler": self.scaler.state_dict(),
             "log": self._log.state_dict(),
         }
+        if self.clipper is not None:  # issue 15
+            state["clipper"] = self.clipper.state_dict()
+        if self.detector is not None:
+            state["detector"] = self.detector.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next call continues the same step numbering, faults and summary.
@@ -581,6 +685,11 @@ class TrainStep:
         self.scaler.load_state_dict(state["scaler"])
         self.skip_alarm.load_state_dict(state["skip_alarm"])
         self.clip_alarm.load_state_dict(state["clip_alarm"])
+        if self.clipper is not None and "clipper" in state:  # issue 15
+            self.clipper.load_state_dict(state["clipper"])
+            self._releases = self.clipper.releases()
+        if self.detector is not None and "detector" in state:
+            self.detector.load_state_dict(state["detector"])
         if "log" in state:
             self._log.load_state_dict(state["log"])
         self.step_count = step

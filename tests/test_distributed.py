@@ -161,7 +161,31 @@ def scenario_groups(rank, out):
     return [step(*shard(task.batch(i), rank)).reason for i in range(3)]
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups}
+REWIND_SPIKE, REWIND_STEPS = 12, 18
+
+
+def scenario_rewind(rank, out):
+    """Issue 15: a x1000 batch in rank 1's half only; the detector skips it and both ranks rewind together."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.rewind import Rewind
+    from labkit.spikes import SpikeDetector
+
+    task = ToyTask()
+    model = DDP(task.model())
+    rewind = Rewind(back=4, skip=6, every=2)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
+                     detector=SpikeDetector(window=8, skip_z=6.0), rewind=rewind, clip_alarm=None)
+    while step.step_count < REWIND_STEPS:
+        index = rewind.data_index(step.step_count)
+        x, y = shard(task.batch(index), rank)
+        step(x * 1000.0 if rank == 1 and index == REWIND_SPIKE else x, y)
+    return {"records": [r.to_dict() for r in step.log], "rewinds": rewind.rewinds,
+            "params": {k.removeprefix("module."): v for k, v in full_params(model).items()}}
+
+
+SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups,
+             "rewind": scenario_rewind}
 
 
 def worker(rank, port, out):
@@ -336,6 +360,19 @@ def test_process_group_bounds_the_agreement(ranks):
     (r0, r1), _ = ranks
     assert r0["groups"] == [None, None, None]  # rank 0's group of one never saw rank 1's NaN
     assert r1["groups"] == [None, "nonfinite_loss", None]
+
+
+def test_a_spike_on_one_rank_rewinds_every_rank_together(ranks):
+    (r0, r1), _ = ranks
+    a, b = r0["rewind"], r1["rewind"]
+    assert a["rewinds"] == b["rewinds"] == [(REWIND_SPIKE, 8)]  # 12 + 1 - 8 >= back=4 steps undone
+    assert repr(a["records"]) == repr(b["records"])  # the same decisions, z-scores and marks on both ranks
+    spike = [r for r in a["records"] if r["rewind_to"] is not None]
+    assert len(spike) == 1 and spike[0]["reason"] in ("spike_loss", "spike_grad") and spike[0]["step"] == REWIND_SPIKE
+    assert [r["step"] for r in a["records"] if r["rewound"]] == list(range(8, REWIND_SPIKE + 1))
+    assert [r["step"] for r in a["records"] if not r["rewound"]] == list(range(REWIND_STEPS))
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
 
 
 # ---------------------------------------------------------------- single process: nothing changes

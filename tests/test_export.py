@@ -31,6 +31,9 @@ BY_HAND = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "grad/norm_preclip", "clip_coef": "grad/clip_coef",
     "clipped": "grad/clipped", "scale": "amp/loss_scale", "next_scale": "amp/next_loss_scale",
     "skipped": "amp/skipped", "skip_streak": "amp/skip_streak",
+    # issue 15's fields, on every record (NaN z-scores without a detector)
+    "z_loss": "spikes/z_loss", "z_grad": "spikes/z_grad", "rewound": "spikes/rewound",
+    "threshold": "grad/clip_threshold", "lockin": "record/lockin",
 }
 
 
@@ -310,13 +313,13 @@ def test_a_rewind_is_marked_not_erased_and_extra_fields_get_their_names(tracker_
     assert texts[(3, "events/rewind")] == "rewound to step 3 (the run had reached step 5)"
     assert scalars[(4, "spikes/z_loss")] == 2.0 and scalars[(4, "spikes/z_grad")] == -1.25
     assert scalars[(4, "precision/stale_fraction/0.weight")] == 0.125
-    assert (4, "spikes/rewound") not in scalars  # purged with the branch it marked
+    assert scalars[(4, "spikes/rewound")] == 0.0  # the kept branch's; the rewound 1.0 was purged with its branch
     from trackio.sqlite_storage import SQLiteStorage
 
     # trackio keeps every row: the abandoned branch, marked, and the kept one
     rows = [(e["step"], e["train/loss"], e.get("spikes/rewound")) for e in SQLiteStorage.get_logs("labkit", "rewound")]
-    assert rows == [(0, 1.0, None), (1, 2.0, None), (2, 3.0, None), (3, 4.0, 1.0), (4, 5.0, 1.0), (5, 6.0, 1.0),
-                    (3, 13.0, None), (4, 14.0, None), (5, 15.0, None)]
+    assert rows == [(0, 1.0, 0.0), (1, 2.0, 0.0), (2, 3.0, 0.0), (3, 4.0, 1.0), (4, 5.0, 1.0), (5, 6.0, 1.0),
+                    (3, 13.0, 0.0), (4, 14.0, 0.0), (5, 15.0, 0.0)]  # StepRecord.rewound is on every record
 
 
 # ------------------------------------------------------------------------------------------- missing packages

@@ -17,6 +17,7 @@ FIELDS = [
     "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
     "skip_streak", "lr", "fault", "top_grads", "first_nonfinite",
     "stale", "lrs",
+    "z_loss", "z_grad", "threshold", "clip_reason", "lockin", "rewound", "rewind_to",  # issue 15
 ]
 
 
@@ -164,6 +165,9 @@ def test_summary(log):
         "max_scale": 2048.0,
         "final_scale": 512.0,
         "final_loss": 0.6,
+        "spike_score_loss": 0.0,  # too few steps for a rolling 7-sigma test
+        "spike_score_grad": 0.0,
+        "rewinds": 0,
     }
 
 

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SPIKE_REASONS = {"spike_loss": "loss z-score above skip_z", "spike_grad": "grad-norm z-score above skip_z"}
+
+
 def describe(record: StepRecord, max_norm: float | None, fault: str | None = None) -> list[str]:
     """Return the event lines for one record: a skip, a clip, a fault that did neither, a change of scale.
 
@@ -123,11 +126,18 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
     """
     fault = record.fault or fault
     lines, tag = [], f" [fault {fault}]" if fault else ""
-    if record.skipped:
+    if record.skipped and record.reason in SPIKE_REASONS:  # issue 15: the detector's skip
+        z = record.z_loss if record.reason == "spike_loss" else record.z_grad
+        lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {SPIKE_REASONS[record.reason]} at {z:+.1f} sigma{tag}")
+    elif record.skipped:
         what = "loss is not finite: backward skipped, scale untouched" if record.reason == "nonfinite_loss" else (
             f"gradient not finite (first: {record.first_nonfinite})" if record.first_nonfinite is not None else
             "gradient norm not finite, every gradient finite: their sum of squares overflowed float32")
         lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{tag}")
+    elif record.clipped and record.clip_reason not in (None, "NormClip"):  # issue 15: adaptive clippers
+        level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
+        lines.append(f"step {record.step:4d}  CLIP  {record.clip_reason}: norm {record.grad_norm:.4g}{level} "
+                     f"(x{record.clip_coef:.3g}){tag}")
     elif record.clipped:
         top = ", ".join(f"{n}={v:.3g}" for n, v in record.top_grads)
         lines.append(
@@ -137,6 +147,11 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
     elif fault:  # a fault nothing caught: say so, or it looks as if it never came
         why = "max_norm none" if max_norm is None else f"below max_norm {max_norm:g}"
         lines.append(f"step {record.step:4d}  FAULT {fault} injected: norm {record.grad_norm:.4g}, not clipped ({why})")
+    if record.lockin:
+        lines.append(f"step {record.step:4d}  GUARD lock-in: clipped too many steps in a row, statistics restarted")
+    if record.rewind_to is not None:
+        lines.append(f"step {record.step:4d}  REWIND to step {record.rewind_to}: steps {record.rewind_to}-{record.step} "
+                     "undone (marked rewound), a data window skipped")
     if record.next_scale != record.scale:
         verb = "backoff" if record.next_scale < record.scale else "growth"
         lines.append(f"step {record.step:4d}  SCALE {format_scale(record.scale)} -> {format_scale(record.next_scale)}"

@@ -20,6 +20,7 @@ from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
 from ..tasks import TASKS, Task, make_task
+from .defenses import Defenses, loss_fn_with_shift
 
 __all__ = ["ExperimentConfig", "default_device", "run_experiment"]
 
@@ -87,6 +88,7 @@ class ExperimentConfig:
     parallel: str | None = None
     fault_rank: int | None = None
     task: str | Task = "toy"
+    defenses: Defenses | None = None  # issue 15: clipper, detector, rewind, spike and shift (lab/defenses.py)
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -217,8 +219,14 @@ def run_experiment(
     mse, weight = task.loss_fn, config.loss_weight
     loss_fn = mse if weight == 1.0 else (lambda out, y: mse(out, y) * weight)
     faults = config.fault_schedule() if config.fault_rank in (None, me) else FaultSchedule()
-    step = TrainStep(model, optimizer, loss_fn, precision=config.precision, max_norm=config.max_norm,
-                     scaler=scaler, scheduler=scheduler, faults=faults, log_path=log_path)
+    d = config.defenses
+    extra = {} if d is None else {"clipper": d.clipper(), "detector": d.detector(), "rewind": d.rewind()}
+    if d is not None:
+        loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
+    step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
+                     max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
+                     faults=faults, log_path=log_path, **extra)
+    rewind = extra.get("rewind")
     telemetry = None
     try:
         if trackers and me == 0:  # the records are the same on every rank
@@ -228,8 +236,10 @@ def run_experiment(
         # FSDP2's gradients are shards: a histogram of rank 0's shard would not be the layer's
         histograms = telemetry is not None and (world == 1 or config.parallel in (None, "ddp"))
         with _one_thread_on_cpu(device):
-            for i in range(config.steps):
-                inputs, targets = (t.tensor_split(world)[me] for t in task.batch(i, device))
+            while step.step_count < config.steps:  # a rewind moves step_count back: the run still ends at `steps`
+                i = rewind.data_index(step.step_count) if rewind is not None else step.step_count
+                batch = task.batch(i, device) if d is None else d.corrupt(i, task.batch(i, device))
+                inputs, targets = (t.tensor_split(world)[me] for t in batch)
                 record = step(inputs, targets)
                 if histograms and i % histogram_every == 0:
                     telemetry.histograms(record.step, model.named_parameters())

@@ -1,0 +1,260 @@
+"""What every clipper shares: ``clip_`` on parameters, the feed policy and the lock-in guard.
+
+A clipper is an object with ``clip_(parameters) -> Tensor`` (the pre-clip global norm, like
+``torch.nn.utils.clip_grad_norm_``) and ``state_dict``/``load_state_dict``. ``TrainStep``
+calls the same object through ``clip_with_norms_``, giving it the norms it has already
+computed, so the gradients are read once. Global-norm clippers (``NormClip``, ``ZClip``,
+``AutoClip``) reduce to a threshold that is a function of their state and of the global
+norm only, so under ``torch.distributed`` every rank computes the same threshold with no
+collective of its own. All state lives in tensors on the gradients' device and every
+decision is a ``torch.where``: no host sync per step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..alarms import LabkitWarning
+from ..clip import EPS, Parameters, named_grads, per_tensor_norms, total_norm
+from ..distributed import local_tensor
+
+__all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard", "scale_grads_"]
+
+FEEDS = ("clipped", "raw", "exclude")
+
+
+class LockInWarning(LabkitWarning):
+    """An adaptive clipper clipped so many steps in a row that it restarted its statistics."""
+
+
+def feed_value(feed: str, norm: Tensor, limit: Tensor) -> tuple[Tensor, Tensor]:
+    """Return ``(value, admit)``: what enters the statistics after a step, and whether anything does.
+
+    ``clipped`` feeds ``min(norm, limit)`` (ZClip, AdaGC), ``raw`` feeds ``norm`` (AutoClip,
+    Levanter), ``exclude`` feeds ``norm`` only when it was not clipped (llm.c PR #711). A
+    non-finite norm is never admitted, whatever the policy.
+
+    >>> feed_value("clipped", torch.tensor(5.0), torch.tensor(2.0))
+    (tensor(2.), tensor(True))
+    >>> feed_value("exclude", torch.tensor(5.0), torch.tensor(2.0))[1]
+    tensor(False)
+    """
+    finite = torch.isfinite(norm)
+    if feed == "clipped":
+        return torch.minimum(norm, limit), finite
+    if feed == "raw":
+        return norm, finite
+    if feed == "exclude":
+        return norm, finite & ~(norm > limit)
+    raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}.")
+
+
+def lockin_guard(streak: Tensor, clipped: Tensor, bound: int | None) -> tuple[Tensor, Tensor]:
+    """Return ``(streak, release)``: consecutive clips so far, and whether they reached ``bound``.
+
+    ``streak' = (streak + 1) if clipped else 0``; ``release = streak' >= bound`` (then the
+    streak restarts at 0). A clipper that clips ``bound`` steps in a row is no longer catching
+    spikes: its statistics have locked onto an old level (ZClip after a 2x level shift clips
+    every one of the next 1000 steps, research note §1.3b), a silent learning-rate cut.
+    Isolated spikes never reach the bound. ``bound=None`` turns the guard off.
+
+    >>> lockin_guard(torch.tensor(2), torch.tensor(True), 3)
+    (tensor(0), tensor(True))
+    >>> lockin_guard(torch.tensor(2), torch.tensor(False), 3)
+    (tensor(0), tensor(False))
+    """
+    streak = torch.where(clipped, streak + 1, torch.zeros_like(streak))
+    if bound is None:
+        return streak, torch.zeros_like(clipped)
+    release = streak >= bound
+    return torch.where(release, torch.zeros_like(streak), streak), release
+
+
+@torch.no_grad()
+def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
+    """Multiply every gradient in place by the 0-d tensor ``coef`` (no sync; shards of DTensors too)."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        g = local_tensor(g)
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        c = coef.to(device)
+        if device.type in ("cpu", "cuda"):
+            torch._foreach_mul_(group, c)
+        else:
+            for g in group:
+                g.mul_(c)
+
+
+def _check_bound(bound: int | None) -> int | None:
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ValueError(f"max_consecutive_clips must be an int >= 1 or None (guard off), got {bound!r}.")
+    return bound
+
+
+class Clipper:
+    """Base of the clipping family: ``clip_(parameters)`` returns the pre-clip global norm.
+
+    Subclasses implement ``clip_with_norms_``; a clipper with state also ``state_dict``.
+    """
+
+    name = "clipper"
+
+    def clip_(self, parameters: Parameters) -> Tensor:
+        """Clip the gradients of ``parameters`` in place; return their pre-clip global L2 norm."""
+        params = parameters_list(parameters)
+        grads, _ = named_grads(params)
+        norms = per_tensor_norms(grads, 2.0)
+        norm = total_norm(norms, 2.0)
+        self.clip_with_norms_([p for p in params if p.grad is not None], norms, norm)
+        return norm
+
+    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+        """Clip ``params``' gradients given their per-tensor and global norms; return ``[coef, threshold]``.
+
+        ``coef`` is the post-clip over the pre-clip global norm (1: untouched), ``threshold``
+        the level above which the global norm is clipped (NaN for per-tensor rules). Both are
+        a 2-element float32 tensor on the norm's device, read by ``TrainStep`` for its record.
+        """
+        raise NotImplementedError
+
+    def after_step_(self, params: list[Tensor]) -> Tensor | None:
+        """Act after the optimizer stepped (``UpdateNormClip``); return ``[coef, threshold]`` or None."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the clipper's state (tensors cloned): ``load_state_dict`` of it resumes bitwise."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``."""
+
+    def releases(self) -> int:
+        """Return how many times the lock-in guard restarted the statistics (one host read)."""
+        return 0
+
+
+class GlobalClipper(Clipper):
+    """A clipper whose threshold is a function of its state and of the global gradient norm.
+
+    Subclasses give ``initial()`` (the state before any step, a dict of tensors),
+    ``threshold(state)`` (the level above which a norm is clipped; ``inf`` while warming up),
+    ``limit(state, norm)`` (what the norm is clipped to; the threshold unless the rule says
+    otherwise) and ``update(state, value)`` (the state after admitting one value). The base
+    applies the feed policy, keeps non-finite norms out, and runs the lock-in guard: after
+    ``max_consecutive_clips`` clips in a row the statistics restart from the raw norm (warm-up
+    again) and a ``LockInWarning`` is raised when the host next looks (``TrainStep`` looks on
+    clipped steps; standalone users call ``check_lockin()`` when they log).
+    """
+
+    def __init__(self, feed: str, max_consecutive_clips: int | None) -> None:
+        if feed not in FEEDS:
+            raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}: 'clipped' can lock in, 'raw' can inflate, "
+                             "'exclude' can go blind (research note §1.3b).")
+        self.feed = feed
+        self.max_consecutive_clips = _check_bound(max_consecutive_clips)
+        self.state = self.initial()
+        self.state["streak"] = torch.zeros((), dtype=torch.int64)
+        self.state["releases"] = torch.zeros((), dtype=torch.int64)
+        self._warned = 0
+
+    # -- the rule, given by subclasses --------------------------------------------------------
+    def initial(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def threshold(self, state: dict[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def limit(self, state: dict[str, Tensor], norm: Tensor) -> Tensor:
+        return self.threshold(state)
+
+    def update(self, state: dict[str, Tensor], value: Tensor) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def coef(self, limit: Tensor, norm: Tensor) -> Tensor:
+        """Return torch's ``clamp(limit / (norm + 1e-6), max=1)``, and exactly 1 for a non-finite norm."""
+        coef = torch.clamp(limit / (norm + EPS), max=1.0)
+        return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+
+    # -- shared machinery -----------------------------------------------------------------------
+    def _to(self, device: torch.device) -> None:
+        if self.state["streak"].device != device:
+            self.state = {k: v.to(device) for k, v in self.state.items()}
+
+    def current_threshold(self) -> Tensor:
+        """Return the threshold the next step is judged against (a 0-d tensor; ``inf`` in warm-up)."""
+        return self.threshold(self.state)
+
+    def observe(self, norm: Tensor, limit: Tensor) -> Tensor:
+        """Admit one step's pre-clip global ``norm``, clipped to ``limit``; return whether it was clipped."""
+        state = self.state
+        norm = norm.to(torch.float32)
+        clipped = torch.isfinite(norm) & (norm > limit)
+        value, admit = feed_value(self.feed, norm, limit)
+        rule = {k: v for k, v in state.items() if k not in ("streak", "releases")}
+        new = self.update(rule, torch.where(admit, value, torch.zeros_like(value)))
+        streak, release = lockin_guard(state["streak"], clipped, self.max_consecutive_clips)
+        streak = torch.where(torch.isfinite(norm), streak, state["streak"])  # a skipped step is no evidence
+        fresh = self.update({k: v.to(norm.device) for k, v in self.initial().items()}, norm)
+        out = {}
+        for k, v in rule.items():
+            kept = torch.where(admit, new[k], v)
+            out[k] = torch.where(release, fresh[k], kept)
+        out["streak"] = streak
+        out["releases"] = state["releases"] + release.long()
+        self.state = out
+        return clipped
+
+    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+        self._to(norm.device)
+        norm = norm.to(torch.float32)
+        threshold = self.threshold(self.state)
+        limit = self.limit(self.state, norm)
+        coef = self.coef(limit, norm)
+        scale_grads_([p.grad for p in params if p.grad is not None], coef)
+        self.observe(norm, limit)
+        return torch.stack([coef, threshold.to(coef.dtype)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v.detach().clone() for k, v in self.state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = self.state.keys() - state.keys()
+        if missing:
+            raise KeyError(f"{type(self).__name__} state_dict lacks {sorted(missing)}; pass what state_dict() returned.")
+        for k, v in self.state.items():
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise ValueError(f"{type(self).__name__} state {k!r} has shape {tuple(state[k].shape)}, expected "
+                                 f"{tuple(v.shape)}: was it saved by a clipper with other settings?")
+        self.state = {k: state[k].detach().clone().to(v.device, v.dtype) for k, v in self.state.items()}
+
+    def releases(self) -> int:
+        return int(self.state["releases"].item())
+
+    def check_lockin(self) -> bool:
+        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did (one read)."""
+        n = self.releases()
+        if n <= self._warned:
+            return False
+        self._warned = n
+        warnings.warn(
+            f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its statistics "
+            f"from the raw norm (guard fired {n} time(s)): with feed={self.feed!r} it had locked onto an old "
+            "gradient-norm level, a silent learning-rate cut. If the level shift is real (batch-size ramp, data "
+            "mix), this is what you want; if not, look at the data around these steps.",
+            LockInWarning,
+            stacklevel=3,
+        )
+        return True
+
+
+def parameters_list(parameters: Parameters | Iterable[Tensor]) -> list[Tensor]:
+    """Return the parameters (named pairs unwrapped) as a list."""
+    if isinstance(parameters, Tensor):
+        return [parameters]
+    return [item[1] if isinstance(item, tuple) else item for item in parameters]

@@ -1,0 +1,45 @@
+"""``NormClip``: today's fixed ``max_norm``, as a member of the clipping family."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..clip import check_max_norm, clip_coef
+from .base import GlobalClipper
+
+__all__ = ["NormClip"]
+
+
+class NormClip(GlobalClipper):
+    """Clip the global L2 norm of the gradients to a fixed ``max_norm`` (Pascanu et al., 2013).
+
+    Rule: ``g <- g * min(1, max_norm / (||g|| + 1e-6))``, torch's ``clip_grad_norm_``. No
+    statistics, so no feed policy and no lock-in guard (``RepeatedClippingWarning`` in
+    ``TrainStep`` watches a fixed threshold instead). ``TrainStep(max_norm=1.0)`` means
+    ``TrainStep(clipper=NormClip(1.0))``.
+
+    >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
+    >>> NormClip(1.0).clip_([w]), w.grad
+    (tensor(5.), tensor([0.6000, 0.8000]))
+    """
+
+    def __init__(self, max_norm: float = 1.0) -> None:
+        self.max_norm = check_max_norm(max_norm)
+        super().__init__("raw", None)
+
+    def initial(self) -> dict[str, Tensor]:
+        return {}
+
+    def threshold(self, state: dict[str, Tensor]) -> Tensor:
+        return torch.tensor(self.max_norm, dtype=torch.float32, device=state["streak"].device)
+
+    def coef(self, limit: Tensor, norm: Tensor) -> Tensor:
+        # with the Python float, as torch and labkit.clip_grad_norm_ do: bit for bit the same gradients
+        return clip_coef(norm, self.max_norm)
+
+    def update(self, state: dict[str, Tensor], value: Tensor) -> dict[str, Tensor]:
+        return state
+
+    def __repr__(self) -> str:
+        return f"NormClip(max_norm={self.max_norm:g})"

@@ -1,0 +1,141 @@
+"""Spike detection: rolling z-scores of the loss and the gradient norm, and a graded response.
+
+OLMo-core's ``SkipStepOptimizer`` and llm.c's ``OutlierDetector`` both keep the last 128
+values and compare the new one with their mean and standard deviation; OLMo-core skips the
+step at 6 sigma. Here the same rule logs ``z_loss``/``z_grad`` on every record, and a
+``SpikeDetector`` may also clip or skip by z. NaN and inf never enter the window (llm.c's
+detector is disabled for good by one NaN loss: research note §1.3a), and neither do the
+steps it skipped (llm.c PR #711), so a spike does not widen the band that judges the next.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["SpikeDetector", "format_z", "rolling_z", "spike_score"]
+
+
+def rolling_z(window: Sequence[float], x: float, min_count: int) -> float:
+    """Return the z-score of ``x`` against ``window`` (the previous values), NaN when it cannot say.
+
+    ``z = (x - mean) / std`` with the population std of ``window``, as OLMo-core compares
+    ``x - mean`` with ``k * std`` over the previous values (the current one excluded). NaN
+    when ``x`` is not finite or fewer than ``min_count`` values are in; ``+-inf`` when the
+    window is constant and ``x`` differs from it.
+
+    >>> rolling_z([1.0, 2.0, 3.0], 5.0, min_count=2)
+    3.6742346141747673
+    >>> rolling_z([1.0], 5.0, min_count=2)
+    nan
+    """
+    n = len(window)
+    if n < min_count or n == 0 or not math.isfinite(x):
+        return math.nan
+    mean = math.fsum(window) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in window) / n)
+    if std == 0.0:
+        return 0.0 if x == mean else math.copysign(math.inf, x - mean)
+    return (x - mean) / std
+
+
+def spike_score(values: Iterable[float], window: int = 1000, k: float = 7.0, min_count: int = 20) -> float:
+    """Return OLMo 2's spike score: the % of values at least ``k`` sigma from the rolling mean of the last ``window``.
+
+    Non-finite values are left out (they are counted as skips elsewhere). OLMo 2 (arXiv
+    2501.00656) reports it for the loss and the gradient norm, with ``window=1000, k=7``.
+
+    >>> spike_score([1.0, 1.1] * 20 + [50.0, 1.0], window=100)
+    2.380952380952381
+    """
+    history: deque[float] = deque(maxlen=window)
+    spikes = total = 0
+    for v in values:
+        if not math.isfinite(v):
+            continue
+        z = rolling_z(history, v, min_count)
+        spikes += abs(z) >= k
+        total += 1
+        history.append(v)
+    return 100.0 * spikes / total if total else 0.0
+
+
+def format_z(name: str, value: float, z: float) -> str:
+    """Return llm.c's log fragment, e.g. ``loss 3.21 (+0.5z)``.
+
+    >>> format_z("loss", 3.2104, 0.53), format_z("norm", 1.5, float("nan"))
+    ('loss 3.21 (+0.5z)', 'norm 1.5 (z n/a)')
+    """
+    return f"{name} {value:.3g} ({z:+.1f}z)" if math.isfinite(z) else f"{name} {value:.3g} (z n/a)"
+
+
+class SpikeDetector:
+    """Score each step's loss and gradient norm by rolling z, and say whether to skip or clip it.
+
+    ``window=128`` and ``skip_z=6.0`` are OLMo-core's ``SkipStepOptimizer`` defaults (inactive
+    until ``window // 2`` values, as there); llm.c uses the same window with its ``-sl``/``-sg``
+    off by default (``skip_z=None``: log only). ``clip_z`` clips the gradient norm to
+    ``mean + clip_z * std`` of its window instead of skipping (between the two: clip, then
+    skip). Only increases count (a loss drop is good news). The state is plain Python floats:
+    its inputs are the host values ``TrainStep`` already holds for the record, so it adds no
+    sync. ``TrainStep(..., detector=SpikeDetector())`` logs ``z_loss``/``z_grad`` on every record.
+
+    >>> det = SpikeDetector(window=8, skip_z=6.0)
+    >>> for i in range(8): det.observe(1.0 + 0.01 * (i % 3), 2.0 + 0.01 * (i % 2), admitted=True)
+    >>> z_loss, z_grad = det.score(1.0, 40.0); det.decide(z_loss, z_grad)
+    ('skip', 'spike_grad')
+    """
+
+    def __init__(self, window: int = 128, skip_z: float | None = 6.0, clip_z: float | None = None,
+                 min_count: int | None = None) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"window must be an int >= 2 (OLMo-core and llm.c use 128), got {window!r}.")
+        for name, z in (("skip_z", skip_z), ("clip_z", clip_z)):
+            if z is not None and not z > 0:
+                raise ValueError(f"{name} must be a number of standard deviations > 0, or None (off); got {z!r}.")
+        if skip_z is not None and clip_z is not None and clip_z >= skip_z:
+            raise ValueError(f"clip_z ({clip_z}) must be below skip_z ({skip_z}): clip moderate spikes, skip the big ones.")
+        self.window, self.skip_z, self.clip_z = window, skip_z, clip_z
+        self.min_count = window // 2 if min_count is None else min_count
+        self.losses: deque[float] = deque(maxlen=window)
+        self.norms: deque[float] = deque(maxlen=window)
+
+    def score(self, loss: float, norm: float) -> tuple[float, float]:
+        """Return ``(z_loss, z_grad)`` of this step against the previous admitted steps."""
+        return rolling_z(self.losses, loss, self.min_count), rolling_z(self.norms, norm, self.min_count)
+
+    def decide(self, z_loss: float, z_grad: float) -> tuple[str | None, str | None]:
+        """Return ``(action, reason)``: ``("skip", "spike_loss"|"spike_grad")``, ``("clip", "z_grad")`` or ``(None, None)``."""
+        if self.skip_z is not None:
+            if z_loss > self.skip_z:
+                return "skip", "spike_loss"
+            if z_grad > self.skip_z:
+                return "skip", "spike_grad"
+        if self.clip_z is not None and z_grad > self.clip_z:
+            return "clip", "z_grad"
+        return None, None
+
+    def clip_limit(self) -> float:
+        """Return the norm ``clip`` cuts to: ``mean + clip_z * std`` of the norm window."""
+        n = len(self.norms)
+        mean = math.fsum(self.norms) / n
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in self.norms) / n)
+        return mean + (self.clip_z or 0.0) * std
+
+    def observe(self, loss: float, norm: float, admitted: bool) -> None:
+        """Admit one step into the windows: only finite values of steps that were not skipped."""
+        if admitted and math.isfinite(loss) and math.isfinite(norm):
+            self.losses.append(float(loss))
+            self.norms.append(float(norm))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "norms": list(self.norms)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = deque((float(v) for v in state["losses"]), maxlen=self.window)
+        self.norms = deque((float(v) for v in state["norms"]), maxlen=self.window)
+
+    def __repr__(self) -> str:
+        return f"SpikeDetector(window={self.window}, skip_z={self.skip_z}, clip_z={self.clip_z})"

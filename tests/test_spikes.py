@@ -1,0 +1,136 @@
+"""The spike detector and rewind-and-skip, through TrainStep on the toy task."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from labkit import ToyTask, TrainStep
+from labkit.clippers import ZClip
+from labkit.rewind import Rewind
+from labkit.spikes import SpikeDetector, format_z, rolling_z, spike_score
+
+SPIKE_AT, STEPS = 30, 48
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.floats(-100, 100), min_size=0, max_size=30), st.floats(-100, 100))
+def test_rolling_z_matches_numpy(window, x):
+    z = rolling_z(window, x, min_count=2)
+    if len(window) < 2:
+        assert math.isnan(z)
+    elif np.std(window) > 1e-9 * max(1.0, np.max(np.abs(window))):
+        assert z == pytest.approx((x - np.mean(window)) / np.std(window), rel=1e-6, abs=1e-6)
+
+
+def test_nonfinite_values_never_enter_the_window():
+    det = SpikeDetector(window=8)
+    for i in range(8):
+        det.observe(1.0 + 0.1 * (i % 2), 2.0, admitted=True)
+    before = det.state_dict()
+    det.observe(math.nan, 2.0, admitted=True)
+    det.observe(1.0, math.inf, admitted=True)
+    det.observe(50.0, 2.0, admitted=False)  # a step it skipped
+    assert det.state_dict() == before
+    assert det.score(math.nan, 2.0)[0] != det.score(math.nan, 2.0)[0]  # NaN z for a NaN loss, not a crash
+    assert det.score(50.0, 2.0)[0] > 6  # and it still fires afterwards (llm.c's never does again)
+
+
+def test_spike_score_is_olmo2s_percent_beyond_7_sigma():
+    rng = np.random.default_rng(0)
+    values = (1.0 + 0.01 * rng.standard_normal(300)).tolist()
+    values[150] = values[250] = 5.0
+    assert spike_score(values) == pytest.approx(100 * 2 / 300)
+    assert spike_score(values[:100]) == 0.0
+
+
+def test_format_z_is_llmcs():
+    assert format_z("loss", 3.214, 0.53) == "loss 3.21 (+0.5z)"
+
+
+def data(task, index, spike_at=SPIKE_AT, rank_slice=None):
+    """The toy batch at ``index``; the one at ``spike_at`` has inputs x1000 (a bad batch in the data)."""
+    x, y = task.batch(index)
+    if index == spike_at:
+        x = x * 1000.0
+    return x, y
+
+
+def make(task, rewind=None, detector=True):
+    model = task.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
+    return TrainStep(model, opt, task.loss_fn, precision="fp32", clipper=ZClip(warmup=5), scheduler=sched,
+                     detector=SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind=rewind,
+                     clip_alarm=None)
+
+
+def test_a_spike_is_detected_at_the_step_it_happens():
+    task = ToyTask()
+    step = make(task)
+    records = [step(*data(task, i)) for i in range(SPIKE_AT + 2)]
+    assert [r.step for r in records if r.skipped] == [SPIKE_AT]
+    spike = records[SPIKE_AT]
+    assert spike.reason in ("spike_loss", "spike_grad") and max(spike.z_loss, spike.z_grad) > 6
+    assert all(math.isnan(r.z_grad) for r in records[:8])  # window // 2 values before it speaks
+    assert all(math.isfinite(r.z_grad) and abs(r.z_grad) < 6 for r in records[8:SPIKE_AT])
+    assert step.log.summary()["skips_by_reason"][spike.reason] == 1
+
+
+def test_rewound_run_equals_a_run_that_never_saw_the_skipped_window():
+    task, back, skip = ToyTask(), 8, 12
+    rewind = Rewind(back=back, skip=skip, every=4)
+    step = make(task, rewind)
+    while step.step_count < STEPS:
+        step(*data(task, rewind.data_index(step.step_count)))
+    # the oracle: no detector action needed, it simply never sees batches 20..31
+    restart = 20  # the newest snapshot that undoes at least `back` steps (24 would undo 24..30: 7); every 4
+    oracle = make(task)
+    for i in range(STEPS):
+        oracle(*data(task, i if i < restart else i + skip))
+    assert rewind.rewinds == [(SPIKE_AT, restart)]
+    for (n, a), b in zip(step.model.state_dict().items(), oracle.model.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert repr(step.optimizer.state_dict()) == repr(oracle.optimizer.state_dict())
+    assert step.scheduler.state_dict() == oracle.scheduler.state_dict()
+    assert step.scaler.state_dict() == oracle.scaler.state_dict()
+    for k, v in step.clipper.state_dict().items():
+        assert torch.equal(v, oracle.clipper.state_dict()[k]), k
+    assert step.detector.state_dict() == oracle.detector.state_dict()
+    # the records tell the truth: the undone steps are marked, not erased, and the step numbers repeat
+    log = step.log
+    assert len(log) == STEPS + (SPIKE_AT + 1 - restart)
+    assert [r.step for r in log if r.rewound] == list(range(restart, SPIKE_AT + 1))
+    assert log[SPIKE_AT].rewind_to == restart and log[SPIKE_AT].reason.startswith("spike")
+    assert [r.step for r in log if not r.rewound] == list(range(STEPS))
+    kept = [r for r in log if not r.rewound]
+    assert [r.loss for r in kept] == [r.loss for r in oracle.log]
+    assert log.summary()["rewinds"] == 1
+
+
+def test_rewind_refuses_bad_settings():
+    with pytest.raises(ValueError, match="every must be"):
+        Rewind(back=4, every=8)
+    with pytest.raises(ValueError, match="skip_z"):
+        SpikeDetector(skip_z=3.0, clip_z=4.0)
+
+
+def test_detector_can_clip_instead_of_skip():
+    task = ToyTask()
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, max_norm=None,
+                     detector=SpikeDetector(window=16, skip_z=None, clip_z=4.0), clip_alarm=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        records = [step(*data(task, i)) for i in range(SPIKE_AT)]
+        limit = step.detector.clip_limit()
+        spike = step(*data(task, SPIKE_AT))
+    assert not spike.skipped and spike.clipped and spike.clip_reason == "z_grad" and spike.z_grad > 4
+    assert spike.grad_norm * spike.clip_coef == pytest.approx(limit, rel=1e-3)
+    assert max(step.detector.norms) == pytest.approx(limit, rel=1e-3)  # the window admits the clipped norm
