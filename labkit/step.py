@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import warnings
@@ -682,6 +683,11 @@ class TrainStep:
             self.scaler._parse_state(state["scaler"])
         if "log" in state:
             StepLog().load_state_dict(state["log"])
+        # issue 15's parts are tried on copies (their state is a few device numbers): a damaged one raises here
+        if self.clipper is not None and "clipper" in state:
+            copy.deepcopy(self.clipper).load_state_dict(state["clipper"])
+        if self.detector is not None and "detector" in state:
+            copy.deepcopy(self.detector).load_state_dict(state["detector"])
         self.scaler.load_state_dict(state["scaler"])
         self.skip_alarm.load_state_dict(state["skip_alarm"])
         self.clip_alarm.load_state_dict(state["clip_alarm"])

@@ -602,3 +602,21 @@ def test_deferred_scheduler_error_comes_after_the_step_is_complete_and_numbered(
     assert step.step_count == 2 and [r.step for r in step.log] == [0, 1] and not any(r.skipped for r in step.log)
     step.scheduler = None
     assert not step(*task.batch(2)).skipped and step.step_count == 3
+
+
+@pytest.mark.parametrize("part, value", [("clipper", {"nonsense": 1}), ("detector", "x")])
+def test_a_damaged_clipper_or_detector_state_raises_before_anything_is_written(task, part, value):
+    from labkit.clippers import ZClip
+    from labkit.spikes import SpikeDetector
+
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
+                     max_norm=None, clipper=ZClip(), detector=SpikeDetector(window=16), faults={1: "nan"})
+    for i in range(3):
+        step(*task.batch(i))
+    good = step.state_dict()
+    bad = damaged(damaged(good, ("step",), 0), ("scaler", "scale"), 2.0)  # valid: a half-load would show
+    bad[part] = value
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        step.load_state_dict(bad)
+    assert_same(step.state_dict(), good)
