@@ -12,11 +12,11 @@ import typing
 # Imported on first use (PEP 562), not here: `python -m labkit demo --help` and the grading CLI
 # load this package first, and importing torch costs seconds before any flag is read.
 _LAZY = {
-    ".alarms": ("LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"),
+    ".alarms": ("DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"),
     ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"),
     ".clippers": ("clip_grad_value_",),
     ".faults": ("Fault", "FaultSchedule"),
-    ".records": ("StepLog", "StepRecord"),
+    ".records": ("LogWriteError", "StepLog", "StepRecord"),
     ".scaler": ("GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"),
     ".step": ("TrainStep",),
     ".tasks": ("ToyTask",),
@@ -24,11 +24,11 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
-    from .alarms import LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
+    from .alarms import DeadScaleWarning, LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
     from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
     from .clippers import clip_grad_value_
     from .faults import Fault, FaultSchedule
-    from .records import StepLog, StepRecord
+    from .records import LogWriteError, StepLog, StepRecord
     from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
     from .step import TrainStep
     from .tasks import ToyTask
@@ -55,10 +55,12 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeadScaleWarning",
     "Fault",
     "FaultSchedule",
     "GradScaler",
     "LabkitWarning",
+    "LogWriteError",
     "RepeatedClippingWarning",
     "ScalerConfig",
     "ScalerUsageError",

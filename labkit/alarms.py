@@ -11,7 +11,7 @@ import warnings
 from collections import deque
 from typing import Any
 
-__all__ = ["LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"]
+__all__ = ["DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"]
 
 
 class LabkitWarning(UserWarning):
@@ -24,6 +24,15 @@ class SkipStreakWarning(LabkitWarning):
 
 class RepeatedClippingWarning(LabkitWarning):
     """Most recent steps were clipped."""
+
+
+class DeadScaleWarning(LabkitWarning):
+    """The loss scale left float32's normal range: every step from now on skips."""
+
+
+def _check_state(state: Any, keys: tuple[str, ...], owner: str) -> None:
+    if not isinstance(state, dict) or not set(keys) <= state.keys():
+        raise KeyError(f"{owner} state must be a dict with {list(keys)}; pass what {owner}.state_dict() returned.")
 
 
 class SkipAlarm:
@@ -48,6 +57,14 @@ class SkipAlarm:
             return 0
         self.streak += 1
         self.reasons.append(reason or "?")
+        if reason == "dead_scale" and self.reasons.count(reason) == 1:  # it never recovers: say so at once
+            warnings.warn(
+                f"step {step} skipped because the loss scale is dead (below float32's normal range, 1/scale "
+                "overflows): every later step will skip too. It was set below 2**-126 by hand (update(new_scale)); "
+                "set it back with scaler.update(new_scale=2.0**16).",
+                DeadScaleWarning,
+                stacklevel=3,
+            )
         if self.streak == self.threshold:
             kinds = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
             warnings.warn(
@@ -64,7 +81,18 @@ class SkipAlarm:
         return {"streak": self.streak, "reasons": list(self.reasons)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.streak, self.reasons = int(state["streak"]), list(state["reasons"])
+        self.streak, self.reasons = self.parse_state(state)
+
+    @staticmethod
+    def parse_state(state: dict[str, Any]) -> tuple[int, list[str]]:
+        """Return ``(streak, reasons)`` from a ``state_dict``, or raise saying what is wrong."""
+        _check_state(state, ("streak", "reasons"), "SkipAlarm")
+        streak, reasons = state["streak"], state["reasons"]
+        if isinstance(streak, bool) or not isinstance(streak, int) or streak < 0:
+            raise ValueError(f"SkipAlarm state['streak'] must be an int >= 0, got {streak!r}.")
+        if not isinstance(reasons, list) or len(reasons) != streak or not all(isinstance(r, str) for r in reasons):
+            raise ValueError(f"SkipAlarm state['reasons'] must be a list of {streak} reasons (one per skip), got {reasons!r}.")
+        return streak, list(reasons)
 
 
 class ClipAlarm:
@@ -77,7 +105,7 @@ class ClipAlarm:
     """
 
     def __init__(self, rate: float | None = 0.5, window: int = 100) -> None:
-        if rate is not None and not 0.0 <= rate < 1.0:
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
             raise ValueError(f"clip_alarm must be a fraction in [0, 1) or None (off), got {rate!r}.")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"clip_window must be an int >= 1, got {window!r}.")
@@ -107,5 +135,14 @@ class ClipAlarm:
         return {"recent": list(self.recent), "fired": self.fired}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.recent = deque((bool(x) for x in state["recent"]), maxlen=self.window)
-        self.fired = bool(state["fired"])
+        recent, self.fired = self.parse_state(state)
+        self.recent = deque(recent, maxlen=self.window)
+
+    @staticmethod
+    def parse_state(state: dict[str, Any]) -> tuple[list[bool], bool]:
+        """Return ``(recent, fired)`` from a ``state_dict``, or raise saying what is wrong."""
+        _check_state(state, ("recent", "fired"), "ClipAlarm")
+        recent, fired = state["recent"], state["fired"]
+        if not isinstance(recent, list) or not all(isinstance(x, bool) for x in recent) or not isinstance(fired, bool):
+            raise ValueError(f"ClipAlarm state must hold a list of bools 'recent' and a bool 'fired', got {state!r}.")
+        return recent, fired

@@ -198,9 +198,10 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     >>> clip_coef(torch.tensor(5.0), 1.0), clip_coef(torch.tensor(float("inf")), torch.tensor(1.0))
     (tensor(0.2000), tensor(1.))
     """
-    # clamp and where, not `if`: a Python branch on a device tensor forces a host sync.
+    # clamp and where, not `if`: a Python branch on a device tensor forces a host sync. A
+    # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
     coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
-    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    return torch.where(torch.isfinite(norm) & (norm >= 0), coef, torch.ones_like(coef))
 
 
 @torch.no_grad()
@@ -209,7 +210,7 @@ def clip_grads_with_norm_(
 ) -> None:
     """Scale the gradients in place by ``min(1, max_norm / (total_norm + 1e-6))``.
 
-    A non-finite ``total_norm`` leaves the gradients exactly as they were. ``DTensor``
+    A non-finite or negative ``total_norm`` leaves the gradients exactly as they were. ``DTensor``
     gradients are scaled shard by shard, with no collective.
 
     >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
@@ -217,6 +218,12 @@ def clip_grads_with_norm_(
     tensor([0.6000, 0.8000])
     """
     max_norm = check_max_norm(max_norm)
+    if not isinstance(total_norm, Tensor):
+        if isinstance(total_norm, bool) or not isinstance(total_norm, (int, float)):
+            raise TypeError(f"total_norm must be a tensor or a number, got {type(total_norm).__name__}.")
+        if total_norm < 0:  # a tensor is not asked (a sync): a negative one leaves the gradients alone
+            raise ValueError(f"total_norm must be >= 0 (a norm), got {total_norm!r}; pass what labkit.grad_norm returned.")
+        total_norm = torch.tensor(float(total_norm))
     grads, _ = named_grads(parameters)
     if not grads:
         return

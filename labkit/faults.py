@@ -14,9 +14,12 @@ Four kinds, each deterministic:
 
 from __future__ import annotations
 
+import copy
+import heapq
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,6 +51,24 @@ class Fault:
     def label(self) -> str:
         return f"spike:{self.magnitude:g}" if self.kind == "spike" else self.kind
 
+    def corrupt_batch(self, batch: Tensor | Mapping[str, Any]) -> Tensor | dict[str, Any]:
+        """Return the bad version of a tensor batch or a ``model(**batch)`` dict (its floating tensors).
+
+        A spike scales every floating tensor of a dict; nan/inf go into the first one.
+
+        >>> Fault("nan").corrupt_batch({"ids": torch.tensor([1]), "x": torch.ones(2)})["x"]
+        tensor([nan, 1.])
+        """
+        if isinstance(batch, Tensor):
+            return self.corrupt_inputs(batch)
+        out, done = dict(batch), False
+        for key, value in batch.items():
+            if isinstance(value, Tensor) and value.is_floating_point() and not (done and self.kind != "spike"):
+                out[key], done = self.corrupt_inputs(value), True
+        if not done and self.kind in ("nan", "inf"):
+            return self.corrupt_inputs(next(v for v in batch.values() if isinstance(v, Tensor)))  # raises, saying why
+        return out
+
     def corrupt_inputs(self, inputs: Tensor) -> Tensor:
         """Return the bad version of ``inputs`` (a new tensor; the caller's batch is untouched)."""
         if self.kind == "spike":
@@ -63,9 +84,25 @@ class Fault:
             return bad
         return inputs
 
-    def corrupt_output(self, output: Tensor) -> Tensor:
-        """Return ``output`` unchanged in value; for ``overflow`` its backward overflows fp16."""
-        return _OverflowBackward.apply(output) if self.kind == "overflow" else output
+    def corrupt_output(self, output: Any) -> Any:
+        """Return ``output`` unchanged in value; for ``overflow`` its backward overflows fp16.
+
+        A tuple, list or dict output (a Hugging Face ``ModelOutput`` too) gets it on each of its
+        floating tensors: whichever the loss reads, its gradient overflows.
+        """
+        if self.kind != "overflow":
+            return output
+        if isinstance(output, Tensor):
+            return _OverflowBackward.apply(output) if output.is_floating_point() else output
+        if isinstance(output, Mapping):
+            new = copy.copy(output)  # keeps the output's own class (ModelOutput, OrderedDict, ...)
+            for key, value in output.items():
+                new[key] = self.corrupt_output(value)
+            return new
+        if isinstance(output, (tuple, list)):
+            items = [self.corrupt_output(o) for o in output]
+            return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+        return output
 
 
 class _OverflowBackward(torch.autograd.Function):
@@ -89,23 +126,47 @@ _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:([a-z]+)(?::([^:]+))?$")
 class FaultSchedule(Mapping[int, Fault]):
     """Which fault happens at which step (0-based); steps without one get ``None``.
 
+    A range is kept as a range (``"0-10000000:nan"`` costs one entry, not ten million);
+    where entries overlap the later one wins.
+
     >>> s = FaultSchedule.parse(["50:spike:1000", "120:nan", "200-202:overflow"])
     >>> s.get(50).label, s.get(201).label, s.get(7)
     ('spike:1000', 'overflow', None)
     """
 
     def __init__(self, faults: Mapping[int, Fault | str] | None = None) -> None:
-        self._faults: dict[int, Fault] = {}
+        if faults is not None and not isinstance(faults, Mapping):
+            raise TypeError(
+                f"FaultSchedule takes a mapping {{step: kind}}, got {type(faults).__name__}; for specs such as "
+                f"['50:nan'] use FaultSchedule.parse([...]) ({_EXAMPLE})."
+            )
+        # (first, last, position, fault): where entries overlap the later position wins
+        self._ranges: list[tuple[int, int, int, Fault]] = []
+        self._single: dict[int, tuple[int, Fault]] = {}  # step -> (position, fault): a dict lookup per step
+        self._added = 0
         for step, fault in (faults or {}).items():
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
                 raise ValueError(f"fault steps must be ints >= 0, got {step!r}.")
-            self._faults[step] = Fault(fault) if isinstance(fault, str) else fault
+            if not isinstance(fault, (str, Fault)):
+                raise TypeError(f"a fault must be a kind such as 'nan' or a labkit.Fault, got {fault!r} at step {step}.")
+            self._add(step, step, Fault(fault) if isinstance(fault, str) else fault)
+
+    def _add(self, first: int, last: int, fault: Fault) -> None:
+        if first == last:
+            self._single[first] = (self._added, fault)
+        else:
+            self._ranges.append((first, last, self._added, fault))
+        self._added += 1
 
     @classmethod
     def parse(cls, specs: Iterable[str]) -> FaultSchedule:
         """Build a schedule from ``STEP:KIND[:MAGNITUDE]`` or ``START-END:KIND`` (END included)."""
-        faults: dict[int, Fault] = {}
+        if isinstance(specs, str) or not isinstance(specs, Iterable):
+            raise TypeError(f"FaultSchedule.parse takes a list of specs, e.g. [{specs!r}], got {type(specs).__name__}.")
+        schedule = cls()
         for spec in specs:
+            if not isinstance(spec, str):
+                raise TypeError(f"each fault spec must be a str such as '120:nan', got {spec!r}; {_EXAMPLE}.")
             m = _SPEC.match(spec.strip())
             if not m:
                 raise ValueError(
@@ -122,18 +183,57 @@ class FaultSchedule(Mapping[int, Fault]):
                 fault = Fault(kind, float(magnitude)) if magnitude is not None else Fault(kind)
             except ValueError as e:
                 raise ValueError(f"bad fault spec {spec!r}: {e} Write it as {_EXAMPLE}.") from None
-            for step in range(first, last + 1):
-                faults[step] = fault
-        return cls(faults)
+            schedule._add(first, last, fault)
+        return schedule
+
+    @classmethod
+    def coerce(cls, faults: FaultSchedule | Mapping[int, Fault | str] | Iterable[str] | None) -> FaultSchedule:
+        """Return ``faults`` as a schedule: a schedule, a ``{step: kind}`` mapping, or a list of specs.
+
+        >>> FaultSchedule.coerce(["10:nan"]).get(10).label
+        'nan'
+        """
+        if isinstance(faults, FaultSchedule):
+            return faults
+        if faults is None or isinstance(faults, Mapping):
+            return cls(faults)
+        if isinstance(faults, (list, tuple)):
+            return cls.parse(faults)
+        raise TypeError(
+            f"faults must be a FaultSchedule, a mapping {{step: kind}} or a list of specs ({_EXAMPLE}), "
+            f"got {type(faults).__name__}."
+        )
 
     def __getitem__(self, step: int) -> Fault:
-        return self._faults[step]
+        position, fault = self._single.get(step, (-1, None))
+        for first, last, pos, f in self._ranges:
+            if first <= step <= last and pos > position:
+                position, fault = pos, f
+        if fault is None:
+            raise KeyError(step)
+        return fault
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(sorted(self._faults))
+    def __iter__(self) -> Iterator[int]:
+        merged = heapq.merge(sorted(self._single), *(range(a, b + 1) for a, b, _, _ in self._ranges))
+        last = None
+        for step in merged:  # lazy: a huge range is never held in memory
+            if step != last:
+                yield step
+                last = step
 
     def __len__(self) -> int:
-        return len(self._faults)
+        spans = sorted([(a, b) for a, b, _, _ in self._ranges] + [(s, s) for s in self._single])
+        count, end = 0, -1
+        for a, b in spans:  # the union of the spans, counted without listing its steps
+            if b > end:
+                count += b - max(a, end + 1) + 1
+                end = b
+        return count
 
     def __repr__(self) -> str:
-        return "FaultSchedule({" + ", ".join(f"{s}: {self._faults[s].label!r}" for s in self) + "})"
+        shown = []
+        for step in self:
+            if len(shown) == 20:
+                return "FaultSchedule({" + ", ".join(shown) + f", ...}} ({len(self)} steps))"
+            shown.append(f"{step}: {self[step].label!r}")
+        return "FaultSchedule({" + ", ".join(shown) + "})"

@@ -7,17 +7,60 @@ import dataclasses
 import json
 import math
 import os
-from collections import Counter
+import warnings
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, overload
+from typing import Any, overload
 
+from .alarms import LabkitWarning
 from .distributed import rank
 from .spikes import spike_score
 
-__all__ = ["StepLog", "StepRecord"]
+__all__ = ["LogWriteError", "StepLog", "StepRecord", "parse_line"]
 
 REASONS = ("nonfinite_loss", "nonfinite_grad")
+# Strict JSON has no NaN/Infinity (JavaScript's JSON.parse rejects Python's bare NaN): non-finite
+# floats are written as these strings, and read back from them or from the bare tokens.
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _to_json(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, (list, tuple)):
+        return [_to_json(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _to_json(v) for k, v in x.items()}
+    return x
+
+
+def _from_json(x: Any) -> Any:
+    return NONFINITE.get(x, x) if isinstance(x, str) else x
+
+
+def parse_line(line: str) -> dict[str, Any]:
+    """Return one JSONL line as a dict, its non-finite numbers (``"NaN"`` or bare ``NaN``) as floats.
+
+    Fields this labkit does not know are kept as they are.
+
+    >>> parse_line('{"step": 3, "loss": "NaN", "lrs": ["Infinity"], "fault": "nan"}')
+    {'step': 3, 'loss': nan, 'lrs': [inf], 'fault': 'nan'}
+    """
+    d = json.loads(line)
+    for name in FLOATS & d.keys():
+        d[name] = _from_json(d[name])
+    if "top_grads" in d:
+        d["top_grads"] = [[n, _from_json(v)] for n, v in d["top_grads"] or []]
+    if "lrs" in d:
+        d["lrs"] = [_from_json(v) for v in d["lrs"] or []]
+    if isinstance(d.get("stale"), dict):
+        d["stale"] = {k: _from_json(v) for k, v in d["stale"].items()}
+    return d
+
+
+class LogWriteError(OSError):
+    """A record could not be written to the JSONL stream; it is kept in memory and retried."""
 
 
 @dataclass
@@ -46,6 +89,7 @@ class StepRecord:
     top_grads: list[tuple[str, float]] = field(default_factory=list)
     first_nonfinite: str | None = None
     stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
+    lrs: list[float] = field(default_factory=list)  # every param group's lr (``lr`` is group 0's)
     # issue 15: spike defenses. z-scores of loss and norm (NaN: no detector, or not enough history),
     # the clipper's threshold (NaN: none, or a per-tensor rule), why it clipped, whether its lock-in
     # guard fired, and rewinds: this step was undone (``rewound``), or it triggered one (``rewind_to``).
@@ -65,14 +109,86 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_json(self) -> str:
+        """Return one line of strict JSON (non-finite numbers as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``).
+
+        >>> StepRecord(0, math.nan).to_json()[:29]
+        '{"step": 0, "loss": "NaN", "g'
+        """
+        d = self.to_dict()
+        for name in FLOATS:
+            d[name] = _to_json(d[name])
+        d["top_grads"] = [[n, _to_json(v)] for n, v in d["top_grads"]]
+        d["lrs"], d["stale"] = _to_json(d["lrs"]), _to_json(d["stale"])
+        return json.dumps(d, allow_nan=False)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepRecord:
+        """Build a record from ``to_dict()`` or from a parsed ``to_json()`` line (either form of NaN)."""
         d = dict(d)
-        d["top_grads"] = [tuple(x) for x in d.get("top_grads") or []]
+        for name in FLOATS & d.keys():
+            d[name] = _from_json(d[name])
+        d["top_grads"] = [(n, _from_json(v)) for n, v in d.get("top_grads") or []]
+        d["lrs"] = [_from_json(v) for v in d.get("lrs") or []]
+        d["stale"] = {k: _from_json(v) for k, v in (d.get("stale") or {}).items()}
         return cls(**d)
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
+FLOATS = {f.name for f in dataclasses.fields(StepRecord) if f.type == "float"}
+
+
+class _Totals:
+    """What ``StepLog.summary`` reports, kept as running totals: exact with a window, resumable."""
+
+    def __init__(self) -> None:
+        self.steps = self.stepped = self.clipped = 0
+        self.reasons: Counter[str] = Counter()
+        self.min_scale = self.max_scale = self.next_scale = self.final_loss = math.nan
+
+    def add(self, r: StepRecord) -> None:
+        self.steps += 1
+        if r.skipped:
+            self.reasons[r.reason or "?"] += 1
+        else:
+            self.stepped += 1
+            self.clipped += bool(r.clipped)
+            self.final_loss = r.loss
+        self.min_scale = r.scale if not self.min_scale <= r.scale else self.min_scale  # NaN start: take it
+        self.max_scale = r.scale if not self.max_scale >= r.scale else self.max_scale
+        self.next_scale = r.next_scale
+
+    def summary(self) -> dict[str, Any]:
+        scales = [s for s in (self.min_scale, self.max_scale, self.next_scale) if not math.isnan(s)]
+        return {
+            "steps": self.steps,
+            "skipped": sum(self.reasons.values()),
+            "skips_by_reason": {**{reason: 0 for reason in REASONS}, **self.reasons},
+            "clipped": self.clipped,
+            "clip_rate": self.clipped / self.stepped if self.stepped else 0.0,
+            "min_scale": min(scales) if scales else math.nan,
+            "max_scale": max(scales) if scales else math.nan,
+            "final_scale": self.next_scale,
+            "final_loss": self.final_loss,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: dict(v) if isinstance(v, Counter) else v for k, v in vars(self).items()}
+
+    @classmethod
+    def from_state(cls, state: Any) -> _Totals:
+        """Return the totals in ``state`` (from ``state_dict``), or raise saying what is wrong."""
+        totals = cls()
+        if not isinstance(state, dict) or state.keys() != vars(totals).keys():
+            raise KeyError(f"a StepLog state must be a dict with {sorted(vars(totals))}; pass StepLog.state_dict().")
+        counts = [state[k] for k in ("steps", "stepped", "clipped")] + list(dict(state["reasons"]).values())
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) or (
+            state["stepped"] + sum(state["reasons"].values()) != state["steps"] or state["clipped"] > state["stepped"]
+        ):
+            raise ValueError(f"a StepLog state's counts must be ints >= 0 that add up (stepped + skipped = steps), got {state}.")
+        for k, v in state.items():
+            setattr(totals, k, Counter(v) if k == "reasons" else (float(v) if k not in ("steps", "stepped", "clipped") else v))
+        return totals
 
 
 def rank_path(path: str | os.PathLike) -> str | None:
@@ -93,30 +209,63 @@ def rank_path(path: str | os.PathLike) -> str | None:
 class StepLog(Sequence[StepRecord]):
     """The records of a run, in order, with columns, summaries and JSONL/CSV export.
 
-    With ``stream=path`` each record is also appended to a JSONL file and flushed as it
-    arrives, so a crash loses nothing already recorded. Under ``torch.distributed`` files
-    are written by rank 0 only, unless the path holds ``{rank}`` (see ``rank_path``).
+    With ``stream=path`` each record is also appended to a JSONL file (strict JSON, one line
+    per record) as it arrives, so a crash loses nothing already recorded; a line torn by a
+    crash or a full disk is cut off before a restart appends. Under ``torch.distributed``
+    files are written by rank 0 only, unless the path holds ``{rank}`` (see ``rank_path``).
+
+    Memory: every record is kept (0.4-0.8 KB per step, the more when it carries ``top_grads``: up
+    to 0.8 GB per million steps; measured with tracemalloc, Python 3.11). For
+    long runs pass ``window=N``: only the last N records are kept (indexing, ``column`` and
+    ``skipped_steps`` see those), while ``summary()`` still counts every step. ``state_dict``
+    carries the summary across a resume (``TrainStep.state_dict`` includes it).
     Each of ``sinks`` (anything with ``write(record)`` and ``close()``, e.g. a
     ``labkit.export.Telemetry``) is given every record as it is appended, and closed with the log.
 
     >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, math.nan, skipped=True, reason="nonfinite_loss")])
     >>> log.skipped_steps, log.column("loss")[0]
     ([1], 1.0)
+    >>> tail = StepLog(log, window=1)
+    >>> len(tail), tail.summary()["steps"]
+    (1, 2)
     """
 
-    def __init__(self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None,
-                 sinks: Sequence[Any] = ()) -> None:
-        self._records: list[StepRecord] = list(records)
+    def __init__(
+        self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None,
+        sinks: Sequence[Any] = (), window: int | None = None,
+    ) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None (keep every record) or an int >= 1, got {window!r}.")
+        if stream is not None and not isinstance(stream, (str, os.PathLike)):
+            raise TypeError(f"log_path/stream must be a str or os.PathLike file path, got {type(stream).__name__}.")
         self.sinks: list[Any] = list(sinks)
         path = rank_path(stream) if stream is not None else None
-        self._stream: IO[str] | None = open(path, "a", encoding="utf-8") if path is not None else None
+        if path is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(
+                    f"cannot write the log to {path!r}: the folder {folder!r} does not exist; "
+                    "create it first (os.makedirs(folder, exist_ok=True))."
+                )
+        self._records: list[StepRecord] | deque[StepRecord] = deque(maxlen=window) if window else []
+        self._totals = _Totals()
+        self._pending: list[str] = []  # lines not yet on disk (after a failed write), oldest first
+        self._path, self._fd, self._good_size = path, None, 0
+        if path is not None:
+            _cut_torn_tail(path)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._good_size = os.fstat(self._fd).st_size
+        self.torn_tail: str | None = None  # set by read_jsonl: the incomplete last line, if any
+        for r in records:  # kept, not streamed: they come from a file or another log
+            self._records.append(r)
+            self._totals.add(r)
 
     @overload
     def __getitem__(self, i: int) -> StepRecord: ...
     @overload
     def __getitem__(self, i: slice) -> list[StepRecord]: ...
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        return self._records[i]
+        return list(self._records)[i] if isinstance(i, slice) else self._records[i]
 
     def __len__(self) -> int:
         return len(self._records)
@@ -128,18 +277,52 @@ class StepLog(Sequence[StepRecord]):
         return f"StepLog({len(self)} records, skipped steps {self.skipped_steps})"
 
     def append(self, record: StepRecord) -> None:
+        """Keep ``record`` (and stream it); if the file cannot be written, raise ``LogWriteError``.
+
+        The record is kept in memory either way, and every unwritten line is retried, in
+        order, at the next ``append`` or ``flush``: free space and carry on, nothing is lost.
+        """
         self._records.append(record)
-        if self._stream is not None:
-            self._stream.write(json.dumps(record.to_dict()) + "\n")
-            self._stream.flush()
+        self._totals.add(record)
+        if self._fd is not None:
+            self._pending.append(record.to_json() + "\n")
         for sink in self.sinks:
             sink.write(record)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the lines a failed write left behind (see ``append``); raise ``LogWriteError`` if it fails again."""
+        if self._fd is None or not self._pending:
+            return
+        try:
+            # a failed write may leave part of a line: cut back to the last whole one first
+            if os.fstat(self._fd).st_size != self._good_size:
+                os.ftruncate(self._fd, self._good_size)
+            data = "".join(self._pending).encode("utf-8")
+            written = 0
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError as e:
+            first = json.loads(self._pending[0])["step"]
+            raise LogWriteError(
+                e.errno,
+                f"could not write to {self._path!r} ({e.strerror}): steps {first}-{self._records[-1].step} are "
+                "not in the file yet. Training state is complete and the records are kept in memory (the log); "
+                "they are written, in order, at the next step or log.flush() once the disk has room. To stop "
+                "instead, save them with log.to_jsonl(other_path).",
+            ) from e
+        self._good_size += len(data)
+        self._pending = []
 
     def close(self) -> None:
-        """Close the JSONL stream, if any, and the sinks."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        """Write what is pending and close the JSONL stream, if any, and the sinks."""
+        if self._fd is not None:
+            try:
+                self.flush()
+            finally:
+                if not self._pending:
+                    os.close(self._fd)
+                    self._fd = None
         for sink in self.sinks:
             sink.close()
 
@@ -158,42 +341,70 @@ class StepLog(Sequence[StepRecord]):
         return [r.step for r in self._records if r.clipped]
 
     def summary(self) -> dict[str, Any]:
-        """Return counts a run report needs: steps, skips by reason, clip rate, scale range."""
-        reasons = Counter(r.reason for r in self._records if r.skipped)
-        stepped = [r for r in self._records if not r.skipped]
-        kept = [r for r in stepped if not r.rewound]
-        scales = [r.scale for r in self._records] + [r.next_scale for r in self._records[-1:]]
-        return {
-            "steps": len(self),
-            "skipped": sum(reasons.values()),
-            "skips_by_reason": {reason: reasons.get(reason, 0) for reason in REASONS}
-            | {reason: n for reason, n in reasons.items() if reason not in REASONS},
-            "clipped": sum(r.clipped for r in stepped),
-            "clip_rate": sum(r.clipped for r in stepped) / len(stepped) if stepped else 0.0,
-            "min_scale": min(scales) if scales else math.nan,
-            "max_scale": max(scales) if scales else math.nan,
-            "final_scale": scales[-1] if scales else math.nan,
-            "final_loss": stepped[-1].loss if stepped else math.nan,
-            # OLMo 2's spike score (% of values >= 7 sigma from a rolling 1000-value mean), over stepped steps
-            "spike_score_loss": spike_score(r.loss for r in kept),
-            "spike_score_grad": spike_score(r.grad_norm for r in kept),
-            "rewinds": sum(r.rewind_to is not None for r in self._records),
-        }
+        """Return counts a run report needs: steps, skips by reason, clip rate, scale range, spikes.
+
+        The counts are exact over every step appended (and, after ``load_state_dict``, the steps
+        before a resume), however small the ``window``. The spike scores and ``rewinds`` are
+        read from the records held (every one by default; the last ``window`` with one), since
+        a rewind marks records after they were appended.
+        """
+        summary = self._totals.summary()
+        kept = [r for r in self._records if not r.skipped and not r.rewound]
+        # OLMo 2's spike score (% of values >= 7 sigma from a rolling 1000-value mean), over stepped steps
+        summary["spike_score_loss"] = spike_score(r.loss for r in kept)
+        summary["spike_score_grad"] = spike_score(r.grad_norm for r in kept)
+        summary["rewinds"] = sum(r.rewind_to is not None for r in self._records)
+        return summary
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the summary's running totals (not the records: those are in the JSONL file)."""
+        return self._totals.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the summary of a resumed run from ``state_dict()``."""
+        self._totals = _Totals.from_state(state)
 
     def to_jsonl(self, path: str | os.PathLike) -> None:
-        """Write one JSON object per record (non-finite floats as NaN/Infinity, as Python's json does)."""
+        """Write one strict-JSON object per record (non-finite floats as the strings ``"NaN"``, ``"Infinity"``)."""
         path = rank_path(path)
         if path is None:
             return
         with open(path, "w", encoding="utf-8") as f:
             for r in self._records:
-                f.write(json.dumps(r.to_dict()) + "\n")
+                f.write(r.to_json() + "\n")
 
     @classmethod
     def read_jsonl(cls, path: str | os.PathLike) -> StepLog:
-        """Read a log written by ``to_jsonl`` or streamed with ``stream=``."""
-        with open(path, encoding="utf-8") as f:
-            return cls([StepRecord.from_dict(json.loads(line)) for line in f if line.strip()])
+        """Read a log written by ``to_jsonl`` or streamed with ``stream=`` (strict JSON or Python's bare NaN).
+
+        A torn last line (what a crash or a full disk leaves) is not an error: every complete
+        record is read, the torn text is kept in ``torn_tail`` and a ``LabkitWarning`` says so.
+        A damaged line anywhere else raises ``ValueError`` naming it.
+        """
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
+        records, torn = [], None
+        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                records.append(StepRecord.from_dict(json.loads(line)))
+            except (ValueError, TypeError) as e:
+                if i != last:
+                    raise ValueError(f"{os.fspath(path)}, line {i + 1} is not a StepRecord ({e}): {line[:80]!r}") from None
+                torn = line
+        log = cls(records)
+        if torn is not None:
+            log.torn_tail = torn
+            warnings.warn(
+                f"{os.fspath(path)}: the last line is torn ({len(torn)} characters, after step "
+                f"{records[-1].step if records else 'none'}), e.g. by a crash; read the {len(records)} complete records. "
+                "StepLog(stream=path) and TrainStep(log_path=path) cut it off before appending.",
+                LabkitWarning,
+                stacklevel=2,
+            )
+        return log
 
     def to_csv(self, path: str | os.PathLike) -> None:
         """Write one row per record with every field; ``top_grads`` as ``name=norm;...``."""
@@ -207,4 +418,37 @@ class StepLog(Sequence[StepRecord]):
                 row = r.to_dict()
                 row["top_grads"] = ";".join(f"{name}={norm:.6g}" for name, norm in r.top_grads)
                 row["stale"] = ";".join(f"{name}={frac:.6g}" for name, frac in r.stale.items())
+                row["lrs"] = ";".join(f"{lr:.6g}" for lr in r.lrs)
                 writer.writerow(row)
+
+
+def _cut_torn_tail(path: str) -> None:
+    """Cut an incomplete last line off ``path`` (a crash mid-write), so appending starts on a fresh line."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        block = 1 << 16
+        start = max(0, size - block)
+        f.seek(start)
+        tail = f.read()
+        while start > 0 and b"\n" not in tail:  # a line longer than the block: read further back
+            start = max(0, start - block)
+            f.seek(start)
+            tail = f.read()
+        cut = tail.rfind(b"\n") + 1
+        rest = tail[cut:]
+        if not rest.strip():
+            return
+        try:
+            json.loads(rest)
+            f.write(b"\n")  # complete but for its newline: keep it
+        except ValueError:
+            f.truncate(start + cut)
+            warnings.warn(
+                f"{path}: cut off a torn last line ({len(rest)} bytes, e.g. from a crash) before appending.",
+                LabkitWarning,
+                stacklevel=4,
+            )

@@ -114,7 +114,8 @@ class Rewind:
         if train.scheduler is not None:
             train.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
-        train.load_state_dict(state["train"])
+        # the log keeps the undone records (marked rewound): its summary totals are not rewound
+        train.load_state_dict({k: v for k, v in state["train"].items() if k != "log"})
         self.offset = target.offset + self.skip
         self.snapshots = [s for s in self.snapshots if s.step <= target.step]
         self.rewinds.append((record.step, target.step))

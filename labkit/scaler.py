@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import numbers
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,6 +47,51 @@ class ScalerValueError(ValueError, AssertionError):
     """
 
 F32 = torch.finfo(torch.float32)
+# The floor when min_scale is None: float32's smallest normal number (2**-126), the smallest
+# scale whose reciprocal (2**126) is finite and exact. Below it ``1/scale`` overflows, unscaling
+# turns finite gradients into inf and every later step skips: a dead scale. torch has no floor
+# and agrees with this rule for every trajectory that never dies.
+DEFAULT_MIN_SCALE = F32.tiny
+# int32 counters on the device: a growth_interval past them would wrap and grow every step.
+INT32_MAX = 2**31 - 1
+# One back-off by more than 2**-24 (fp16's whole subnormal range) is a reset, not a back-off.
+MIN_BACKOFF = 2.0**-24
+
+
+def check_real(name: str, value: Any) -> float:
+    """Return ``value`` as a float, or raise ``TypeError`` naming the setting (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
+    return float(value)
+
+
+def check_int(name: str, value: Any, low: int, high: int = INT32_MAX) -> int:
+    """Return ``value`` if it is an int in ``[low, high]``, else raise ``ValueError`` naming the setting."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int >= {low} and <= {high}, got {value!r}.")
+    return int(value)
+
+
+def check_init_scale(scale: float, name: str = "init_scale") -> float:
+    """Return ``scale`` if it is a float32 normal number > 0, else raise ``ValueError`` saying why."""
+    if not 0.0 < scale <= F32.max:
+        raise ValueError(f"{name} must be a float32-finite number > 0, got {scale!r}; torch's default is 2.0**16.")
+    if scale < F32.tiny:
+        raise ValueError(
+            f"{name} {scale!r} is below float32's normal range ({F32.tiny:.3g}): 1/scale overflows and every step "
+            "would skip. torch's default is 2.0**16."
+        )
+    return scale
+
+
+def check_device(device: Any) -> torch.device:
+    """Return ``torch.device(device)``, or raise ``ValueError`` naming the valid forms."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda' or a torch.device, got {type(device).__name__}.")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must name a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}.") from None
 
 
 @functools.lru_cache(maxsize=64)  # a constant of the config: not recomputed every update()
@@ -74,14 +120,20 @@ class ScalerConfig:
     max_scale: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            if getattr(self, name) is not None:
+                check_real(name, getattr(self, name))
         if not self.growth_factor > 1.0 or math.isinf(self.growth_factor):
             raise ScalerValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}; torch's default is 2.0.")
         if not 0.0 < self.backoff_factor < 1.0:
             raise ScalerValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; torch's default is 0.5.")
+        if self.backoff_factor < MIN_BACKOFF:
+            raise ScalerValueError(
+                f"backoff_factor {self.backoff_factor!r} is below 2**-24: one overflow would drop the scale by more "
+                "than fp16's whole range. Use 0.5 (torch's default); to reset the scale call update(new_scale)."
+            )
         for name in ("growth_interval", "hysteresis"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+            check_int(name, getattr(self, name), 1)  # the counters are int32 on the device
         for name in ("min_scale", "max_scale"):
             value = getattr(self, name)
             if value is not None and not (F32.tiny <= value <= F32.max):
@@ -105,7 +157,7 @@ def update_scale(
             growth_tracker = 0
             hysteresis_left = max(hysteresis_left - 1, 0)
             if hysteresis_left == 0:                 # H overflows since the last growth
-                scale = max(scale * backoff_factor, min_scale)
+                scale = max(scale * backoff_factor, min_scale or 2**-126)
         else:
             growth_tracker += 1
             if growth_tracker == growth_interval:
@@ -117,7 +169,8 @@ def update_scale(
 
     Products are taken in float64 and rounded to float32, exactly as torch's
     ``_amp_update_scale_`` does, so with ``hysteresis=1`` and no bounds the trajectory is
-    torch's to the bit.
+    torch's to the bit, until torch's scale would fall below float32's normal range (a dead
+    scale, see ``DEFAULT_MIN_SCALE``): there ``min_scale=None`` still floors it at 2**-126.
 
     >>> t = lambda v, d=torch.int32: torch.tensor(v, dtype=d)
     >>> s, g, h = update_scale(t(1024.0, torch.float32), t(0), t(1), t(1.0, torch.float32), ScalerConfig())
@@ -129,8 +182,9 @@ def update_scale(
 
     hyst_after = torch.clamp(hysteresis_left - 1, min=0)
     backed = (scale.double() * config.backoff_factor).float()
-    if config.min_scale is not None:  # bounds rounded inwards to float32, so 0.7 stays a floor
-        backed = torch.clamp(backed, min=_f32_inside(config.min_scale, upward=True))
+    # bounds rounded inwards to float32, so 0.7 stays a floor; without one, the scale still never dies
+    floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
+    backed = torch.clamp(backed, min=floor)
     on_overflow = torch.where(hyst_after == 0, backed, scale)
 
     tracker_after = growth_tracker + 1
@@ -185,14 +239,13 @@ class GradScaler:
         process_group: ProcessGroup | None = None,
     ) -> None:
         self.process_group = process_group
-        self._device = torch.device(device) if device is not None else None
+        self._device = check_device(device) if device is not None else None
         if enabled and self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
             warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2)
             enabled = False
         self._enabled = bool(enabled)
         self.config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        if not 0.0 < init_scale <= F32.max:
-            raise ValueError(f"init_scale must be a float32-finite number > 0, got {init_scale!r}; torch's default is 2.0**16.")
+        check_init_scale(check_real("init_scale", init_scale))
         lo, hi = min_scale or 0.0, max_scale or math.inf
         if not lo <= init_scale <= hi:
             raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}].")
@@ -279,6 +332,10 @@ class GradScaler:
                 # torch's fused kernel: one read + one write per gradient, sets local_inf on inf/NaN.
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
                 found_inf += local_inf.to(found_inf.device)
+        # torch's kernel checks the gradients before multiplying: a dead scale (1/scale = inf, set by
+        # hand) would turn finite gradients into inf unflagged. Flag it (no sync), so it skips, is
+        # counted and backs off onto the floor, which revives it.
+        found_inf += (~torch.isfinite(inv_scale)).float().to(found_inf.device)
         # before step() reads it: a rank with finite shards must still skip when another overflowed
         all_reduce_(found_inf, "max", self.process_group)
         opt_state["found_inf"] = found_inf
@@ -371,6 +428,14 @@ class GradScaler:
             optimizer.step(*args, **kwargs)
         opt_state["stage"] = _STEPPED
         return found_inf
+
+    def _abandon_iteration(self) -> None:
+        """Forget this iteration's unscale/step stages, so the next one starts clean.
+
+        ``TrainStep`` calls it when the user's model, loss or optimizer raised mid-iteration;
+        without it the next ``unscale_`` would refuse ("already called since the last update()").
+        """
+        self._per_optimizer = {}
 
     def _fused_step(
         self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any], scale: Tensor | None, args: tuple, kwargs: dict
@@ -538,30 +603,38 @@ class GradScaler:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled GradScaler."
             )
+        config, initial = self._parse_state(state_dict)  # everything validated before anything is written
+        self.config = config
+        self._init_scale, self._init_tracker, self._init_hysteresis = initial[:3]
+        self._init_skips = initial[3:]
+        if self._state is not None:
+            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), initial):
+                self._state[key].fill_(value)
+
+    @staticmethod
+    def _parse_state(state_dict: dict[str, Any]) -> tuple[ScalerConfig, tuple[float, int, int, int, int]]:
+        """Return the config and ``(scale, tracker, hysteresis_left, skip_count, skip_streak)``, or raise."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"GradScaler state_dict must be a dict, got {type(state_dict).__name__}.")
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - state_dict.keys()
         if missing:
             raise KeyError(f"GradScaler state_dict lacks {sorted(missing)}; pass what GradScaler.state_dict() returned.")
-        hysteresis = int(state_dict.get("hysteresis", 1))
+        hysteresis = state_dict.get("hysteresis", 1)
         config = ScalerConfig(
-            float(state_dict["growth_factor"]),
-            float(state_dict["backoff_factor"]),
-            int(state_dict["growth_interval"]),
+            check_real("state_dict['growth_factor']", state_dict["growth_factor"]),
+            check_real("state_dict['backoff_factor']", state_dict["backoff_factor"]),
+            state_dict["growth_interval"],
             hysteresis,
             state_dict.get("min_scale"),
             state_dict.get("max_scale"),
-        )  # validated before anything is overwritten
-        scale = float(state_dict["scale"])
-        if not scale > 0 or math.isnan(scale):
-            raise ValueError(f"state_dict['scale'] must be > 0, got {scale!r}.")
-        self.config = config
-        self._init_scale = scale
-        self._init_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis = int(state_dict.get("_hysteresis_left", hysteresis))
-        self._init_skips = (int(state_dict.get("skip_count", 0)), int(state_dict.get("skip_streak", 0)))
-        if self._state is not None:
-            initial = (scale, self._init_tracker, self._init_hysteresis, *self._init_skips)
-            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), initial):
-                self._state[key].fill_(value)
+        )
+        scale = check_init_scale(check_real("state_dict['scale']", state_dict["scale"]), "state_dict['scale']")
+        tracker = check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, config.growth_interval - 1)
+        # a hysteresis_left above hysteresis would postpone the back-off (10**9: never back off)
+        left = check_int("state_dict['_hysteresis_left']", state_dict.get("_hysteresis_left", hysteresis), 0, hysteresis)
+        count = check_int("state_dict['skip_count']", state_dict.get("skip_count", 0), 0, 2**63 - 1)
+        streak = check_int("state_dict['skip_streak']", state_dict.get("skip_streak", 0), 0, count)
+        return config, (scale, tracker, left, count, streak)
 
     def __getstate__(self) -> dict[str, Any]:
         if any(s["stage"] != _READY for s in self._per_optimizer.values()):

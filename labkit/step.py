@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,10 +20,10 @@ from .clip import (
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
 from .clippers import Clipper, GlobalClipper, NormClip, UpdateNormClip
-from .records import FIELDS, StepLog, StepRecord
+from .records import FIELDS, LogWriteError, StepLog, StepRecord
 from .rewind import Rewind
+from .scaler import F32, GradScaler, check_device
 from .spikes import SpikeDetector
-from .scaler import GradScaler
 
 __all__ = ["PRECISIONS", "DeferredRecord", "TrainStep"]
 
@@ -56,6 +57,114 @@ def _forensics(
         position = int(all_reduce_(first, "min", group).item())
         culprit = names[position] if position < len(names) else None
     return top, culprit
+
+
+def _check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, device: Any) -> torch.device:
+    """Raise a clear error for parts ``TrainStep`` cannot drive; return the device to train on."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS needs a closure that re-evaluates the loss, which a guarded step (check, clip, then one step) "
+            "cannot give it: use a first-order optimizer (SGD, Adam...) with TrainStep."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets), got {type(loss_fn).__name__}.")
+    if scheduler is not None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric at each step: pass scheduler=None and call "
+                "scheduler.step(metric) yourself after the steps whose record says skipped=False."
+            )
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must have a step() method (a torch LR scheduler), got {type(scheduler).__name__}.")
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("scheduler was built on another optimizer: build it on the optimizer given to TrainStep.")
+    sparse = [type(m).__name__ for m in model.modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(
+            f"{sparse[0]}(sparse=True) gives sparse gradients, which the global norm and clipping do not take: "
+            "build it with sparse=False (the default)."
+        )
+    first = next(model.parameters(), None)
+    home = first.device if first is not None else torch.device("cpu")
+    if device is None:
+        return home
+    dev = check_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available() or dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r}, but there is no {dev.type} device here: use 'cpu' (or device=None, the model's).")
+    if first is not None and dev.type != home.type:
+        raise ValueError(f"device={device!r}, but the model is on {home}: move it first (model.to({str(dev)!r})).")
+    return dev
+
+
+def _batch_size(inputs: Any, targets: Any, k: int) -> int:
+    """Return the batch size, or raise saying how to pass the batch (before anything is touched)."""
+    if isinstance(inputs, Mapping):
+        sizes = {key: v.shape[0] if v.dim() else None for key, v in inputs.items() if isinstance(v, Tensor)}
+        if not sizes or None in sizes.values() or len(set(sizes.values())) != 1:
+            raise ValueError(
+                "a dict batch (model(**batch)) needs tensors that share their first (batch) dimension, "
+                f"got sizes {sizes}."
+            )
+        n, what = next(iter(sizes.values())), "samples in the dict batch"
+    elif isinstance(inputs, Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("inputs is a 0-d tensor: a batch needs a first (batch) dimension, e.g. x.unsqueeze(0).")
+        n, what = len(inputs), "inputs"
+    else:
+        raise TypeError(
+            f"inputs must be a torch.Tensor or a dict of tensors (passed as model(**batch)), got "
+            f"{type(inputs).__name__}; convert it with torch.as_tensor(...)."
+        )
+    if targets is not None:
+        if not isinstance(targets, Tensor) or targets.dim() == 0:
+            raise TypeError(
+                f"targets must be a torch.Tensor with a batch dimension, or None for a one-argument loss_fn(output), "
+                f"got {type(targets).__name__ if not isinstance(targets, Tensor) else '0-d tensor'}."
+            )
+        if len(targets) != n:
+            raise ValueError(f"need as many targets as {what}; got {n} {what} and {len(targets)} targets.")
+    if n < k:
+        raise ValueError(f"need at least accumulation_steps={k} samples to split, got {n}.")
+    return n
+
+
+def _split(batch: Any, k: int) -> list[Any]:
+    """Return ``k`` micro-batches of a tensor, a dict of tensors (other values repeated) or None."""
+    if batch is None:
+        return [None] * k
+    if isinstance(batch, Tensor):
+        return list(torch.tensor_split(batch, k))
+    parts = {key: torch.tensor_split(v, k) if isinstance(v, Tensor) else [v] * k for key, v in batch.items()}
+    return [{key: p[i] for key, p in parts.items()} for i in range(k)]
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: _to(v, device) for key, v in batch.items()}
+    return batch
+
+
+def _check_loss(loss: Any) -> Tensor:
+    if not isinstance(loss, Tensor):
+        hint = " (return the loss alone, not a tuple)" if isinstance(loss, (tuple, list)) else ""
+        raise TypeError(
+            f"loss_fn must return a tensor that requires grad, got {type(loss).__name__}{hint}; a Python number "
+            "carries no gradient: return e.g. nn.functional.mse_loss(output, targets)."
+        )
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: it was detached (.item(), .detach(), torch.no_grad()) or no "
+            "trainable parameter was used; return the loss tensor straight from the model's output."
+        )
+    return loss
 
 
 # What the stage leaves on the device for the record, in this order (one batched copy reads them).
@@ -116,6 +225,14 @@ class TrainStep:
     ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
 
+    The parameters guarded are the optimizer's at each step (groups added later included).
+    Bad arguments raise before anything changes; a skipped or failed step leaves the
+    parameters, the optimizer, the scaler and the module's buffers as they were: the buffers
+    (BatchNorm's running statistics) are copied before the forward and put back on a skip
+    or an error. With ``sync_every`` the skip is known on the device only, so the copy is put
+    back by a device-side select (one read-write of the buffers per step, no host sync).
+    ``log_window=N`` keeps only the last N records in ``log`` (its summary stays exact).
+
     ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
     right before the optimizer step (``before_step(params, step)``) and with the record right
     after it (``after_step(params, record)``); it may add to the record, never change the order.
@@ -143,8 +260,9 @@ class TrainStep:
         skip_alarm: int | None = 8,
         clip_alarm: float | None = 0.5,
         clip_window: int = 100,
-        faults: FaultSchedule | dict | None = None,
+        faults: FaultSchedule | dict | list[str] | None = None,
         log_path: str | os.PathLike | None = None,
+        log_window: int | None = None,
         process_group: ProcessGroup | None = None,
         sync_every: int | None = None,
         observer: Any = None,
@@ -152,6 +270,7 @@ class TrainStep:
         detector: SpikeDetector | None = None,
         rewind: Rewind | None = None,
     ) -> None:
+        device = _check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -194,26 +313,39 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.process_group = process_group
         self.observer = observer  # sees the weights around the optimizer step (labkit.precision.StaleMonitor)
-        first = next(model.parameters(), None)
-        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        self.device = device
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         self.scaler = scaler
-        self.faults = faults if isinstance(faults, FaultSchedule) else FaultSchedule(faults)
+        self.faults = FaultSchedule.coerce(faults)
         self.skip_alarm = SkipAlarm(skip_alarm)
         self.clip_alarm = ClipAlarm(clip_alarm, clip_window)
         if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
             self.skip_alarm.threshold = self.clip_alarm.rate = None
-        self._log = StepLog(stream=log_path)
+        self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, once all else is valid
         self.step_count = 0
-        names = {id(p): n for n, p in model.named_parameters()}
-        self._params = [
-            (names.get(id(p), f"group{g}.param{i}"), p)
-            for g, group in enumerate(optimizer.param_groups)
-            for i, p in enumerate(group["params"])
-        ]
+        self._params_key: tuple = ()
+        self._params: list[tuple[str, nn.Parameter]] = []
         if rewind is not None:
             rewind.snapshot(self)  # step 0: a spike in the first `back` steps rewinds to the start
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """Return ``(name, param)`` of every parameter the optimizer holds now (progressive unfreezing too).
+
+        Read from ``optimizer.param_groups`` each step; the list is rebuilt only when a group is
+        added or its parameter list changes (a tuple compare per step, no pass over the model).
+        """
+        groups = self.optimizer.param_groups
+        key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if key != self._params_key:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self._params = [
+                (names.get(id(p), f"group{g}.param{i}"), p)
+                for g, group in enumerate(groups)
+                for i, p in enumerate(group["params"])
+            ]
+            self._params_key = key
+        return self._params
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = PRECISIONS[self.precision]
@@ -221,80 +353,120 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def __call__(self, inputs: Tensor, targets: Tensor) -> StepRecord:
-        """Train on one batch (split into ``accumulation_steps`` micro-batches) and record it."""
+    def __call__(self, inputs: Tensor | Mapping[str, Any], targets: Tensor | None = None) -> StepRecord:
+        """Train on one batch (split into ``accumulation_steps`` micro-batches) and record it.
+
+        ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors (``model(**inputs)``,
+        e.g. a Hugging Face batch); with ``targets=None`` the loss is ``loss_fn(output)`` (e.g.
+        ``lambda out: out.loss``). Bad arguments raise before anything changes. An error from
+        the model, the loss or the optimizer passes through unchanged, with the parameters,
+        buffers, scaler and counters as they were; the scheduler's error is raised after the
+        step it follows is complete and recorded.
+        """
         k = self.accumulation_steps
-        if len(inputs) < k or len(inputs) != len(targets):
-            raise ValueError(
-                f"need as many targets as inputs and at least accumulation_steps={k} samples; "
-                f"got {len(inputs)} inputs and {len(targets)} targets."
-            )
+        n = _batch_size(inputs, targets, k)
         step, fault, scaler, opt = self.step_count, self.faults.get(self.step_count), self.scaler, self.optimizer
-        lr = float(opt.param_groups[0]["lr"])
-        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        lrs = [float(g["lr"]) for g in opt.param_groups]
+        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        if fault is not None:
+            inputs = fault.corrupt_batch(inputs)  # before anything changes: it may refuse the batch
+        # A skipped step must leave BatchNorm's running statistics (any buffer) as they were, but
+        # the forward changes them before the loss can be checked: one copy of the buffers per
+        # step (2 numbers per BatchNorm channel; nothing for a model without buffers), put back on a skip.
+        buffers = list(self.model.buffers())
+        saved = [b.detach().clone() for b in buffers]
 
-        opt.zero_grad(set_to_none=True)
         deferred = self.sync_every is not None
-        loss_total: Tensor | float = 0.0
-        bad_loss, loss_bad = None, None
-        for x, y in zip(torch.tensor_split(inputs, k), torch.tensor_split(targets, k)):
-            if fault is not None:
-                x = fault.corrupt_inputs(x)
-            with self._autocast():
-                out = self.model(x)
-                if fault is not None:
-                    out = fault.corrupt_output(out)
-                loss = self.loss_fn(out, y)
-            if loss.numel() != 1:
-                raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
-            weight = len(x) / len(inputs)  # exact for a mean-reduced loss, even with unequal splits
-            mean = mean_across(loss.detach(), self.process_group)
-            if deferred:  # the check stays on the device; backward runs on a bad batch and its step is skipped
-                bad = ~torch.isfinite(mean)
-                loss_bad = bad if loss_bad is None else loss_bad | bad
-            else:
-                # host sync, needed: on a bad batch backward must not run at all, on any rank
-                value = mean.item()
-                if not math.isfinite(value):
-                    bad_loss = value
-                    break
-                mean = value
-            loss_total = loss_total + mean * weight
-            scaler.scale(loss * weight).backward()
+        late_error: BaseException | None = None
+        try:
+            opt.zero_grad(set_to_none=True)
+            loss_total: Tensor | float = 0.0
+            bad_loss, loss_bad = None, None
+            for x, y in zip(_split(inputs, k), _split(targets, k)):
+                with self._autocast():
+                    out = self.model(**x) if isinstance(x, Mapping) else self.model(x)
+                    if fault is not None:
+                        out = fault.corrupt_output(out)
+                    loss = _check_loss(self.loss_fn(out) if y is None else self.loss_fn(out, y))
+                weight = _batch_size(x, None, 1) / n  # exact for a mean-reduced loss, even with unequal splits
+                mean = mean_across(loss.detach(), self.process_group)
+                if deferred:  # the check stays on the device; backward runs on a bad batch and its step is skipped
+                    bad = ~torch.isfinite(mean)
+                    loss_bad = bad if loss_bad is None else loss_bad | bad
+                else:
+                    # host sync, needed: on a bad batch backward must not run at all, on any rank
+                    value = mean.item()
+                    if not math.isfinite(value):
+                        bad_loss = value
+                        break
+                    mean = value
+                loss_total = loss_total + mean * weight
+                scaler.scale(loss * weight).backward()
 
-        if bad_loss is not None:
-            scale = scaler.get_scale()
-            record = StepRecord(step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss", lr=lr)
-        elif deferred:
-            values, norms = self._unscale_check_clip_step(step, torch.as_tensor(loss_total).reshape(()), loss_bad)
+            if bad_loss is not None:
+                scale = scaler.get_scale()
+                record = StepRecord(
+                    step, bad_loss, scale=scale, next_scale=scale, skipped=True, reason="nonfinite_loss",
+                    lr=lrs[0], lrs=lrs,
+                )
+            elif deferred:
+                values, norms = self._unscale_check_clip_step(step, torch.as_tensor(loss_total).reshape(()), loss_bad)
+                skipped = values[-1] != 0
+                with torch.no_grad():  # the skip is on the device: put the buffers back by a select, no sync
+                    for b, s in zip(buffers, saved):
+                        b.copy_(torch.where(skipped.to(b.device), s, b))
+            else:
+                values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
+                record = self._record(step, lrs, values.tolist(), norms)  # one batched copy
+                self._annotate(record)
+        except BaseException:
+            # the user's model, loss or optimizer raised (or a bad loss): nothing of this step is kept
+            scaler._abandon_iteration()
+            _restore(buffers, saved)
+            raise
+
+        if deferred:
             if self.scheduler is not None:
-                self.scheduler.step()  # every call, as torch's recipe: whether it stepped is still on the device
-            record = DeferredRecord(step, math.nan, lr=lr, fault=fault.label if fault is not None else None)
+                try:
+                    self.scheduler.step()  # every call, as torch's recipe: whether it stepped is still on the device
+                except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
+                    late_error = e
+            record = DeferredRecord(step, math.nan, lr=lrs[0], lrs=lrs, fault=fault.label if fault is not None else None)
             object.__setattr__(record, "_flush", self.flush)
-            self._pending.append((record, values, norms, [n for n, _ in self._named_grads]))
-            if self.observer is not None:  # on the steps it observes, reading record.skipped copies the records
-                self.observer.after_step(self._params, record)
-            self.step_count += 1
-            if len(self._pending) >= self.sync_every:
-                self.flush()
+            self._pending.append((record, values, norms, [name for name, _ in self._named_grads]))
+            self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
+            try:
+                if self.observer is not None:  # on the steps it observes, reading record.skipped copies the records
+                    self.observer.after_step(self._named_params(), record)
+                if len(self._pending) >= self.sync_every:
+                    self.flush()  # raises LogWriteError on a full disk; the records are kept in memory
+            finally:
+                if late_error is not None:
+                    raise late_error
             return record
-        else:
-            values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
-            record = self._record(step, lr, values.tolist(), norms)  # one batched copy
-            self._annotate(record)
-            if not record.skipped and self.scheduler is not None:
+
+        if record.skipped:
+            _restore(buffers, saved)
+        elif self.scheduler is not None:
+            try:
                 self.scheduler.step()
-            if self.observer is not None:
-                self.observer.after_step(self._params, record)
+            except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
+                late_error = e
+        if self.observer is not None and bad_loss is None:
+            self.observer.after_step(self._named_params(), record)
         record.fault = fault.label if fault is not None else None
         self._observe(record, append=False)
         if self.detector is not None:  # after the decision: a skipped or non-finite step never enters the window
             seen = record.post_clip_norm if record.clip_reason == "z_grad" else record.grad_norm  # its own cut
             self.detector.observe(record.loss, seen, admitted=not record.skipped)
-        self.step_count += 1
-        if self.rewind is not None:  # may restore a snapshot: step_count goes back, this record is marked
-            self.rewind.after(self, record)
-        self._log.append(record)
+        self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
+        try:
+            if self.rewind is not None:  # may restore a snapshot: step_count goes back, this record is marked
+                self.rewind.after(self, record)
+            self._log.append(record)  # raises LogWriteError on a full disk; the record is kept in memory
+        finally:
+            if late_error is not None:
+                raise late_error
         return record
 
     def _observe(self, record: StepRecord, append: bool = True) -> None:
@@ -360,19 +532,21 @@ class TrainStep:
         return fired
 
     def _record(
-        self, step: int, lr: float, values: list[float], norms: Tensor | list[float], names: list[str] | None = None
+        self, step: int, lrs: list[float], values: list[float], norms: Tensor | list[float], names: list[str] | None = None
     ) -> StepRecord:
         loss, loss_bad, norm, coef, scale, next_scale, skipped = values
         skipped, clipped = bool(skipped), coef < 1.0
-        reason = ("nonfinite_loss" if loss_bad else "nonfinite_grad") if skipped else None
+        # a scale below float32's normal range (set by hand: the default floor forbids it) skips every step
+        dead = self.scaler.is_enabled() and not scale >= F32.tiny
+        reason = ("nonfinite_loss" if loss_bad else "dead_scale" if dead else "nonfinite_grad") if skipped else None
         record = StepRecord(
             step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped and not skipped, scale=scale,
-            next_scale=next_scale, skipped=skipped, reason=reason, lr=lr,
+            next_scale=next_scale, skipped=skipped, reason=reason, lr=lrs[0], lrs=list(lrs),
         )
         if self.max_norm is not None and reason != "nonfinite_loss":  # issue 15: NormClip's threshold, no read
             record.threshold = self.max_norm
             record.clip_reason = "NormClip" if record.clipped else None
-        if reason == "nonfinite_grad" or record.clipped:
+        if reason in ("nonfinite_grad", "dead_scale") or record.clipped:
             if names is None:  # the gradients are still there: ask them
                 record.top_grads, record.first_nonfinite = _forensics(self._named_grads, norms, self.process_group)
             else:  # deferred: the gradients are gone; the first non-finite norm names the parameter
@@ -387,14 +561,19 @@ class TrainStep:
         width = len(_DEVICE_FIELDS)
         sizes = [width + n.numel() for _, _, n, _ in pending]
         flat = torch.cat([torch.cat([v, n.to(v)]) for _, v, n, _ in pending]).tolist()  # the one host sync
-        offset = 0
+        offset, write_error = 0, None
         for (record, _, _, names), size in zip(pending, sizes):
             row, offset = flat[offset:offset + size], offset + size
             object.__setattr__(record, "_flush", None)
-            done = self._record(record.step, record.lr, row[:width], row[width:], names)
-            for name in _LAZY - {"lr", "fault"}:
+            done = self._record(record.step, record.lrs, row[:width], row[width:], names)
+            for name in _LAZY - {"lr", "lrs", "fault"}:
                 setattr(record, name, getattr(done, name))
-            self._observe(record)
+            try:
+                self._observe(record)
+            except LogWriteError as e:  # every record is still observed and kept; the first error is raised
+                write_error = write_error or e
+        if write_error is not None:
+            raise write_error
 
     @property
     def log(self) -> StepLog:
@@ -406,7 +585,10 @@ class TrainStep:
         """Unscale, check, clip, step or skip, update; return the record's numbers and the per-tensor norms, on the device."""
         scaler, opt = self.scaler, self.optimizer
         scale = scaler.get_scale_async().clone()  # update() writes the state in place
-        named = [(n, p.grad) for n, p in self._params if p.grad is not None]
+        params = self._named_params()
+        named = [(n, p.grad) for n, p in params if p.grad is not None]
+        if any(g.is_sparse for _, g in named):
+            raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the model.")
         self._named_grads = named
         grads = [g for _, g in named]
         # pass 1 (read): the per-tensor norms of the *scaled* gradients; a NaN/inf among them is the inf check
@@ -416,7 +598,9 @@ class TrainStep:
         norm = total_norm(norms, self.norm_type)
         # A scaled norm can overflow float32 where the unscaled one would not (|g| * scale > 3.4e38):
         # then this skips (and backs off) where torch's unscale-then-norm would not. See tests/test_fused.py.
-        found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm)).float()
+        # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: flag it, so
+        # the step skips, is counted and backs off onto the floor, which revives it.
+        found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm) | ~torch.isfinite(inv_scale)).float()
         if loss_bad is not None:
             found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
         # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
@@ -430,7 +614,7 @@ class TrainStep:
                                  "non-fused optimizer with it (fused=False).")
             opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
-                self.observer.before_step(self._params, step)
+                self.observer.before_step(params, step)
             found = scaler.step_async(opt)
         else:
             scaler.inf_check_(opt, found_inf, unscaled=True)
@@ -438,14 +622,14 @@ class TrainStep:
                 # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
                 scale_grads_(grads, (coef * inv_scale.to(coef.device)).to(coef.dtype))
                 if self.clipper is not None and not isinstance(self.clipper, GlobalClipper):  # per tensor: on unscaled grads
-                    coef, self._spike["threshold"] = self.clipper.clip_with_norms_([p for _, p in self._params], norms, norm)
+                    coef, self._spike["threshold"] = self.clipper.clip_with_norms_([p for _, p in params], norms, norm)
                 if self.observer is not None:
-                    self.observer.before_step(self._params, step)
+                    self.observer.before_step(params, step)
                 if isinstance(self.clipper, UpdateNormClip):
-                    self.clipper.begin_([p for _, p in self._params])
+                    self.clipper.begin_([p for _, p in params])
             found = scaler.step_async(opt)
             if isinstance(self.clipper, UpdateNormClip) and not scaler.will_skip(opt):
-                coef, self._spike["threshold"] = self.clipper.after_step_([p for _, p in self._params])
+                coef, self._spike["threshold"] = self.clipper.after_step_([p for _, p in params])
         if keep:  # a z-score skip is not a scaling problem: the scale stays
             scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=scale.device))
         elif loss_bad is None:
@@ -460,13 +644,17 @@ class TrainStep:
         return values, norms
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the step counter, alarm streaks and scaler state (save model/optimizer/scheduler as usual)."""
+        """Return the step counter, alarm streaks, scaler state and the log's summary totals.
+
+        Save the model, optimizer and scheduler as usual, next to it.
+        """
         self.flush()
         state = {
             "step": self.step_count,
             "skip_alarm": self.skip_alarm.state_dict(),
             "clip_alarm": self.clip_alarm.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "log": self._log.state_dict(),
         }
         if self.clipper is not None:  # issue 15
             state["clipper"] = self.clipper.state_dict()
@@ -475,11 +663,32 @@ class TrainStep:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next call continues the same step numbering and faults."""
+        """Resume from ``state_dict()``: the next call continues the same step numbering, faults and summary.
+
+        Everything is validated before anything is written: a damaged state raises and leaves
+        this ``TrainStep`` as it was. A state saved without ``"log"`` (older labkit) resumes
+        with a summary that covers the resumed steps only.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"TrainStep state must be a dict from TrainStep.state_dict(), got {type(state).__name__}.")
         missing = {"step", "skip_alarm", "clip_alarm", "scaler"} - state.keys()
         if missing:
             raise KeyError(f"TrainStep state_dict lacks {sorted(missing)}; pass what TrainStep.state_dict() returned.")
-        self.scaler.load_state_dict(state["scaler"])  # first: it validates before it writes
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"TrainStep state['step'] must be an int >= 0, got {step!r}.")
+        SkipAlarm.parse_state(state["skip_alarm"])  # each part raises on damage; nothing is written yet
+        ClipAlarm.parse_state(state["clip_alarm"])
+        if self.scaler.is_enabled():
+            self.scaler._parse_state(state["scaler"])
+        if "log" in state:
+            StepLog().load_state_dict(state["log"])
+        # issue 15's parts are tried on copies (their state is a few device numbers): a damaged one raises here
+        if self.clipper is not None and "clipper" in state:
+            copy.deepcopy(self.clipper).load_state_dict(state["clipper"])
+        if self.detector is not None and "detector" in state:
+            copy.deepcopy(self.detector).load_state_dict(state["detector"])
+        self.scaler.load_state_dict(state["scaler"])
         self.skip_alarm.load_state_dict(state["skip_alarm"])
         self.clip_alarm.load_state_dict(state["clip_alarm"])
         if self.clipper is not None and "clipper" in state:  # issue 15
@@ -487,4 +696,12 @@ class TrainStep:
             self._releases = self.clipper.releases()
         if self.detector is not None and "detector" in state:
             self.detector.load_state_dict(state["detector"])
-        self.step_count = int(state["step"])
+        if "log" in state:
+            self._log.load_state_dict(state["log"])
+        self.step_count = step
+
+
+def _restore(buffers: list[Tensor], saved: list[Tensor]) -> None:
+    with torch.no_grad():
+        for b, s in zip(buffers, saved):
+            b.copy_(s)

@@ -16,7 +16,7 @@ INF = float("inf")
 FIELDS = [
     "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
     "skip_streak", "lr", "fault", "top_grads", "first_nonfinite",
-    "stale",
+    "stale", "lrs",
     "z_loss", "z_grad", "threshold", "clip_reason", "lockin", "rewound", "rewind_to",  # issue 15
 ]
 

@@ -163,8 +163,8 @@ def reference_rule(scale, tracker, hyst, overflow, cfg: ScalerConfig):
         hyst = max(hyst - 1, 0)
         if hyst == 0:
             scale = f32(scale * cfg.backoff_factor)
-            if cfg.min_scale is not None:
-                scale = max(scale, cfg.min_scale)
+            # without min_scale the floor is float32's smallest normal number: the scale never dies
+            scale = max(scale, cfg.min_scale if cfg.min_scale is not None else torch.finfo(torch.float32).tiny)
     else:
         tracker += 1
         if tracker == cfg.growth_interval:

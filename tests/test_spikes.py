@@ -112,6 +112,7 @@ def test_rewound_run_equals_a_run_that_never_saw_the_skipped_window():
     kept = [r for r in log if not r.rewound]
     assert [r.loss for r in kept] == [r.loss for r in oracle.log]
     assert log.summary()["rewinds"] == 1
+    assert log.summary()["steps"] == len(log)  # a rewind does not rewind the summary: the undone steps stay counted
 
 
 def test_rewind_refuses_bad_settings():

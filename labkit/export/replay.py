@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from ..records import parse_line
 from .telemetry import TRACKERS, Telemetry, parse_trackers
 
 __all__ = ["build_parser", "main", "read_records", "replay"]
@@ -20,7 +21,7 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            records.append(parse_line(line))  # strict JSON: "NaN"/"Infinity" back to floats
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # a torn last line, what a crash mid-write leaves: the rest is whole
                 print(f"labkit export: {path}: the last line is incomplete and was left out", file=sys.stderr)

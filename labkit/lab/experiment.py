@@ -17,7 +17,7 @@ from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
 from ..records import StepLog, StepRecord
-from ..scaler import GradScaler
+from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
 from ..tasks import TASKS, Task, make_task
 from .defenses import Defenses, loss_fn_with_shift
@@ -41,10 +41,8 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def _positive_float(name: str, value: object) -> float:
-    try:
-        v = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        v = math.nan
+    # a number, not something float() accepts: "0.05" or True would reach the optimizer as given
+    v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
     if not (v > 0 and math.isfinite(v)):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
     return v
@@ -104,10 +102,13 @@ class ExperimentConfig:
         if _positive_float("init_scale", self.init_scale) > torch.finfo(torch.float32).max:
             raise ValueError(f"init_scale must be at most {torch.finfo(torch.float32).max:.4g} (the scale is a "
                              f"float32), got {self.init_scale!r}; torch's default is 2.0**16.")
+        check_init_scale(self.init_scale)  # float32's normal range: below it 1/scale overflows
         _positive_int("growth_interval", self.growth_interval)
         _positive_int("steps", self.steps)
         _positive_float("lr", self.lr)
         _positive_float("loss_weight", self.loss_weight)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}.")  # ToyTask's generator takes 64 bits
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
         if self.scheduler not in SCHEDULERS:
@@ -128,9 +129,11 @@ class ExperimentConfig:
         self.fault_schedule()
         if self.device is not None:
             try:
-                torch.device(self.device)
-            except RuntimeError:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError):
                 raise ValueError(f"device must be None (auto), 'cpu' or 'cuda', got {self.device!r}.") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r}, but there is no GPU here: use None (auto) or 'cpu'.")
 
     def fault_schedule(self) -> FaultSchedule:
         """Return the parsed ``faults``."""
