@@ -91,7 +91,9 @@ def command(job: Path, out: Path, limits: Limits) -> list[str]:
             f"--fsize={limits.file_size}", "--core=0", "--",
             bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv",
-            "--ro-bind", "/usr", "/usr"]
+            "--ro-bind", "/usr", "/usr",
+            # the private /tmp first: a checkout or venv under /tmp (CI clones there) is bound on top of it
+            "--perms", "1777", "--size", str(256 << 20), "--tmpfs", "/tmp"]
     for link in ("bin", "lib", "lib64", "sbin"):
         if os.path.islink(f"/{link}"):
             args += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
@@ -100,8 +102,7 @@ def command(job: Path, out: Path, limits: Limits) -> list[str]:
             args += _dirs(prefix, made) + ["--ro-bind", prefix, prefix]
     args += ["--perms", "0755", "--dir", "/labkit", "--ro-bind", labkit_dir, "/labkit/labkit",
              "--ro-bind", str(job), "/job", "--bind", str(out), "/out",
-             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(256 << 20), "--tmpfs", "/tmp",
-             "--chdir", "/tmp"]
+             "--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp"]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": "/labkit", "PYTHONHASHSEED": "0",
            "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "LANG": "C.UTF-8"}
