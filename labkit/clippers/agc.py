@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Clipper
+from .base import Clipper, effective_coef
 
 __all__ = ["AGC", "agc_", "unitwise_norm"]
 
@@ -65,9 +65,7 @@ class AGC(Clipper):
             new = agc_(p.detach(), p.grad, self.clipping, self.eps)
             p.grad.copy_(torch.where(finite, new, p.grad))
             post.append(torch.linalg.vector_norm(p.grad.float()))
-        after = torch.linalg.vector_norm(torch.stack(post)) if post else norm
-        coef = torch.where(finite & (norm > 0), after / norm, torch.ones_like(norm))
-        return torch.stack([coef.float(), torch.full_like(coef.float(), float("nan"))])
+        return effective_coef(post, norm, finite)
 
     def __repr__(self) -> str:
         return f"AGC(clipping={self.clipping:g}, eps={self.eps:g})"

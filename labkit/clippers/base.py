@@ -91,6 +91,16 @@ def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
                 g.mul_(c)
 
 
+def effective_coef(post: list[Tensor], norm: Tensor, finite: Tensor) -> Tensor:
+    """Return ``[coef, nan]``: the global-norm factor a per-tensor clip amounted to (post-clip / pre-clip norm).
+
+    ``post`` holds each gradient's norm after clipping; with none, or a zero or non-finite ``norm``,
+    the factor is 1. The NaN slot is the threshold, which per-tensor rules do not have.
+    """
+    after = torch.linalg.vector_norm(torch.stack(post)) if post else norm
+    coef = torch.where(finite & (norm > 0), after / norm, torch.ones_like(norm))
+    return torch.stack([coef.float(), torch.full_like(coef.float(), float("nan"))])
+
 def _check_bound(bound: int | None) -> int | None:
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
         raise ValueError(f"max_consecutive_clips must be an int >= 1 or None (guard off), got {bound!r}.")

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..clip import Parameters
-from .base import Clipper, parameters_list
+from .base import Clipper, effective_coef, parameters_list
 
 __all__ = ["ValueClip", "clip_grad_value_"]
 
@@ -64,9 +64,7 @@ class ValueClip(Clipper):
             if p.grad is not None:
                 p.grad.copy_(torch.where(finite, p.grad.clamp(-v, v), p.grad))
                 post.append(torch.linalg.vector_norm(p.grad.float()))
-        after = torch.linalg.vector_norm(torch.stack(post)) if post else norm
-        coef = torch.where(finite & (norm > 0), after / norm, torch.ones_like(norm))
-        return torch.stack([coef.float(), torch.full_like(coef.float(), float("nan"))])
+        return effective_coef(post, norm, finite)
 
     def __repr__(self) -> str:
         return f"ValueClip(clip_value={self.clip_value:g})"
