@@ -13,6 +13,7 @@ same norm and clips with the same coefficient; DDP's replicated gradients need n
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import types
@@ -23,7 +24,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from .distributed import is_distributed, local_tensor, reduce_sharded_norms_
+from .distributed import dtensor_type, is_distributed, local_tensor, reduce_sharded_norms_
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"]
 
@@ -91,6 +92,11 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     """
     if not grads:
         return torch.zeros(0)
+    first = grads[0]
+    if foreach is not False and dtensor_type() is None and first.device.type in ("cpu", "cuda") and all(
+        g.dtype == first.dtype and g.device == first.device and g.numel() for g in grads
+    ):  # the usual case, without the general case's grouping (~40 us of Python a step on a small model)
+        return torch.stack(foreach_norm(grads, norm_type, torch.float32 if first.dtype in HALF else None))
     sharded, grads = grads, [local_tensor(g) for g in grads]
     first = grads[0].device
     out_dtype = functools.reduce(torch.promote_types, [_acc_dtype(g.dtype) for g in grads])
@@ -110,7 +116,7 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         # until the end (torch refuses to narrow it inside the norm).
         acc = torch.float32 if group[0].dtype in HALF else None
         if use_foreach:
-            out = torch._foreach_norm(group, norm_type, dtype=acc)
+            out = foreach_norm(group, norm_type, acc)
         else:
             out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
         if len(idx) == len(grads):  # one device and dtype, none empty (the usual case): one stack, no per-norm copies
@@ -119,6 +125,45 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=out_dtype)
     return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
+
+
+# Below this many elements a second thread's hand-off (~40 us) costs more than it saves.
+SPLIT_NUMEL = 1 << 22
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="labkit-norm")
+
+
+def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Return ``torch._foreach_norm(tensors, norm_type, dtype=dtype)``, on CPU over torch's threads.
+
+    torch's CPU norm reduces each tensor on one thread: 50 x 1M fp32 take 15.1 ms at one
+    thread and at two (AMD EPYC, 2 cores). ATen releases the GIL, so handing contiguous
+    slices of the list (>= 4M elements each) to ``torch.get_num_threads()`` Python threads
+    runs them side by side: 8.7 ms there. Each norm comes from the same kernel on the same
+    tensor, so the result is bitwise torch's; CUDA's fused kernel is called as is.
+
+    >>> foreach_norm([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0)
+    [tensor(5.), tensor(1.)]
+    """
+    threads = torch.get_num_threads()
+    numel = sum(t.numel() for t in tensors)
+    parts = min(threads, len(tensors), numel // SPLIT_NUMEL)
+    if parts < 2 or tensors[0].device.type != "cpu":
+        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
+    cuts, seen = [], 0
+    for i, t in enumerate(tensors):
+        seen += t.numel()
+        if seen * parts >= numel * (len(cuts) + 1) and len(cuts) < parts - 1 and i + 1 < len(tensors):
+            cuts.append(i + 1)
+    slices = [tensors[a:b] for a, b in zip([0, *cuts], [*cuts, len(tensors)]) if b > a]
+    futures = [_pool(len(slices) - 1).submit(torch._foreach_norm, s, norm_type, dtype=dtype) for s in slices[1:]]
+    out = list(torch._foreach_norm(slices[0], norm_type, dtype=dtype))
+    for f in futures:
+        out.extend(f.result())
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -238,6 +283,14 @@ def scale_grads_(grads: list[Tensor], factor: Tensor, foreach: bool | None = Non
     >>> g = [torch.tensor([2.0, 4.0])]; scale_grads_(g, torch.tensor(0.5)); g
     [tensor([1., 2.])]
     """
+    if not grads:
+        return
+    device = grads[0].device
+    if foreach is not False and dtensor_type() is None and device.type in ("cpu", "cuda") and all(
+        g.device == device for g in grads
+    ):  # the usual case, without the grouping below
+        torch._foreach_mul_(grads, factor.to(device))
+        return
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         g = local_tensor(g)  # a view: scaling a shard in place scales the DTensor

@@ -600,7 +600,11 @@ class TrainStep:
         # then this skips (and backs off) where torch's unscale-then-norm would not. See tests/test_fused.py.
         # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: flag it, so
         # the step skips, is counted and backs off onto the floor, which revives it.
-        found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm) | ~torch.isfinite(inv_scale)).float()
+        # For an order > 0 a NaN/inf norm, or 1/scale = inf, reaches the total: its check is all of them.
+        found_inf = ~torch.isfinite(norm)
+        if not self.norm_type > 0:  # order 0 counts non-zeros and -inf takes the min: an inf need not reach it
+            found_inf = found_inf | ~torch.isfinite(scaled_norms).all() | ~torch.isfinite(inv_scale)
+        found_inf = found_inf.float()
         if loss_bad is not None:
             found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
         # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
@@ -636,11 +640,11 @@ class TrainStep:
             scaler.update()
         else:
             scaler.update(keep_if=loss_bad.to(scale.device))
-        f32 = dict(dtype=torch.float64, device=norm.device)
-        values = torch.stack([
-            loss.to(**f32), (loss_bad if loss_bad is not None else torch.zeros(())).to(**f32), norm.to(**f32),
-            coef.to(**f32), scale.to(**f32), scaler.get_scale_async().to(**f32), found.to(**f32),
-        ])
+        device = norm.device
+        values = torch.stack([  # stack promotes the dtypes: one float64 row, read in one copy
+            loss.to(device), (loss_bad if loss_bad is not None else torch.zeros((), device=device)).to(device), norm,
+            coef.to(device), scale.to(device), scaler.get_scale_async().to(device), found.to(device),
+        ]).double()
         return values, norms
 
     def state_dict(self) -> dict[str, Any]:
