@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_reduce_", "dtensor_type", "is_distributed", "local_tensor", "mean_across", "rank", "reduce_sharded_norms_"]
+__all__ = ["all_reduce_", "is_distributed", "local_tensor", "mean_across", "rank", "reduce_sharded_norms_"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, which a build without distributed lacks
 
@@ -73,12 +73,7 @@ def mean_across(value: Tensor, group: ProcessGroup | None = None) -> Tensor:
     return total[0] / dist.get_world_size(group)
 
 
-def dtensor_type() -> type | None:
-    """Return torch's ``DTensor`` class once something imported it, else None (then no tensor is one).
-
-    >>> dtensor_type() is None or isinstance(dtensor_type(), type)
-    True
-    """
+def _dtensor_type() -> type | None:
     # A DTensor can only exist once its module is imported; importing it here would add
     # ~0.6 s to ``import labkit`` for every user who never shards.
     module = sys.modules.get("torch.distributed.tensor")
@@ -91,13 +86,13 @@ def local_tensor(t: Tensor) -> Tensor:
     >>> w = torch.ones(2); local_tensor(w) is w
     True
     """
-    dtensor = dtensor_type()
+    dtensor = _dtensor_type()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
 
 def _shard_groups(t: Tensor) -> tuple:
     """Return the process groups across which ``t`` is sharded (empty: replicated or plain)."""
-    dtensor = dtensor_type()
+    dtensor = _dtensor_type()
     if dtensor is None or not isinstance(t, dtensor):
         return ()
     if any(p.is_partial() for p in t.placements):
@@ -122,7 +117,7 @@ def reduce_sharded_norms_(norms: Tensor, grads: list[Tensor], norm_type: float) 
     >>> reduce_sharded_norms_(torch.tensor([3.0, 4.0]), [torch.ones(1), torch.ones(1)], 2.0)
     tensor([3., 4.])
     """
-    if dtensor_type() is None:
+    if _dtensor_type() is None:
         return norms
     buckets: dict[tuple, list[int]] = {}
     for i, g in enumerate(grads):
