@@ -603,7 +603,7 @@ class TrainStep:
         # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: flag it, so
         # the step skips, is counted and backs off onto the floor, which revives it.
         # For an order > 0 a NaN/inf norm, or 1/scale = inf, reaches the total: its check is all of them.
-        found_inf = ~torch.isfinite(norm)
+        found_inf = torch.isnan(norm - norm)  # inf - inf and NaN - NaN are NaN: isfinite's answer in 2 kernels, not 4
         if not self.norm_type > 0:  # order 0 counts non-zeros and -inf takes the min: an inf need not reach it
             found_inf = found_inf | ~torch.isfinite(scaled_norms).all() | ~torch.isfinite(inv_scale)
         found_inf = found_inf.float()
