@@ -161,7 +161,13 @@ def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | N
         if seen * parts >= numel * (len(cuts) + 1) and len(cuts) < parts - 1 and i + 1 < len(tensors):
             cuts.append(i + 1)
     slices = [tensors[a:b] for a, b in zip([0, *cuts], [*cuts, len(tensors)]) if b > a]
-    futures = [_pool(len(slices) - 1).submit(torch._foreach_norm, s, norm_type, dtype=dtype) for s in slices[1:]]
+    grad_mode = torch.is_grad_enabled()  # thread-local: a worker starts with grad on
+
+    def norms(part: list[Tensor]) -> tuple[Tensor, ...]:
+        with torch.set_grad_enabled(grad_mode):
+            return torch._foreach_norm(part, norm_type, dtype=dtype)
+
+    futures = [_pool(len(slices) - 1).submit(norms, s) for s in slices[1:]]
     out = list(torch._foreach_norm(slices[0], norm_type, dtype=dtype))
     for f in futures:
         out.extend(f.result())

@@ -669,7 +669,7 @@ def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch
     def counting(workers):
         pool = real(workers)
         submit = pool.submit
-        return type("Pool", (), {"submit": lambda self, fn, *a, **k: handed.append(len(a[0])) or submit(fn, *a, **k)})()
+        return type("Pool", (), {"submit": lambda self, fn, part: handed.append(len(part)) or submit(fn, part)})()
 
     monkeypatch.setattr(clip_module, "_pool", counting)
     torch.manual_seed(0)
@@ -688,6 +688,15 @@ def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch
             t.grad = p.grad.clone()
         assert torch.equal(labkit.clip_grad_norm_(params, 1.0), torch.nn.utils.clip_grad_norm_(theirs, 1.0))
         assert all(torch.equal(p.grad, t.grad) for p, t in zip(params, theirs))
+
+
+def test_split_norms_keep_the_callers_grad_mode(two_threads):
+    from labkit import clip as clip_module
+
+    leaves = [torch.ones(5_000_000, requires_grad=True), torch.ones(5_000_000, requires_grad=True)]
+    with torch.no_grad():
+        assert not any(t.requires_grad for t in clip_module.foreach_norm(leaves, 2.0))
+    assert all(t.requires_grad for t in clip_module.foreach_norm(leaves, 2.0))
 
 
 def test_small_lists_and_one_thread_are_not_split(monkeypatch):
