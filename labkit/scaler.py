@@ -519,7 +519,8 @@ class GradScaler:
                 )
             device = state["scale"].device
             found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
-            if keep_if is None and self.config.hysteresis == 1 and self.config.max_scale is None:
+            if keep_if is None and self.config.hysteresis == 1 and self.config.max_scale is None and \
+                    device.type in ("cpu", "cuda"):  # where torch has the kernel
                 self._update_by_torch(state, found_inf)
                 self._per_optimizer = {}
                 return
