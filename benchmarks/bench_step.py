@@ -219,6 +219,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="reduced sizes (2M gradients, a ~1M-parameter MLP)")
     ap.add_argument("--precision", default="fp16", choices=list(labkit.step.PRECISIONS))
     ap.add_argument("--sync-every", type=int, default=8)
+    ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run, e.g. --parts a")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     device = torch.device(args.device)
@@ -228,12 +229,23 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else cpu_name()
     print(f"# {where}; torch {torch.__version__}; {torch.get_num_threads()} threads; medians, interleaved")
 
+    if "a" in args.parts:
+        clip_part(numel, device, repeat)
+    if "b" in args.parts:
+        step_part(args, width, device, steps, repeat)
+    if "c" in args.parts:
+        sync_part(args, device)
+
+
+def clip_part(numel, device, repeat):
     t = bench_clip(numel, device, repeat)
     print(f"\n(a) unscale+check+clip, {numel / 1e6:g}M fp32 gradients in 50 tensors")
     print(f"    labkit {t['labkit'] * 1e3:8.2f} ms   torch {t['torch'] * 1e3:8.2f} ms   floor {t['floor'] * 1e3:8.2f} ms")
     print(f"    torch/labkit = {t['torch'] / t['labkit']:.2f}x faster (goal >= 1.5)   "
           f"labkit/floor = {t['labkit'] / t['floor']:.2f} (goal <= 1.15)")
 
+
+def step_part(args, width, device, steps, repeat):
     print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, {steps} steps, AdamW; ratio labkit/torch (goal <= 1.0)")
     for w in (0, width):
         n = sum(p.numel() for p in make_setup(w, False, device, 1)[0].parameters())
@@ -243,6 +255,8 @@ def main() -> None:
             ratios = "  ".join(f"{k} {v / t['torch']:.2f}x" for k, v in t.items() if k != "torch")
             print(f"    {label:<34} torch {t['torch'] * 1e3 / steps:7.2f} ms/step   {ratios}")
 
+
+def sync_part(args, device):
     print("\n(c) host syncs per step (toy model)")
     for fused in (False, True):
         s = syncs_per_step(fused, args.precision, device, args.sync_every)

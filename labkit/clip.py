@@ -13,6 +13,7 @@ same norm and clips with the same coefficient; DDP's replicated gradients need n
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import types
@@ -91,6 +92,11 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     """
     if not grads:
         return torch.zeros(0)
+    first = grads[0]
+    if foreach is not False and first.device.type in ("cpu", "cuda") and all(
+        type(g) is Tensor and g.dtype == first.dtype and g.device == first.device and g.numel() for g in grads
+    ):  # the usual case (no DTensor, one device and dtype): no grouping, ~40 us less Python a step
+        return torch.stack(foreach_norm(grads, norm_type, torch.float32 if first.dtype in HALF else None))
     sharded, grads = grads, [local_tensor(g) for g in grads]
     first = grads[0].device
     out_dtype = functools.reduce(torch.promote_types, [_acc_dtype(g.dtype) for g in grads])
@@ -110,7 +116,7 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         # until the end (torch refuses to narrow it inside the norm).
         acc = torch.float32 if group[0].dtype in HALF else None
         if use_foreach:
-            out = torch._foreach_norm(group, norm_type, dtype=acc)
+            out = foreach_norm(group, norm_type, acc)
         else:
             out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
         if len(idx) == len(grads):  # one device and dtype, none empty (the usual case): one stack, no per-norm copies
@@ -119,6 +125,53 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=out_dtype)
     return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
+
+
+# Below this many elements a second thread's hand-off (~40 us) costs more than it saves.
+SPLIT_NUMEL = 1 << 22
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="labkit-norm")
+
+
+def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Return ``torch._foreach_norm(tensors, norm_type, dtype=dtype)``, on CPU over torch's threads.
+
+    torch's CPU norm reduces each tensor on one thread: 50 x 1M fp32 take 15.1 ms at one
+    thread and at two (AMD EPYC, 2 cores). ATen releases the GIL, so handing contiguous
+    slices of the list (>= 4M elements each) to ``torch.get_num_threads()`` Python threads
+    runs them side by side: 8.7 ms there. Each norm comes from the same kernel on the same
+    tensor, so the result is bitwise torch's; CUDA's fused kernel is called as is.
+
+    >>> foreach_norm([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0)
+    [tensor(5.), tensor(1.)]
+    """
+    threads = torch.get_num_threads()
+    if threads < 2 or len(tensors) < 2 or tensors[0].device.type != "cpu":
+        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
+    numel = sum(t.numel() for t in tensors)
+    parts = min(threads, len(tensors), numel // SPLIT_NUMEL)
+    if parts < 2:
+        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
+    cuts, seen = [], 0
+    for i, t in enumerate(tensors):
+        seen += t.numel()
+        if seen * parts >= numel * (len(cuts) + 1) and len(cuts) < parts - 1 and i + 1 < len(tensors):
+            cuts.append(i + 1)
+    slices = [tensors[a:b] for a, b in zip([0, *cuts], [*cuts, len(tensors)]) if b > a]
+    grad_mode = torch.is_grad_enabled()  # thread-local: a worker starts with grad on
+
+    def norms(part: list[Tensor]) -> tuple[Tensor, ...]:
+        with torch.set_grad_enabled(grad_mode):
+            return torch._foreach_norm(part, norm_type, dtype=dtype)
+
+    futures = [_pool(len(slices) - 1).submit(norms, s) for s in slices[1:]]
+    out = list(torch._foreach_norm(slices[0], norm_type, dtype=dtype))
+    for f in futures:
+        out.extend(f.result())
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -198,10 +251,15 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     >>> clip_coef(torch.tensor(5.0), 1.0), clip_coef(torch.tensor(float("inf")), torch.tensor(1.0))
     (tensor(0.2000), tensor(1.))
     """
-    # clamp and where, not `if`: a Python branch on a device tensor forces a host sync. A
+    # clamp and a mask, not `if`: a Python branch on a device tensor forces a host sync. A
     # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
-    coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
-    return torch.where(torch.isfinite(norm) & (norm >= 0), coef, torch.ones_like(coef))
+    # In place after the first op: 8 kernels, ~15 us on a CPU, where a step of a small model is ~1 ms.
+    if isinstance(max_norm, Tensor):
+        coef = torch.div(max_norm, norm + EPS)
+    else:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
+        coef = (norm + EPS).reciprocal_().mul_(max_norm)
+    usable = (norm >= 0).logical_and_(norm < math.inf)  # NaN fails both comparisons
+    return coef.clamp_(max=1.0).masked_fill_(usable.logical_not_(), 1.0)
 
 
 @torch.no_grad()
@@ -238,6 +296,13 @@ def scale_grads_(grads: list[Tensor], factor: Tensor, foreach: bool | None = Non
     >>> g = [torch.tensor([2.0, 4.0])]; scale_grads_(g, torch.tensor(0.5)); g
     [tensor([1., 2.])]
     """
+    if not grads:
+        return
+    device = grads[0].device
+    if foreach is not False and device.type in ("cpu", "cuda") and all(type(g) is Tensor and g.device == device for g in grads):
+        # the usual case (no DTensor, one device): no grouping
+        torch._foreach_mul_(grads, factor.to(device))
+        return
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         g = local_tensor(g)  # a view: scaling a shard in place scales the DTensor

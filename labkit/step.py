@@ -137,7 +137,7 @@ def _split(batch: Any, k: int) -> list[Any]:
     if batch is None:
         return [None] * k
     if isinstance(batch, Tensor):
-        return list(torch.tensor_split(batch, k))
+        return [batch] if k == 1 else list(torch.tensor_split(batch, k))
     parts = {key: torch.tensor_split(v, k) if isinstance(v, Tensor) else [v] * k for key, v in batch.items()}
     return [{key: p[i] for key, p in parts.items()} for i in range(k)]
 
@@ -388,7 +388,7 @@ class TrainStep:
                     if fault is not None:
                         out = fault.corrupt_output(out)
                     loss = _check_loss(self.loss_fn(out) if y is None else self.loss_fn(out, y))
-                weight = _batch_size(x, None, 1) / n  # exact for a mean-reduced loss, even with unequal splits
+                weight = 1.0 if k == 1 else _batch_size(x, None, 1) / n  # exact for a mean-reduced loss, even with unequal splits
                 mean = mean_across(loss.detach(), self.process_group)
                 if deferred:  # the check stays on the device; backward runs on a bad batch and its step is skipped
                     bad = ~torch.isfinite(mean)
@@ -401,7 +401,7 @@ class TrainStep:
                         break
                     mean = value
                 loss_total = loss_total + mean * weight
-                scaler.scale(loss * weight).backward()
+                scaler.scale(loss if weight == 1 else loss * weight).backward()  # x1 is exact: one op less
 
             if bad_loss is not None:
                 scale = scaler.get_scale()
@@ -411,10 +411,11 @@ class TrainStep:
                 )
             elif deferred:
                 values, norms = self._unscale_check_clip_step(step, torch.as_tensor(loss_total).reshape(()), loss_bad)
-                skipped = values[-1] != 0
-                with torch.no_grad():  # the skip is on the device: put the buffers back by a select, no sync
-                    for b, s in zip(buffers, saved):
-                        b.copy_(torch.where(skipped.to(b.device), s, b))
+                if buffers:
+                    skipped = values[-1] != 0
+                    with torch.no_grad():  # the skip is on the device: put the buffers back by a select, no sync
+                        for b, s in zip(buffers, saved):
+                            b.copy_(torch.where(skipped.to(b.device), s, b))
             else:
                 values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
                 record = self._record(step, lrs, values.tolist(), norms)  # one batched copy
@@ -494,7 +495,6 @@ class TrainStep:
                 if action == "skip":
                     spike["reason"] = why
                     return torch.ones_like(norm), torch.ones_like(found_inf), True
-        coef = torch.ones_like(norm)
         clipper = self.clipper
         if isinstance(clipper, NormClip):
             coef = clip_coef(norm, clipper.max_norm)  # threshold and reason: set in _record, with no read
@@ -504,6 +504,8 @@ class TrainStep:
             limit = clipper.limit(clipper.state, norm.float())
             coef = clipper.coef(limit, norm.float())
             clipper.observe(norm.float(), limit)
+        else:
+            coef = torch.ones_like(norm)
         if action == "clip":
             z_coef = clip_coef(norm, self.detector.clip_limit())  # type: ignore[union-attr]
             spike["z_clip"] = bool((z_coef < coef).item())
@@ -600,7 +602,11 @@ class TrainStep:
         # then this skips (and backs off) where torch's unscale-then-norm would not. See tests/test_fused.py.
         # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: flag it, so
         # the step skips, is counted and backs off onto the floor, which revives it.
-        found_inf = (~torch.isfinite(scaled_norms).all() | ~torch.isfinite(norm) | ~torch.isfinite(inv_scale)).float()
+        # For an order > 0 a NaN/inf norm, or 1/scale = inf, reaches the total: its check is all of them.
+        found_inf = torch.isnan(norm - norm)  # inf - inf and NaN - NaN are NaN: isfinite's answer in 2 kernels, not 4
+        if not self.norm_type > 0:  # order 0 counts non-zeros and -inf takes the min: an inf need not reach it
+            found_inf = found_inf | ~torch.isfinite(scaled_norms).all() | ~torch.isfinite(inv_scale)
+        found_inf = found_inf.float()
         if loss_bad is not None:
             found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
         # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
@@ -636,11 +642,11 @@ class TrainStep:
             scaler.update()
         else:
             scaler.update(keep_if=loss_bad.to(scale.device))
-        f32 = dict(dtype=torch.float64, device=norm.device)
-        values = torch.stack([
-            loss.to(**f32), (loss_bad if loss_bad is not None else torch.zeros(())).to(**f32), norm.to(**f32),
-            coef.to(**f32), scale.to(**f32), scaler.get_scale_async().to(**f32), found.to(**f32),
-        ])
+        device = norm.device
+        values = torch.stack([  # stack promotes the dtypes: one float64 row, read in one copy
+            loss.to(device), (loss_bad if loss_bad is not None else torch.zeros((), device=device)).to(device), norm,
+            coef.to(device), scale.to(device), scaler.get_scale_async().to(device), found.to(device),
+        ]).double()
         return values, norms
 
     def state_dict(self) -> dict[str, Any]:

@@ -643,3 +643,72 @@ def test_clip_grads_with_norm_on_no_gradients_is_a_no_op():
     params = make_params([(2,), (3,)], gradless=(0, 1))
     assert labkit.clip_grads_with_norm_(params, 1.0, torch.tensor(5.0)) is None
     assert all(p.grad is None for p in params)
+
+
+# ---------------------------------------------------------------- CPU norms over torch's threads
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # conftest gives each test process one thread; the split needs two
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("sizes", [[3_000_000] * 3, [1, 9_000_000, 5], [5_000_000, 4_000_000, 0, 7]],
+                         ids=["even", "one-large", "with-empty"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch, sizes, dtype):
+    """Large CPU lists are normed in slices on two threads: the same bits as torch's one call, in order."""
+    from labkit import clip as clip_module
+
+    handed = []
+    real = clip_module._pool
+
+    def counting(workers):
+        pool = real(workers)
+        submit = pool.submit
+        return type("Pool", (), {"submit": lambda self, fn, part: handed.append(len(part)) or submit(fn, part)})()
+
+    monkeypatch.setattr(clip_module, "_pool", counting)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+    for p in params:
+        p.grad = (torch.randn(p.numel()) * 3).to(dtype)
+    grads = [p.grad for p in params]
+    acc = torch.float32 if dtype == torch.float16 else None
+    ours = clip_module.foreach_norm(grads, 2.0, acc)
+    assert handed and sum(handed) < len(grads), "the list was not split: the test would not see the threaded path"
+    assert [t.dtype for t in ours] == [acc or dtype] * len(grads)
+    assert all(torch.equal(a, b) for a, b in zip(ours, torch._foreach_norm(grads, 2.0, dtype=acc)))
+    if dtype != torch.float16:  # (torch's own fp16 norm is the deliberate deviation tested above)
+        theirs = [nn.Parameter(p.detach().clone()) for p in params]
+        for t, p in zip(theirs, params):
+            t.grad = p.grad.clone()
+        assert torch.equal(labkit.clip_grad_norm_(params, 1.0), torch.nn.utils.clip_grad_norm_(theirs, 1.0))
+        assert all(torch.equal(p.grad, t.grad) for p, t in zip(params, theirs))
+
+
+def test_split_norms_keep_the_callers_grad_mode(two_threads):
+    from labkit import clip as clip_module
+
+    leaves = [torch.ones(5_000_000, requires_grad=True), torch.ones(5_000_000, requires_grad=True)]
+    with torch.no_grad():
+        assert not any(t.requires_grad for t in clip_module.foreach_norm(leaves, 2.0))
+    assert all(t.requires_grad for t in clip_module.foreach_norm(leaves, 2.0))
+
+
+def test_small_lists_and_one_thread_are_not_split(monkeypatch):
+    from labkit import clip as clip_module
+
+    monkeypatch.setattr(clip_module, "_pool", lambda workers: pytest.fail("a small list was handed to a thread"))
+    grads = [torch.ones(1000), torch.ones(1000)]
+    assert [t.item() for t in clip_module.foreach_norm(grads, 2.0)] == [pytest.approx(math.sqrt(1000), rel=1e-6)] * 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        big = [torch.ones(5_000_000), torch.ones(5_000_000)]
+        assert [t.item() for t in clip_module.foreach_norm(big, 1.0)] == [5e6, 5e6]
+    finally:
+        torch.set_num_threads(before)

@@ -359,6 +359,42 @@ def test_rule_with_hysteresis_1_and_no_bounds_is_torchs_rule(init_exp, growth, b
 
 @HYPOTHESIS
 @given(
+    scale=st.one_of(st.floats(2.0**-130, 3e38), st.sampled_from([2.0**-126, 2.0**-149, 3.4e38])),
+    tracker=st.integers(0, 12),
+    left=st.integers(0, 1),
+    found=st.sampled_from([0.0, 1.0, 2.0, math.inf, math.nan]),
+    growth=st.one_of(st.sampled_from([2.0, 1.7]), st.floats(1.01, 8.0)),
+    backoff=st.one_of(st.sampled_from([0.5, 0.3]), st.floats(0.01, 0.99)),
+    interval=st.integers(1, 6),
+    min_scale=st.one_of(st.none(), st.floats(1e-30, 1e4)),
+    counts=st.tuples(st.integers(0, 50), st.integers(0, 50)),
+)
+def test_scaler_update_by_torchs_kernel_is_the_rule(scale, tracker, left, found, growth, backoff, interval, min_scale,
+                                                    counts):
+    """hysteresis 1 and no cap: update() takes torch's fused kernel; from any state, what the rule gives.
+
+    Includes what torch's kernel alone gets wrong for the rule: a tracker at or past a lowered
+    growth_interval (``set_growth_interval``), a scale backed off below the floor, a found_inf
+    of 2 (two optimizers) or NaN, and a scale already below ``min_scale`` (set by hand).
+    """
+    scaler = GradScaler("cpu", growth_factor=growth, backoff_factor=backoff, growth_interval=interval,
+                        min_scale=min_scale)
+    state = scaler._lazy_init(torch.device("cpu"))
+    skips = (max(counts), min(counts))
+    values = (t_scale(scale), t_int(tracker), t_int(left), torch.tensor(skips[0]), torch.tensor(skips[1]))
+    for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), values):
+        state[key].copy_(value)
+    expected = update_scale(*values[:3], torch.tensor(found), scaler.config)
+    scaler._update_by_torch(state, torch.tensor(found))
+    got = (state["scale"], state["growth_tracker"], state["hysteresis_left"])
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.equal(g, e), (got, expected)
+    skipped = int(found != 0)
+    assert (state["skip_count"].item(), state["skip_streak"].item()) == (skips[0] + skipped, (skips[1] + 1) * skipped)
+
+
+@HYPOTHESIS
+@given(
     init_exp=st.integers(-10, 30),
     below=st.integers(0, 8),
     above=st.integers(0, 8),
