@@ -107,10 +107,13 @@ def students():
     return {
         "ada": (solved, every),  # the instructor's code
         "bo": (OTHER_FORMS, every),
-        # the norm's squares in fp16 (overflow); backs off on every overflow, whatever the hysteresis
+        # the norm's squares in fp16 (overflow: only the hidden cases have large fp16 gradients, so nbgrader's 0 on
+        # this part shows it ran them); backs off on every overflow, whatever the hysteresis
         "cy": ({**solved, "grad_norm_answer": NORM_IN_FP16, "scale_answer": STALE_SCALE},
                {**every, "grad_norm_tests": 0, "scale_tests": 0}),
-        # only a NaN loss skips; clips the scaled gradients (no unscale_ before the norm)
+        # only a NaN loss skips; clips the scaled gradients (no unscale_ before the norm; on a skipped step it calls
+        # scaler.update() with no inf check recorded and labkit's GradScaler raises ScalerUsageError: labkit used to
+        # ship that exception object, the grader could not load it and reported tampering, 0/11, where nbgrader gave 6)
         "di": ({**solved, "skip_answer": SKIP_NAN_ONLY, "step_answer": no_unscale},
                {**every, "skip_tests": 0, "step_tests": 0}),
     }
@@ -137,6 +140,9 @@ def autograded(nbgrader_env):
         files[name].parent.mkdir(parents=True)
         nbformat.write(nb, files[name])
     nbgrader(["autograde", "ps1", "--force", "--Execute.timeout=180"], course, env)
+    ran = nbformat.read(course / "autograded" / "cy" / "ps1" / SOURCE.name, as_version=4)
+    assert "check_grad_norm(global_grad_norm, hidden=True)" in next(  # nbgrader put the hidden tests back
+        c.source for c in ran.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "grad_norm_tests")
     from nbgrader.api import Gradebook
 
     theirs = {}
