@@ -25,17 +25,20 @@ from test_grading import AUTOGRADED, NORM_IN_FP16, SOURCE, STALE_SCALE, nbgrader
 pytestmark = [pytest.mark.nbgrader, pytest.mark.timeout(600)]
 ANSWERS = ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")
 
-# correct, but not the instructor's way: per-tensor norms stacked, the student's own norm in the clip, a Python
-# loop with math.isfinite, the rule written the other way round, labkit.clip_grad_norm_ after unscale_
+# correct, but not the instructor's way: a norm scaled by the largest gradient (NaN, not inf, for an inf gradient:
+# the spec allows either), the student's own norm in the clip, a Python loop with math.isfinite, the rule written
+# the other way round, labkit.clip_grad_norm_ after unscale_
 OTHER_FORMS = {
     "grad_norm_answer": '''
 def global_grad_norm(parameters):
     """Return the L2 norm of all parameters' .grad seen as one vector, as a 0-dim float32 tensor."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if len(grads) == 0:
-        return torch.zeros(())
-    per_tensor = torch.stack([g.float().norm() for g in grads])
-    return per_tensor.norm()
+    grads = [p.grad.float() for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    # scaled by the largest magnitude first, so no square overflows (and an inf gradient gives NaN: inf / inf)
+    biggest = torch.stack([g.abs().max() if g.numel() else torch.tensor(0.0) for g in grads]).max()
+    safe = torch.where(biggest > 0, biggest, torch.ones_like(biggest))
+    return safe * torch.sqrt(sum(((g / safe) ** 2).sum() for g in grads))
 ''',
     "clip_answer": '''
 def clip_to_norm_(parameters, max_norm):
