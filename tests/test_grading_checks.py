@@ -360,3 +360,23 @@ def test_two_bugs_in_one_step_get_both_hints_one_per_scenario():
     message = fails(check_guarded_step, make_step(clip_before_unscale=True, scheduler_on_skip=True),
                     "did you clip before unscaling?", "the scheduler advanced on a skipped step")
     assert message.count("[") == 2
+
+
+def test_a_step_that_raises_ships_as_data_the_grader_can_load(tmp_path):
+    """What an honest step raised used to be shipped as the exception object itself (labkit's ScalerUsageError):
+    ``torch.load(weights_only=True)`` refused it and the grader reported the student as tampering, 0 points."""
+    from labkit.grading import checks
+
+    def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss_fn(model(inputs), targets)).backward()
+        scaler.update()  # neither unscale_ nor step: no inf check was recorded
+
+    outs = checks.run("check_guarded_step", guarded_step, False, 0)
+    torch.save({"results": [{"outs": outs}]}, tmp_path / "part-4.pt")  # as the harness ships it
+    shipped = torch.load(tmp_path / "part-4.pt", weights_only=True)["results"][0]["outs"]
+    assert checks.judge("check_guarded_step", "guarded_step", False, 0, shipped).startswith(
+        "guarded_step raised ScalerUsageError: No inf checks were recorded prior to update()")
+    with pytest.raises(AssertionError) as info:  # in the notebook the student still sees their traceback
+        check_guarded_step(guarded_step)
+    assert type(info.value.__cause__).__name__ == "ScalerUsageError"

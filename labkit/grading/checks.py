@@ -733,18 +733,21 @@ def _state(run: _Run, params: list[Tensor]) -> dict[str, Any]:
 def _run_step(fn: Callable, sc: _Scenario) -> dict[str, Any]:
     theirs = _Run(sc)
     params = list(theirs.model.parameters())  # read directly: the student's code holds the model
-    steps = []
+    steps, raised = [], {}
     for i, (x, y, fault) in enumerate(_batches(sc)):
         theirs.fault = fault
         traps: list[str] = []
         with _forbid(STEP_FUNCS, "write the step", traps):
             out = _call(fn, i, theirs.model, theirs.optimizer, theirs.scaler, theirs.scheduler, theirs.loss_fn,
                         x.clone(), y.clone(), sc.max_norm)
+        # what the step raised goes up to where run() drops it: an exception object (labkit's ScalerUsageError
+        # from a step that never called scaler.step) is not data, and torch.load(weights_only=True) refuses it
+        raised = {"_exc": out.pop("_exc")} if "_exc" in out else {}
         out.update(_state(theirs, params), traps=traps, record=_ship_record(out.pop("value", None)))
         steps.append(out)
         if out.get("raised") or traps:
             break
-    return {"steps": steps}
+    return {"steps": steps, **raised}
 
 
 def _step_problem(i: int, sc: _Scenario, ref: StepRecord, rec: dict[str, Any], mine: dict[str, Any],
@@ -926,7 +929,7 @@ def _check(check: str, fn: Callable, hidden: bool, seed: int | None) -> None:
     """Run and judge case by case in this process (the notebook's visible test cells)."""
     seed = _seed(hidden, seed)
     name = getattr(fn, "__name__", "your function")
-    spec, problems = CHECKS[check], []
+    spec, problems, cause = CHECKS[check], [], None
     for case in spec.cases(hidden, seed):
         out = spec.run(fn, case)
         problem = spec.judge(name, case, out, hidden, seed)
@@ -934,8 +937,9 @@ def _check(check: str, fn: Callable, hidden: bool, seed: int | None) -> None:
             if not spec.every_case:
                 raise AssertionError(problem) from out.get("_exc")
             problems.append(problem)
+            cause = cause or out.get("_exc")
     if problems:
-        raise AssertionError(_joined(name, problems))
+        raise AssertionError(_joined(name, problems)) from cause
 
 
 def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, seed: int | None = None) -> None:

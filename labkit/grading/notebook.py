@@ -18,6 +18,7 @@ import ast
 import copy
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Part", "Report", "grade", "plan", "read", "release", "validate"]
+__all__ = ["Part", "Report", "grade", "plan", "read", "release", "sweep", "validate"]
 
 # judging builds reference models under torch's global RNG (seeded, then restored): one thread at a time,
 # or two graded at once (--jobs) would draw each other's weights
@@ -373,6 +374,41 @@ def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dic
     return missing + cells, warnings
 
 
+WORK = "labkit-grade-"  # + "<pid>.<start time>-": each grader's work folders, one per submission being run
+
+
+def _started(pid: int) -> str | None:
+    """Return when process ``pid`` started (clock ticks after boot, /proc's field 22), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def sweep(tmp: str | Path) -> list[Path]:
+    """Remove the work folders that dead graders left in ``tmp``; return what was removed.
+
+    A grader killed by SIGKILL or SIGTERM (a crash, a scheduler, ``kill``) never reaches its
+    cleanup, and bwrap kills its sandboxes with it, so their folders (a few KB each) are garbage.
+    A folder is named for its grader's PID and start time: it is stale once no process has that
+    pair (a reused PID has another start time). Each grading sweeps before it starts.
+
+    >>> import tempfile; tmp = Path(tempfile.mkdtemp())
+    >>> (tmp / "labkit-grade-999999999.1-x").mkdir(); [p.name for p in sweep(tmp)]
+    ['labkit-grade-999999999.1-x']
+    """
+    if _started(os.getpid()) is None:  # no /proc: whether a grader is alive cannot be told, keep everything
+        return []
+    removed = []
+    for path in Path(tmp).glob(f"{WORK}*.*-*"):
+        pid, _, started = path.name[len(WORK):].split("-", 1)[0].partition(".")
+        if pid.isdigit() and _started(int(pid)) != started:
+            shutil.rmtree(path, ignore_errors=True)  # another user's stays: /tmp is sticky
+            removed.append(path)
+    return removed
+
+
 def _not_run(outcome: Any, status: str, wall: float) -> str:
     if outcome.timed_out:
         return (f"not graded: the submission was stopped at the hard limit of {wall:g} s while running {status} "
@@ -429,7 +465,8 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
     calls = [c for p in planned for c in p.calls]
     wall = wall if wall is not None else min(600.0, timeout * (len(cells) + len(calls)) + 30)
     limits = box.Limits(wall=wall)
-    work = Path(tempfile.mkdtemp(prefix="labkit-grade-"))
+    sweep(tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix=f"{WORK}{os.getpid()}.{_started(os.getpid())}-"))
     try:
         (work / "job").mkdir()
         (work / "out").mkdir()
