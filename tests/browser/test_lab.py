@@ -58,7 +58,16 @@ def _labkit_seen():
 
 def seen_problems(nb):  # type: ignore[no-untyped-def]
     nb.kernel(SEEN)
-    return nb.value("_labkit_seen()")
+    # A redraw that a widget callback runs on its own thread (ipykernel 7) can overlap this
+    # inspection, and matplotlib's mathtext parser is not thread-safe (seen once in CI: a
+    # ParseException at char 0 of a tick label): ask again once the redraw is over.
+    for attempt in range(3):
+        try:
+            return nb.value("_labkit_seen()")
+        except AssertionError as e:
+            if "ParseException" not in str(e) or attempt == 2:
+                raise
+            time.sleep(1.0)
 
 
 def shot(nb, tmp_path, name, near=None):  # type: ignore[no-untyped-def]
