@@ -649,7 +649,10 @@ def test_clip_grads_with_norm_on_no_gradients_is_a_no_op():
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    from labkit import clip as clip_module
+
+    monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", True)  # as under OMP_WAIT_POLICY=passive
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # conftest gives each test process one thread; the split needs two
     yield
@@ -699,16 +702,20 @@ def test_split_norms_keep_the_callers_grad_mode(two_threads):
     assert all(t.requires_grad for t in clip_module.foreach_norm(leaves, 2.0))
 
 
-def test_small_lists_and_one_thread_are_not_split(monkeypatch):
+def test_small_lists_one_thread_and_spinning_openmp_threads_are_not_split(monkeypatch):
     from labkit import clip as clip_module
 
     monkeypatch.setattr(clip_module, "_pool", lambda workers: pytest.fail("a small list was handed to a thread"))
+    monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", True)
     grads = [torch.ones(1000), torch.ones(1000)]
     assert [t.item() for t in clip_module.foreach_norm(grads, 2.0)] == [pytest.approx(math.sqrt(1000), rel=1e-6)] * 2
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         big = [torch.ones(5_000_000), torch.ones(5_000_000)]
+        assert [t.item() for t in clip_module.foreach_norm(big, 1.0)] == [5e6, 5e6]
+        torch.set_num_threads(2)
+        monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", False)  # libgomp's default: its threads spin
         assert [t.item() for t in clip_module.foreach_norm(big, 1.0)] == [5e6, 5e6]
     finally:
         torch.set_num_threads(before)
