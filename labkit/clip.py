@@ -155,11 +155,9 @@ def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | N
     >>> foreach_norm([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0)
     [tensor(5.), tensor(1.)]
     """
-    threads = torch.get_num_threads()
-    if not OMP_THREADS_SLEEP or threads < 2 or len(tensors) < 2 or tensors[0].device.type != "cpu":
-        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
-    numel = sum(t.numel() for t in tensors)
-    parts = min(threads, len(tensors), numel // SPLIT_NUMEL)
+    splittable = OMP_THREADS_SLEEP and tensors[0].device.type == "cpu"
+    numel = sum(t.numel() for t in tensors) if splittable else 0
+    parts = min(torch.get_num_threads(), len(tensors), numel // SPLIT_NUMEL)
     if parts < 2:
         return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
     cuts, seen = [], 0

@@ -522,16 +522,17 @@ class GradScaler:
             if keep_if is None and self.config.hysteresis == 1 and self.config.max_scale is None and \
                     device.type in ("cpu", "cuda"):  # where torch has the kernel
                 self._update_by_torch(state, found_inf)
-                self._per_optimizer = {}
-                return
-            new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
-            for key, value in zip(("scale", "growth_tracker", "hysteresis_left"), new):
-                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
-            skipped = (found_inf != 0).long()
-            counters = {"skip_count": state["skip_count"] + skipped, "skip_streak": state["skip_streak"] * skipped + skipped}
-            for key, value in counters.items():
-                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
+            else:
+                self._update_by_rule(state, found_inf, keep_if)
         self._per_optimizer = {}
+
+    def _update_by_rule(self, state: dict[str, Tensor], found_inf: Tensor, keep_if: Tensor | None) -> None:
+        """Write ``update_scale``'s next state and the skip counters; where ``keep_if``, keep the old ones."""
+        new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
+        skipped = (found_inf != 0).long()
+        counters = (state["skip_count"] + skipped, state["skip_streak"] * skipped + skipped)
+        for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), (*new, *counters)):
+            state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
 
     def _update_by_torch(self, state: dict[str, Tensor], found_inf: Tensor) -> None:
         """Do ``update_scale`` in place with torch's fused ``_amp_update_scale_``: ~10 small ops, not ~35.
