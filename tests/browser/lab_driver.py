@@ -171,8 +171,10 @@ class LabServer:
         return killed
 
 
-# The notebook panel for a path, from JupyterLab's shell (all later calls go through it).
-_FIND = """(path) => { for (const w of window.jupyterapp.shell.widgets('main'))
+# The notebook panel for a path, from JupyterLab's shell (all later calls go through it); null
+# while the page is still loading and JupyterLab has not set window.jupyterapp (a wait polls on;
+# reading .shell of undefined would end it with a TypeError, as it did once in CI).
+_FIND = """(path) => { if (!window.jupyterapp) return null; for (const w of window.jupyterapp.shell.widgets('main'))
                         if (w.context && w.context.path === path) return w; return null; }"""
 
 
