@@ -347,13 +347,16 @@ class GradScaler:
         opt_state["found_inf"] = found_inf
         opt_state["stage"] = _UNSCALED
 
-    def inf_check_(self, optimizer: torch.optim.Optimizer, found_inf: Tensor, *, unscaled: bool) -> None:
+    def inf_check_(self, optimizer: torch.optim.Optimizer, found_inf: Tensor | bool, *, unscaled: bool) -> None:
         """Record ``found_inf`` for ``optimizer`` from a check made elsewhere, instead of ``unscale_``'s pass.
 
         ``TrainStep`` reads the per-tensor norms of the *scaled* gradients once: a NaN/inf
         norm is the inf check, so no second read pass is needed. ``unscaled=True`` says the
         gradients were also divided by the scale (then ``step`` must not unscale them again).
-        Under ``torch.distributed`` ``found_inf`` is reduced (MAX) here, as in ``unscale_``.
+        Under ``torch.distributed`` a tensor ``found_inf`` is reduced (MAX) here, as in
+        ``unscale_``. A Python bool is a decision already read to the host (``TrainStep``'s,
+        from the global norm, the same on every rank): it is not reduced, and ``will_skip``
+        and ``step`` then need no sync.
 
         >>> s = GradScaler("cpu"); w = torch.ones(1, requires_grad=True); opt = torch.optim.SGD([w], lr=1.0)
         >>> s.scale(w.sum()).backward(); s.inf_check_(opt, torch.tensor(1.0), unscaled=False); s.update(); s.get_scale()
@@ -364,8 +367,13 @@ class GradScaler:
         opt_state = self._opt_state(optimizer)
         if opt_state["stage"] != _READY:
             raise RuntimeError(f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage']}.")
-        found = found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0 else found_inf.float().reshape(())
-        all_reduce_(found, "max", self.process_group)
+        if isinstance(found_inf, bool):
+            device = self._state["scale"].device if self._state is not None else torch.device("cpu")
+            opt_state["host"] = found_inf
+            found = torch.full((), float(found_inf), device=device)  # update() moves the scale on the device
+        else:
+            found = found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0 else found_inf.float().reshape(())
+            all_reduce_(found, "max", self.process_group)
         opt_state.update(found_inf=found, has_grads=True, stage=_UNSCALED if unscaled else _CHECKED)
 
     def will_skip(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -521,7 +529,9 @@ class GradScaler:
             found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
             if keep_if is None and self.config.hysteresis == 1 and self.config.max_scale is None and \
                     device.type in ("cpu", "cuda"):  # where torch has the kernel
-                self._update_by_torch(state, found_inf)
+                # every check read to the host (inf_check_ given a bool, or will_skip) and none overflowed
+                clean = all(s.get("host") is False for s in self._per_optimizer.values() if s["has_grads"])
+                self._update_by_torch(state, found_inf, clean=clean)
             else:
                 self._update_by_rule(state, found_inf, keep_if)
         self._per_optimizer = {}
@@ -534,19 +544,26 @@ class GradScaler:
         for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), (*new, *counters)):
             state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
 
-    def _update_by_torch(self, state: dict[str, Tensor], found_inf: Tensor) -> None:
+    def _update_by_torch(self, state: dict[str, Tensor], found_inf: Tensor, clean: bool = False) -> None:
         """Do ``update_scale`` in place with torch's fused ``_amp_update_scale_``: ~10 small ops, not ~35.
 
         For torch's own config (``hysteresis=1``, no ``max_scale``), where ``hysteresis_left``
         is 0 or 1 and never changes a decision. Two additions make torch's kernel the rule: the
         tracker is first clamped below ``growth_interval`` (the rule grows at ``>=``, the
         kernel at ``==``: they part after ``set_growth_interval`` lowers it), and a backed-off
-        scale is floored. ``tests/test_scaler.py`` holds it to ``update_scale`` (hypothesis).
+        scale is floored. ``clean``: every inf check was read to the host and none found one.
+        ``tests/test_scaler.py`` holds it to ``update_scale`` (hypothesis).
         """
         config = self.config
         scale, tracker = state["scale"], state["growth_tracker"]
-        overflow = found_inf != 0
         tracker.clamp_(max=config.growth_interval - 1)
+        if clean:  # known on the host to be no overflow: no back-off, no floor, no skip to count (7 kernels less)
+            torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
+                                     config.growth_interval)
+            state["hysteresis_left"].masked_fill_(tracker == 0, 1)
+            state["skip_streak"].zero_()
+            return
+        overflow = found_inf != 0
         torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
                                  config.growth_interval)
         floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)

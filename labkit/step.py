@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
-    check_max_norm, check_norm_type, clip_coef, first_nonfinite, per_tensor_norms, scale_grads_, total_norm,
+    check_max_norm, check_norm_type, clip_coef, first_nonfinite, host_clip_coef, per_tensor_norms, round_to,
+    scale_grads_, total_norm,
 )
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
@@ -206,8 +207,12 @@ class TrainStep:
     ``found_inf``, so the gradients are read once and the step needs no host sync.
 
     Host syncs per step (``sync_every=None``): one per micro-batch for the loss check
-    (backward is skipped on the host), one for the step decision (none with a fused
-    optimizer) and one batched copy of the record's numbers. With ``sync_every=N`` the
+    (backward is skipped on the host), one read of the norm and the scale that decides the
+    step, and one of the next scale (none when the scaler is disabled: fp32, bf16). Having
+    read the norm, the check, the clip coefficient and the record are float arithmetic on
+    the host, with the kernels' own bits, not ~25 0-dim kernels. A fused optimizer on a GPU
+    instead keeps everything on the device (no sync inside the step) and copies the
+    record's numbers once, after it. With ``sync_every=N`` the
     loss check and the skip decision stay on the device (a NaN/inf loss still skips the
     step and leaves the scale untouched; backward then runs on it), the records are
     ``DeferredRecord`` and are copied over in one batch every N steps, or when one is read;
@@ -314,6 +319,8 @@ class TrainStep:
         self.process_group = process_group
         self.observer = observer  # sees the weights around the optimizer step (labkit.precision.StaleMonitor)
         self.device = device
+        # the parts of _decides_on_host that never change (a read decides a plain optimizer's step; on a CPU it is free)
+        self._host_can_decide = device.type == "cpu" or not getattr(optimizer, "_step_supports_amp_scaling", False)
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         self.scaler = scaler
@@ -379,6 +386,10 @@ class TrainStep:
         deferred = self.sync_every is not None
         late_error: BaseException | None = None
         try:
+            # the last step's gradients, kept for its forensics: let zero_grad free them, or they would
+            # live through this forward and backward (a second set of gradients: 134 MB and ~9 ms a
+            # step of freeing them late on a 33.6M-parameter model)
+            self._named_grads: list[tuple[str, Tensor]] = []
             opt.zero_grad(set_to_none=True)
             loss_total: Tensor | float = 0.0
             bad_loss, loss_bad = None, None
@@ -417,8 +428,8 @@ class TrainStep:
                         for b, s in zip(buffers, saved):
                             b.copy_(torch.where(skipped.to(b.device), s, b))
             else:
-                values, norms = self._unscale_check_clip_step(step, torch.tensor(float(loss_total)), None)
-                record = self._record(step, lrs, values.tolist(), norms)  # one batched copy
+                values, norms = self._unscale_check_clip_step(step, round_to(float(loss_total), torch.float32), None)
+                record = self._record(step, lrs, values if isinstance(values, list) else values.tolist(), norms)
                 self._annotate(record)
         except BaseException:
             # the user's model, loss or optimizer raised (or a bad loss): nothing of this step is kept
@@ -477,6 +488,17 @@ class TrainStep:
         if append:
             self._log.append(record)
 
+    def _decides_on_host(self) -> bool:
+        """Whether this step's check and coefficient are done on the host, from one read of the norm.
+
+        With per-step records (``sync_every=None``), where a host sync decides the step anyway
+        (an optimizer that is not ``fused=True``), and on a CPU, where a read costs nothing
+        (a fused optimizer on a GPU keeps its sync-free step). Adaptive clippers and detectors
+        keep their state on the device: they take the device path.
+        """
+        return self._host_can_decide and self.sync_every is None and self.detector is None and \
+            (self.clipper is None or type(self.clipper) is NormClip)
+
     def _defenses(self, loss: Tensor, norm: Tensor, norms: Tensor, found_inf: Tensor) -> tuple[Tensor, Tensor, bool]:
         """Issue 15: the detector's decision and the clipper's coefficient; return ``(coef, found_inf, keep_scale)``.
 
@@ -484,8 +506,7 @@ class TrainStep:
         skip sets ``found_inf`` (the optimizer skips) and keeps the scale. Global-norm clippers give
         the coefficient from their state and observe the norm; per-tensor ones act after unscaling.
         """
-        spike = {"z_loss": math.nan, "z_grad": math.nan, "threshold": None, "why": None, "reason": None}
-        self._spike = spike
+        spike = self._spike = _no_spike()
         action = None
         if self.detector is not None:
             loss_value, norm_value = torch.stack([loss.double().cpu(), norm.double().cpu()]).tolist()
@@ -583,34 +604,70 @@ class TrainStep:
         self.flush()
         return self._log
 
-    def _unscale_check_clip_step(self, step: int, loss: Tensor, loss_bad: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Unscale, check, clip, step or skip, update; return the record's numbers and the per-tensor norms, on the device."""
+    def _unscale_check_clip_step(
+        self, step: int, loss: Tensor | float, loss_bad: Tensor | None
+    ) -> tuple[Tensor | list[float], Tensor]:
+        """Unscale, check, clip, step or skip, update; return the record's numbers and the per-tensor norms.
+
+        The numbers stay on the device (a tensor), except where the host decides the step
+        (``_decides_on_host``): then they are already floats.
+        """
         scaler, opt = self.scaler, self.optimizer
-        scale = scaler.get_scale_async().clone()  # update() writes the state in place
+        host = self._decides_on_host()
+        if not host:
+            scale = scaler.get_scale_async().clone()  # update() writes the state in place; the record reads it after
+        elif scaler.is_enabled():
+            scale = scaler.get_scale_async()  # read with the norm, before update()
         params = self._named_params()
-        named = [(n, p.grad) for n, p in params if p.grad is not None]
-        if any(g.is_sparse for _, g in named):
-            raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the model.")
+        named, grads = [], []
+        for n, p in params:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the model.")
+                named.append((n, g))
+                grads.append(g)
         self._named_grads = named
-        grads = [g for _, g in named]
         # pass 1 (read): the per-tensor norms of the *scaled* gradients; a NaN/inf among them is the inf check
         scaled_norms = per_tensor_norms(grads, self.norm_type)
-        inv_scale = scale.double().reciprocal().float()  # as torch's unscale_: exact for powers of two
-        norms = scaled_norms * inv_scale.to(scaled_norms.device)
+        if scaler.is_enabled():
+            inv_scale: Tensor | None = scale.double().reciprocal().float()  # as torch's unscale_: exact for powers of two
+            norms = scaled_norms * inv_scale.to(scaled_norms.device)
+        else:  # a disabled scaler's scale is 1: nothing to undo (3 kernels less)
+            inv_scale, norms = None, scaled_norms
         norm = total_norm(norms, self.norm_type)
         # A scaled norm can overflow float32 where the unscaled one would not (|g| * scale > 3.4e38):
         # then this skips (and backs off) where torch's unscale-then-norm would not. See tests/test_fused.py.
-        # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: flag it, so
-        # the step skips, is counted and backs off onto the floor, which revives it.
-        # For an order > 0 a NaN/inf norm, or 1/scale = inf, reaches the total: its check is all of them.
-        found_inf = torch.isnan(norm - norm)  # inf - inf and NaN - NaN are NaN: isfinite's answer in 2 kernels, not 4
-        if not self.norm_type > 0:  # order 0 counts non-zeros and -inf takes the min: an inf need not reach it
-            found_inf = found_inf | ~torch.isfinite(scaled_norms).all() | ~torch.isfinite(inv_scale)
-        found_inf = found_inf.float()
-        if loss_bad is not None:
-            found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
-        # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
-        coef, found_inf, keep = self._defenses(loss, norm, norms, found_inf)
+        # A dead scale (below float32's normal range, set by hand) has 1/scale = inf: the norm is
+        # inf or NaN, so the step skips, is counted and backs off onto the floor, which revives it.
+        # TrainStep takes orders p > 0 only: a NaN/inf norm, or 1/scale = inf, reaches the total.
+        if host:
+            # host sync, needed: a plain optimizer is skipped from the host (and on a CPU a read is
+            # free). Reading the norm and the scale here instead of found_inf, the check, the
+            # coefficient and the record are a few float operations with the kernels' own bits, not
+            # ~25 0-dim kernels (~130 us a step on a CPU, 13% of the toy model's step; on a GPU,
+            # launches). The norm is global, the same bits on every rank (DDP's gradients are equal,
+            # FSDP2's norm is all-reduced), so the decision is too: found_inf needs no all-reduce.
+            if inv_scale is None:
+                norm_value, scale_value = norm.item(), 1.0
+            else:
+                norm_value, scale_value = torch.stack([norm, scale.to(norm)]).tolist()
+            skip = not math.isfinite(norm_value)
+            self._spike = _no_spike()
+            coef_value = 1.0 if self.max_norm is None else host_clip_coef(norm_value, self.max_norm, norm.dtype)
+            if inv_scale is not None:  # coef * float32(1/scale), as the device path multiplies
+                coef_times_inv = round_to(coef_value * round_to(1.0 / scale_value, torch.float32), norm.dtype)
+            else:
+                coef_times_inv = coef_value
+            found_inf: Tensor | bool = skip
+            keep = False
+        else:
+            loss = torch.as_tensor(loss)  # a float with per-step records: the detector and the record read it
+            found_inf = torch.isnan(norm - norm).float()  # inf - inf and NaN - NaN are NaN: isfinite's answer in 2 kernels, not 4
+            if loss_bad is not None:
+                found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
+            # issue 15: the detector decides here (on the host), then the clipper gives the coefficient
+            coef, found_inf, keep = self._defenses(loss, norm, norms, found_inf)
         if getattr(opt, "_step_supports_amp_scaling", False):
             # fused optimizer: its kernel divides by grad_scale = scale / coef and skips on found_inf
             scaler.inf_check_(opt, found_inf, unscaled=False)
@@ -618,15 +675,23 @@ class TrainStep:
                     isinstance(self.clipper, UpdateNormClip):
                 raise ValueError(f"{type(self.clipper).__name__} clips the gradients or the update itself: use a "
                                  "non-fused optimizer with it (fused=False).")
-            opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
+            if host:  # float32(1 / coef), as the device path's coef.reciprocal().float()
+                inv_coef = round_to(round_to(1.0 / coef_value if coef_value else math.inf, norm.dtype), torch.float32)
+                opt.grad_scale = torch.full((), inv_coef, device=norm.device)  # type: ignore[attr-defined]
+            else:
+                opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
                 self.observer.before_step(params, step)
             found = scaler.step_async(opt)
         else:
             scaler.inf_check_(opt, found_inf, unscaled=True)
-            if not scaler.will_skip(opt):  # host sync: a plain optimizer can only be skipped from the host
+            if not scaler.will_skip(opt):  # host sync on the device path: a plain optimizer is skipped from the host
                 # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
-                scale_grads_(grads, (coef * inv_scale.to(coef.device)).to(coef.dtype))
+                if host:
+                    factor = torch.full((), coef_times_inv, dtype=norm.dtype, device=norm.device)
+                else:
+                    factor = coef if inv_scale is None else (coef * inv_scale.to(coef.device)).to(coef.dtype)
+                scale_grads_(grads, factor)
                 if self.clipper is not None and not isinstance(self.clipper, GlobalClipper):  # per tensor: on unscaled grads
                     coef, self._spike["threshold"] = self.clipper.clip_with_norms_([p for _, p in params], norms, norm)
                 if self.observer is not None:
@@ -642,6 +707,8 @@ class TrainStep:
             scaler.update()
         else:
             scaler.update(keep_if=loss_bad.to(scale.device))
+        if host:  # the next scale is the one read left (none when the scaler is disabled)
+            return [loss, 0.0, norm_value, coef_value, scale_value, scaler.get_scale(), float(skip)], norms
         device = norm.device
         values = torch.stack([  # stack promotes the dtypes: one float64 row, read in one copy
             loss.to(device), (loss_bad if loss_bad is not None else torch.zeros((), device=device)).to(device), norm,
@@ -705,6 +772,11 @@ class TrainStep:
         if "log" in state:
             self._log.load_state_dict(state["log"])
         self.step_count = step
+
+
+def _no_spike() -> dict[str, Any]:
+    """Return what ``_annotate`` reads when no detector or adaptive clipper has spoken."""
+    return {"z_loss": math.nan, "z_grad": math.nan, "threshold": None, "why": None, "reason": None}
 
 
 def _restore(buffers: list[Tensor], saved: list[Tensor]) -> None:

@@ -116,8 +116,8 @@ def test_scaled_norm_overflow_is_where_they_differ():
     # the stage itself, on the scaled gradients backward would have left: what TrainStep does next
     w.grad = torch.full((2048,), 1e17 * 2.0**16)
     train.scaler.scale(torch.ones(()))
-    values, _ = train._unscale_check_clip_step(0, torch.tensor(0.0), None)
-    loss, _, norm, coef, scale, next_scale, found = values.tolist()
+    values, _ = train._unscale_check_clip_step(0, 0.0, None)  # SGD, per-step records: the host decides
+    loss, _, norm, coef, scale, next_scale, found = values
     assert found == 1.0 and next_scale == scale / 2 and torch.equal(w, torch.zeros(2048))
 
     w2, opt2 = setup()
@@ -183,18 +183,20 @@ class SyncCounter:
 
 
 @pytest.mark.parametrize(
-    "kind, sync_every, expected",
+    "kind, precision, sync_every, expected",
     [
-        ("sgd", None, [3] * 4),            # loss check, step decision, record copy
-        ("adamw-fused", None, [2] * 4),    # loss check, record copy: the fused kernel skips by itself
-        ("sgd", 4, [1, 1, 1, 2]),          # the step decision; the 4th also copies the 4 records
-        ("adamw-fused", 4, [0, 0, 0, 1]),  # nothing per step; one batched copy every 4 steps
+        ("sgd", "fp16", None, [3] * 4),            # loss check, the norm and scale (the step decision), the next scale
+        ("adamw-fused", "fp16", None, [3] * 4),    # the same on a CPU, where a read costs nothing (on a GPU: 2, the
+                                                   # loss check and the record copy: the fused kernel skips by itself)
+        ("sgd", "fp32", None, [2] * 4),            # loss check, the norm: a disabled scaler's scale needs no read
+        ("sgd", "fp16", 4, [1, 1, 1, 2]),          # the step decision; the 4th also copies the 4 records
+        ("adamw-fused", "fp16", 4, [0, 0, 0, 1]),  # nothing per step; one batched copy every 4 steps
     ],
 )
-def test_host_syncs_per_step(task, monkeypatch, kind, sync_every, expected):
+def test_host_syncs_per_step(task, monkeypatch, kind, precision, sync_every, expected):
     torch.manual_seed(0)
     model = task.model()
-    train = labkit.TrainStep(model, make_optimizer(kind, model.parameters()), task.loss_fn, precision="fp16",
+    train = labkit.TrainStep(model, make_optimizer(kind, model.parameters()), task.loss_fn, precision=precision,
                              max_norm=1e6, sync_every=sync_every)
     train(*task.batch(0))  # warm-up: the scaler's state is created on the first call
     train.flush()
@@ -205,6 +207,51 @@ def test_host_syncs_per_step(task, monkeypatch, kind, sync_every, expected):
         train(*task.batch(i))
         counts.append(counter.count - before)
     assert counts == expected
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "fp64-model"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
+def test_host_decision_equals_the_device_path(task, monkeypatch, kind, precision):
+    """Per-step records decide on the host (one read of the norm and scale, then float arithmetic):
+    the device path's records and parameters to the bit, with clips, a NaN batch and an inf gradient."""
+    faults = {2: "nan"}
+
+    def run(host):
+        with monkeypatch.context() as m:
+            if not host:
+                m.setattr(labkit.TrainStep, "_decides_on_host", lambda self: False)
+            torch.manual_seed(0)
+            model = task.model().double() if precision == "fp64-model" else task.model()
+            train = labkit.TrainStep(model, make_optimizer(kind, model.parameters()), task.loss_fn, max_norm=0.05,
+                                     precision="fp32" if precision == "fp64-model" else precision, faults=faults)
+            assert train._decides_on_host() is host
+            # step 4's loss is finite, one of its gradients is inf (in every precision, unlike an overflow)
+            next(model.parameters()).register_hook(lambda g: g * math.inf if train.step_count == 4 else g)
+            batches = [task.batch(i) for i in range(8)]
+            if precision == "fp64-model":
+                batches = [(x.double(), y.double()) for x, y in batches]
+            return model, [train(x, y) for x, y in batches]
+
+    model_h, records_h = run(host=True)
+    model_d, records_d = run(host=False)
+    assert _dicts(records_h) == _dicts(records_d)
+    assert records_h[2].reason == "nonfinite_loss" and records_h[4].reason == "nonfinite_grad"
+    assert sum(r.clipped for r in records_h) >= 3
+    for p, q in zip(model_h.parameters(), model_d.parameters()):
+        assert p.dtype == (torch.float64 if precision == "fp64-model" else torch.float32) and torch.equal(p, q)
+
+
+def test_only_per_step_records_with_a_fixed_threshold_decide_on_host(task):
+    model = task.model()
+
+    def host(optimizer="sgd", **kwargs):
+        opt = make_optimizer(optimizer, model.parameters())
+        return labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", **kwargs)._decides_on_host()
+
+    assert host() and host(max_norm=None) and host("adamw-fused")  # fused: on a CPU, where a read costs nothing
+    assert not host(sync_every=4)
+    assert not host(clipper=labkit.clippers.ZClip(), max_norm=None)
+    assert not host(detector=labkit.spikes.SpikeDetector())
 
 
 def test_sync_counter_counts(monkeypatch):

@@ -368,14 +368,17 @@ def test_rule_with_hysteresis_1_and_no_bounds_is_torchs_rule(init_exp, growth, b
     interval=st.integers(1, 6),
     min_scale=st.one_of(st.none(), st.floats(1e-30, 1e4)),
     counts=st.tuples(st.integers(0, 50), st.integers(0, 50)),
+    read=st.booleans(),
 )
 def test_scaler_update_by_torchs_kernel_is_the_rule(scale, tracker, left, found, growth, backoff, interval, min_scale,
-                                                    counts):
+                                                    counts, read):
     """hysteresis 1 and no cap: update() takes torch's fused kernel; from any state, what the rule gives.
 
     Includes what torch's kernel alone gets wrong for the rule: a tracker at or past a lowered
     growth_interval (``set_growth_interval``), a scale backed off below the floor, a found_inf
     of 2 (two optimizers) or NaN, and a scale already below ``min_scale`` (set by hand).
+    ``read``: the check was read to the host and found nothing (TrainStep's per-step records),
+    where update() leaves out the back-off's kernels.
     """
     scaler = GradScaler("cpu", growth_factor=growth, backoff_factor=backoff, growth_interval=interval,
                         min_scale=min_scale)
@@ -385,7 +388,7 @@ def test_scaler_update_by_torchs_kernel_is_the_rule(scale, tracker, left, found,
     for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), values):
         state[key].copy_(value)
     expected = update_scale(*values[:3], torch.tensor(found), scaler.config)
-    scaler._update_by_torch(state, torch.tensor(found))
+    scaler._update_by_torch(state, torch.tensor(found), clean=read and found == 0)
     got = (state["scale"], state["growth_tracker"], state["hysteresis_left"])
     for g, e in zip(got, expected):
         assert g.dtype == e.dtype and torch.equal(g, e), (got, expected)

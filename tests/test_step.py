@@ -5,6 +5,7 @@ import copy
 import io
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -691,3 +692,18 @@ def test_bf16_with_an_enabled_scaler_warns(make_step):
         warnings.simplefilter("always")
         make_step("bf16", scaler=labkit.GradScaler("cpu", enabled=False))
     assert count(caught, labkit.LabkitWarning) == 0
+
+
+@pytest.mark.parametrize("precision, sync_every", [("fp32", None), ("fp16", None), ("fp16", 2)])
+def test_no_gradient_of_the_last_step_lives_into_the_next_forward(task, precision, sync_every):
+    """zero_grad frees the last step's gradients, as in torch's loop: none is kept alive (a second
+    set of gradients in memory through forward and backward, and their freeing paid later)."""
+    model = task.model()
+    train = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
+                             precision=precision, max_norm=0.05, sync_every=sync_every)
+    train(*task.batch(0))
+    old = [weakref.ref(p.grad) for p in model.parameters()]
+    alive = []
+    model.register_forward_pre_hook(lambda module, args: alive.append(sum(r() is not None for r in old)))
+    record = train(*task.batch(1))
+    assert alive == [0] and record.clipped and record.top_grads  # the forensics still had the gradients
