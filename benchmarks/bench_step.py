@@ -10,7 +10,8 @@
 (b) ``TrainStep`` against torch's textbook AMP loop (autocast, ``scale().backward()``,
     ``unscale_``, ``clip_grad_norm_``, ``step``, ``update``, reading loss, norm and scale each
     step) on the toy model and on a wide MLP, with AdamW foreach and fused, per-step records
-    (``sync_every=None``) and deferred ones (``sync_every=N``).
+    (``sync_every=None``) and deferred ones (``sync_every=N``); each loop is timed after one
+    warm-up step, with the model, optimizer state and scaler set up outside the timer.
 (c) host syncs per step of each, counted by trapping ``.item()``, ``bool()``, ``float()``,
     ``int()``, ``.tolist()``, ``.cpu()`` called from labkit, torch.amp or the loop itself
     (torch's optimizers' reads of their CPU step counters are no device syncs).
@@ -40,8 +41,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def interleaved(fns: dict, repeat: int, device: torch.device) -> dict[str, float]:
-    """Run each fn once per round, in turn, ``repeat`` rounds; return each one's median seconds."""
+def interleaved(fns: dict, repeat: int, device: torch.device, self_timed: bool = False) -> dict[str, float]:
+    """Run each fn once per round, in turn, ``repeat`` rounds; return each one's median seconds.
+
+    ``self_timed``: each fn returns the seconds of its own timed part (setup left out).
+    """
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
         fn()
@@ -49,9 +53,9 @@ def interleaved(fns: dict, repeat: int, device: torch.device) -> dict[str, float
         for name, fn in fns.items():
             sync(device)
             t = time.perf_counter()
-            fn()
+            inner = fn()
             sync(device)
-            times[name].append(time.perf_counter() - t)
+            times[name].append(inner if self_timed else time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -106,8 +110,8 @@ class Wide(nn.Sequential):
         super().__init__(*layers)
 
 
-def textbook_loop(model, opt, batches, dtype, device, max_norm=1.0):
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+def textbook_loop(model, opt, batches, dtype, device, max_norm=1.0, scaler=None):
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     seen = []
     for x, y in batches:
         opt.zero_grad(set_to_none=True)
@@ -123,9 +127,9 @@ def textbook_loop(model, opt, batches, dtype, device, max_norm=1.0):
     return seen
 
 
-def trainstep_loop(model, opt, batches, precision, sync_every, max_norm=1.0):
-    step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=max_norm,
-                            sync_every=sync_every, skip_alarm=None, clip_alarm=None)
+def trainstep_loop(model, opt, batches, precision, sync_every, max_norm=1.0, step=None):
+    step = step or labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=max_norm,
+                                    sync_every=sync_every, skip_alarm=None, clip_alarm=None)
     records = [step(x, y) for x, y in batches]
     step.flush()
     return records
@@ -141,20 +145,34 @@ def make_setup(width, fused, device, steps, batch=64):
 
 
 def bench_step(width, fused, precision, device, steps, repeat, sync_every):
+    """Per loop, the seconds of ``steps`` steps after one warm-up step (model, optimizer state and
+    scaler set up outside the timer, as a training run pays them once)."""
     dtype = labkit.step.PRECISIONS[precision]
 
+    def timed(loop, batches):
+        sync(device)
+        t = time.perf_counter()
+        loop(batches)
+        sync(device)
+        return time.perf_counter() - t
+
     def run_textbook():
-        model, opt, batches = make_setup(width, fused, device, steps)
-        textbook_loop(model, opt, batches, dtype, device)
+        model, opt, batches = make_setup(width, fused, device, steps + 1)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        textbook_loop(model, opt, batches[:1], dtype, device, scaler=scaler)
+        return timed(lambda b: textbook_loop(model, opt, b, dtype, device, scaler=scaler), batches[1:])
 
     def run_ours(every):
         def run():
-            model, opt, batches = make_setup(width, fused, device, steps)
-            trainstep_loop(model, opt, batches, precision, every)
+            model, opt, batches = make_setup(width, fused, device, steps + 1)
+            step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=1.0,
+                                    sync_every=every, skip_alarm=None, clip_alarm=None)
+            trainstep_loop(model, opt, batches[:1], precision, every, step=step)
+            return timed(lambda b: trainstep_loop(model, opt, b, precision, every, step=step), batches[1:])
         return run
 
     fns = {"torch": run_textbook, "labkit": run_ours(None), f"labkit sync_every={sync_every}": run_ours(sync_every)}
-    return interleaved(fns, repeat, device)
+    return interleaved(fns, repeat, device, self_timed=True)
 
 
 # ---------------------------------------------------------------- (c) host syncs per step
@@ -217,13 +235,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="reduced sizes (2M gradients, a ~1M-parameter MLP)")
-    ap.add_argument("--precision", default="fp16", choices=list(labkit.step.PRECISIONS))
+    ap.add_argument("--precision", choices=list(labkit.step.PRECISIONS),
+                    help="default fp16 on a GPU, fp32 on a CPU (most emulate fp16: the MLP would take an hour)")
+    ap.add_argument("--models", default="toy,mlp", help="(b)'s models: toy, mlp or both")
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run, e.g. --parts a")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     device = torch.device(args.device)
-    numel, width, steps, repeat = (2_000_000, 512, 16, 5) if args.quick else (50_000_000, 4096, 50, 9)
+    args.precision = args.precision or ("fp16" if device.type == "cuda" else "fp32")
+    if set(args.models.split(",")) - {"toy", "mlp"}:
+        ap.error(f"--models takes toy, mlp or toy,mlp; got {args.models!r}")
+    numel, width, repeat = (2_000_000, 512, 5) if args.quick else (50_000_000, 4096, 9)
     if device.type == "cpu":
         torch.set_num_threads(1 if args.quick else torch.get_num_threads())  # --quick: 1 thread, steadier on a shared machine
     where = torch.cuda.get_device_name() if device.type == "cuda" else cpu_name()
@@ -232,7 +255,7 @@ def main() -> None:
     if "a" in args.parts:
         clip_part(numel, device, repeat)
     if "b" in args.parts:
-        step_part(args, width, device, steps, repeat)
+        step_part(args, width, device)
     if "c" in args.parts:
         sync_part(args, device)
 
@@ -245,12 +268,16 @@ def clip_part(numel, device, repeat):
           f"labkit/floor = {t['labkit'] / t['floor']:.2f} (goal <= 1.15)")
 
 
-def step_part(args, width, device, steps, repeat):
-    print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, {steps} steps, AdamW; ratio labkit/torch (goal <= 1.0)")
-    for w in (0, width):
+def step_part(args, width, device):
+    print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, AdamW, timed after one warm-up step; "
+          "ratio labkit/torch (goal <= 1.0)")
+    # the toy's step is ~1 ms of Python and small kernels: many steps and rounds; the MLP's is ~0.2 s
+    sizes = {"toy": (0, 200, 7), "mlp": (width, 16 if args.quick else 20, 5)}
+    for name in args.models.split(","):
+        w, steps, rounds = sizes[name]
         n = sum(p.numel() for p in make_setup(w, False, device, 1)[0].parameters())
         for fused in (False, True):
-            t = bench_step(w, fused, args.precision, device, steps, max(3, repeat // 3), args.sync_every)
+            t = bench_step(w, fused, args.precision, device, steps, rounds, args.sync_every)
             label = f"{'toy' if not w else 'MLP'} {n / 1e6:.2f}M params, {'fused' if fused else 'foreach'}"
             ratios = "  ".join(f"{k} {v / t['torch']:.2f}x" for k, v in t.items() if k != "torch")
             print(f"    {label:<34} torch {t['torch'] * 1e3 / steps:7.2f} ms/step   {ratios}")

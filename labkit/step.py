@@ -202,7 +202,8 @@ class TrainStep:
     Unscale, check and clip take three passes over the gradients, not torch's five: one read
     yields the per-tensor norms of the *scaled* gradients (a NaN/inf among them is the inf
     check), then one read-write multiplies by ``coef / scale``; a skipped step writes
-    nothing. An optimizer built with ``fused=True`` (torch's Adam, AdamW, SGD, Adagrad) does
+    nothing, nor does one known on the host to multiply by 1 (no clip, no scale: fp32 and
+    bf16's usual step; torch multiplies by 1 anyway). An optimizer built with ``fused=True`` (torch's Adam, AdamW, SGD, Adagrad) does
     that multiply itself: ``scale / coef`` is handed over as its ``grad_scale`` with
     ``found_inf``, so the gradients are read once and the step needs no host sync.
 
@@ -675,9 +676,9 @@ class TrainStep:
                     isinstance(self.clipper, UpdateNormClip):
                 raise ValueError(f"{type(self.clipper).__name__} clips the gradients or the update itself: use a "
                                  "non-fused optimizer with it (fused=False).")
-            if host:  # float32(1 / coef), as the device path's coef.reciprocal().float()
+            if host:  # float32(1 / coef), as the device path's coef.reciprocal().float(); None for 1: no division
                 inv_coef = round_to(round_to(1.0 / coef_value if coef_value else math.inf, norm.dtype), torch.float32)
-                opt.grad_scale = torch.full((), inv_coef, device=norm.device)  # type: ignore[attr-defined]
+                opt.grad_scale = None if inv_coef == 1.0 else torch.full((), inv_coef, device=norm.device)  # type: ignore[attr-defined]
             else:
                 opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped
@@ -686,12 +687,12 @@ class TrainStep:
         else:
             scaler.inf_check_(opt, found_inf, unscaled=True)
             if not scaler.will_skip(opt):  # host sync on the device path: a plain optimizer is skipped from the host
-                # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact)
-                if host:
-                    factor = torch.full((), coef_times_inv, dtype=norm.dtype, device=norm.device)
-                else:
-                    factor = coef if inv_scale is None else (coef * inv_scale.to(coef.device)).to(coef.dtype)
-                scale_grads_(grads, factor)
+                # pass 2 (read-write): unscale and clip in one multiply (coef * 2^-k is exact); known on
+                # the host to be x1 (no clip, no scale: most steps in fp32/bf16), it is left out
+                if not host:
+                    scale_grads_(grads, coef if inv_scale is None else (coef * inv_scale.to(coef.device)).to(coef.dtype))
+                elif coef_times_inv != 1.0:
+                    scale_grads_(grads, torch.full((), coef_times_inv, dtype=norm.dtype, device=norm.device))
                 if self.clipper is not None and not isinstance(self.clipper, GlobalClipper):  # per tensor: on unscaled grads
                     coef, self._spike["threshold"] = self.clipper.clip_with_norms_([p for _, p in params], norms, norm)
                 if self.observer is not None:

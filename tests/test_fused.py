@@ -346,3 +346,21 @@ def test_deferred_records_keep_the_observer(task):
     per_step, deferred = run(None), run(4)
     assert [r.stale for r in deferred] == [r.stale for r in per_step]
     assert per_step[0].stale and per_step[1].stale == {}, "every=2: steps 0 and 2 are observed"
+
+
+@pytest.mark.parametrize("precision, max_norm, written", [("fp32", 1e6, False), ("bf16", 1e6, False),
+                                                          ("fp32", 0.05, True), ("fp16", 1e6, True)])
+def test_a_step_that_neither_clips_nor_unscales_writes_no_gradient(task, precision, max_norm, written):
+    """Known on the host to be x1 (no clip, a disabled scaler), the read-write pass is left out: the
+    gradients backward left are the ones the optimizer reads (torch multiplies by 1 anyway)."""
+    torch.manual_seed(0)
+    model = task.model()
+    train = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
+                             precision=precision, max_norm=max_norm)
+    after_backward = {}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: after_backward.__setitem__(p, p.grad._version))
+    record = train(*task.batch(0))
+    assert not record.skipped and record.clipped == (max_norm < 1)
+    changed = [p.grad._version != after_backward[p] for p in model.parameters()]
+    assert all(changed) if written else not any(changed)
