@@ -370,7 +370,7 @@ class GradScaler:
         if isinstance(found_inf, bool):
             device = self._state["scale"].device if self._state is not None else torch.device("cpu")
             opt_state["host"] = found_inf
-            found = torch.full((), float(found_inf), device=device)  # update() moves the scale on the device
+            found = torch.full((), float(found_inf), dtype=torch.float32, device=device)  # update() moves the scale on the device
         else:
             found = found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0 else found_inf.float().reshape(())
             all_reduce_(found, "max", self.process_group)

@@ -227,8 +227,9 @@ class TrainStep:
     micro-batch, over ``process_group``, default the world) *before* backward, so a NaN on
     one rank makes every rank skip backward together instead of leaving the others waiting
     in DDP's gradient all-reduce; the record's loss is then the global-batch mean. The norm
-    is global (sharded gradients are reduced across their mesh), the default scaler reduces
-    ``found_inf``, and the records are equal on every rank. Rank 0 alone writes ``log_path``
+    is global (sharded gradients are reduced across their mesh), so a decision taken from it
+    on the host is the same on every rank (on the device path the scaler reduces
+    ``found_inf``), and the records are equal on every rank. Rank 0 alone writes ``log_path``
     and raises the alarms.
 
     The parameters guarded are the optimizer's at each step (groups added later included).
@@ -304,7 +305,6 @@ class TrainStep:
         if clipper is not None and not isinstance(clipper, Clipper):
             raise TypeError(f"clipper must be one of labkit.clippers (NormClip, ZClip, ...), got {type(clipper).__name__}.")
         self.clipper = clipper if clipper is not None else (NormClip(check_max_norm(max_norm)) if max_norm is not None else None)
-        self.max_norm = self.clipper.max_norm if isinstance(self.clipper, NormClip) else None
         if sync_every is not None and (detector is not None or rewind is not None or self.max_norm is None and clipper is not None):
             raise ValueError("sync_every defers the records, but an adaptive clipper, a detector or a rewind decides from "
                              "them every step: use sync_every=None with clipper=/detector=/rewind=.")
@@ -336,6 +336,11 @@ class TrainStep:
         self._params: list[tuple[str, nn.Parameter]] = []
         if rewind is not None:
             rewind.snapshot(self)  # step 0: a spike in the first `back` steps rewinds to the start
+
+    @property
+    def max_norm(self) -> float | None:
+        """The fixed clip threshold, ``NormClip``'s (``self.clipper``'s now, if it was changed), or None."""
+        return self.clipper.max_norm if isinstance(self.clipper, NormClip) else None
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         """Return ``(name, param)`` of every parameter the optimizer holds now (progressive unfreezing too).
@@ -655,7 +660,8 @@ class TrainStep:
                 norm_value, scale_value = torch.stack([norm, scale.to(norm)]).tolist()
             skip = not math.isfinite(norm_value)
             self._spike = _no_spike()
-            coef_value = 1.0 if self.max_norm is None else host_clip_coef(norm_value, self.max_norm, norm.dtype)
+            max_norm = self.max_norm
+            coef_value = 1.0 if max_norm is None else host_clip_coef(norm_value, max_norm, norm.dtype)
             if inv_scale is not None:  # coef * float32(1/scale), as the device path multiplies
                 coef_times_inv = round_to(coef_value * round_to(1.0 / scale_value, torch.float32), norm.dtype)
             else:
@@ -678,7 +684,8 @@ class TrainStep:
                                  "non-fused optimizer with it (fused=False).")
             if host:  # float32(1 / coef), as the device path's coef.reciprocal().float(); None for 1: no division
                 inv_coef = round_to(round_to(1.0 / coef_value if coef_value else math.inf, norm.dtype), torch.float32)
-                opt.grad_scale = None if inv_coef == 1.0 else torch.full((), inv_coef, device=norm.device)  # type: ignore[attr-defined]
+                opt.grad_scale = None if inv_coef == 1.0 else \
+                    torch.full((), inv_coef, dtype=torch.float32, device=norm.device)  # type: ignore[attr-defined]
             else:
                 opt.grad_scale = coef.reciprocal().float()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             if self.observer is not None:  # whether the kernel skips is on the device: the observer reads record.skipped

@@ -209,26 +209,29 @@ def test_host_syncs_per_step(task, monkeypatch, kind, precision, sync_every, exp
     assert counts == expected
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "fp64-model"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "fp64-model", "fp64-model-scale-3"])
 @pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
 def test_host_decision_equals_the_device_path(task, monkeypatch, kind, precision):
     """Per-step records decide on the host (one read of the norm and scale, then float arithmetic):
-    the device path's records and parameters to the bit, with clips, a NaN batch and an inf gradient."""
+    the device path's records and parameters to the bit, with clips, a NaN batch and an inf gradient
+    (float64 gradients with a scale of 3: no power of two, the unscale is inexact on both paths)."""
     faults = {2: "nan"}
+    fp64 = precision.startswith("fp64")
 
     def run(host):
         with monkeypatch.context() as m:
             if not host:
                 m.setattr(labkit.TrainStep, "_decides_on_host", lambda self: False)
             torch.manual_seed(0)
-            model = task.model().double() if precision == "fp64-model" else task.model()
+            model = task.model().double() if fp64 else task.model()
+            scaler = labkit.GradScaler("cpu", init_scale=3.0) if precision == "fp64-model-scale-3" else None
             train = labkit.TrainStep(model, make_optimizer(kind, model.parameters()), task.loss_fn, max_norm=0.05,
-                                     precision="fp32" if precision == "fp64-model" else precision, faults=faults)
+                                     precision="fp32" if fp64 else precision, faults=faults, scaler=scaler)
             assert train._decides_on_host() is host
             # step 4's loss is finite, one of its gradients is inf (in every precision, unlike an overflow)
             next(model.parameters()).register_hook(lambda g: g * math.inf if train.step_count == 4 else g)
             batches = [task.batch(i) for i in range(8)]
-            if precision == "fp64-model":
+            if fp64:
                 batches = [(x.double(), y.double()) for x, y in batches]
             return model, [train(x, y) for x, y in batches]
 
@@ -238,7 +241,55 @@ def test_host_decision_equals_the_device_path(task, monkeypatch, kind, precision
     assert records_h[2].reason == "nonfinite_loss" and records_h[4].reason == "nonfinite_grad"
     assert sum(r.clipped for r in records_h) >= 3
     for p, q in zip(model_h.parameters(), model_d.parameters()):
-        assert p.dtype == (torch.float64 if precision == "fp64-model" else torch.float32) and torch.equal(p, q)
+        assert p.dtype == (torch.float64 if fp64 else torch.float32) and torch.equal(p, q)
+    if precision == "fp64-model-scale-3":
+        assert {r.scale for r in records_h} >= {3.0, 1.5}  # the inf gradient backed it off
+
+
+@pytest.mark.parametrize("change", ["threshold", "clipper", "none"])
+def test_the_host_clips_with_the_clipper_of_this_step(task, monkeypatch, change):
+    """A threshold changed during training (clipper.max_norm, a new NormClip, or no clipper) is the
+    one the host decision clips with, as the device path's: the same records and parameters."""
+    def run(host):
+        with monkeypatch.context() as m:
+            if not host:
+                m.setattr(labkit.TrainStep, "_decides_on_host", lambda self: False)
+            torch.manual_seed(0)
+            model = task.model()
+            train = labkit.TrainStep(model, make_optimizer("sgd", model.parameters()), task.loss_fn,
+                                     max_norm=1e6 if change != "none" else 0.01)
+            records = [train(*task.batch(0))]
+            if change == "threshold":
+                train.clipper.max_norm = 0.01
+            elif change == "clipper":
+                train.clipper = labkit.clippers.NormClip(0.01)
+            else:
+                train.clipper = None
+            records += [train(*task.batch(i)) for i in range(1, 4)]
+            return model, records
+
+    model_h, records_h = run(host=True)
+    model_d, records_d = run(host=False)
+    assert _dicts(records_h) == _dicts(records_d)
+    assert [r.clipped for r in records_h] == ([False, True, True, True] if change != "none" else [True, False, False, False])
+    for p, q in zip(model_h.parameters(), model_d.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_fused_step_on_the_host_path_under_a_float64_default_dtype(task, precision):
+    """grad_scale and found_inf are float32 whatever torch's default dtype: torch's fused kernels take no other."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = task.model().float()
+        train = labkit.TrainStep(model, make_optimizer("adamw-fused", model.parameters()), task.loss_fn,
+                                 precision=precision, max_norm=0.05)
+        records = [train(*(t.float() for t in task.batch(i))) for i in range(3)]
+    finally:
+        torch.set_default_dtype(before)
+    assert train._decides_on_host() and all(r.clipped and not r.skipped for r in records)
 
 
 def test_only_per_step_records_with_a_fixed_threshold_decide_on_host(task):
