@@ -557,15 +557,13 @@ class GradScaler:
         config = self.config
         scale, tracker = state["scale"], state["growth_tracker"]
         tracker.clamp_(max=config.growth_interval - 1)
+        torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
+                                 config.growth_interval)
         if clean:  # known on the host to be no overflow: no back-off, no floor, no skip to count (7 kernels less)
-            torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
-                                     config.growth_interval)
             state["hysteresis_left"].masked_fill_(tracker == 0, 1)
             state["skip_streak"].zero_()
             return
         overflow = found_inf != 0
-        torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
-                                 config.growth_interval)
         floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
         torch.maximum(scale, overflow * floor, out=scale)
         state["hysteresis_left"].masked_fill_(tracker == 0, 1).masked_fill_(overflow, 0)  # refilled on growth

@@ -334,6 +334,7 @@ class TrainStep:
         self.step_count = 0
         self._params_key: tuple = ()
         self._params: list[tuple[str, nn.Parameter]] = []
+        self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
         if rewind is not None:
             rewind.snapshot(self)  # step 0: a spike in the first `back` steps rewinds to the start
 
@@ -395,7 +396,7 @@ class TrainStep:
             # the last step's gradients, kept for its forensics: let zero_grad free them, or they would
             # live through this forward and backward (a second set of gradients: 134 MB and ~9 ms a
             # step of freeing them late on a 33.6M-parameter model)
-            self._named_grads: list[tuple[str, Tensor]] = []
+            self._named_grads = []
             opt.zero_grad(set_to_none=True)
             loss_total: Tensor | float = 0.0
             bad_loss, loss_bad = None, None
