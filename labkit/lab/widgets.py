@@ -24,7 +24,7 @@ from typing import Any
 
 import ipywidgets as W
 
-from .demo import describe, format_scale
+from .text import describe, format_scale
 from .experiment import ExperimentConfig, run_experiment
 from ..faults import KINDS
 from .plots import PANELS, LiveDashboard
