@@ -91,7 +91,7 @@ class StepRecord:
     first_nonfinite: str | None = None
     stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
     lrs: list[float] = field(default_factory=list)  # every param group's lr (``lr`` is group 0's)
-    # issue 15: spike defenses. z-scores of loss and norm (NaN: no detector, or not enough history),
+    # Spike defenses: z-scores of loss and norm (NaN: no detector, or not enough history),
     # the clipper's threshold (NaN: none, or a per-tensor rule), why it clipped, whether its lock-in
     # guard fired, and rewinds: this step was undone (``rewound``), or it triggered one (``rewind_to``).
     z_loss: float = math.nan

@@ -153,15 +153,15 @@ class Clipper:
         return torch.stack([coef, level.to(coef.dtype)])
 
     def coef_(self, norms: Tensor, norm: Tensor) -> tuple[Tensor | None, float | Tensor | None]:
-        """Return ``(coef, threshold)`` for the global norm, admitting it into the statistics; ``(None, None)``: none."""
+        """Return ``(coef, threshold)`` for the global norm, the norm admitted; ``(None, None)``: none."""
         return None, None
 
     def host_coef(self, norm: float, dtype: torch.dtype) -> float:
         """Return ``coef_``'s coefficient of a norm already read to the host (``on_host`` clippers only)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps its state on the device: it has no host_coef.")
+        raise NotImplementedError(f"{type(self).__name__} keeps state on the device: it has no host_coef.")
 
     def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor | None:
-        """Clip the unscaled gradients per tensor in place; return ``[coef, threshold]``, or None (nothing done)."""
+        """Clip the unscaled gradients per tensor in place; return ``[coef, threshold]``, or None."""
         return None
 
     def after_step_(self, params: list[Tensor]) -> Tensor | None:
@@ -193,16 +193,17 @@ class Clipper:
         return fired
 
     def check_lockin(self) -> bool:
-        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did (one read)."""
+        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did (a read)."""
         n = self.releases()
         if n <= self._warned:
             return False
         self._warned = n
         warnings.warn(
-            f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its statistics "
-            f"from the raw norm (guard fired {n} time(s)): with feed={getattr(self, 'feed', None)!r} it had locked "
-            "onto an old gradient-norm level, a silent learning-rate cut. If the level shift is real (batch-size "
-            "ramp, data mix), this is what you want; if not, look at the data around these steps.",
+            f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its "
+            f"statistics from the raw norm (guard fired {n} time(s)): with feed={getattr(self, 'feed', None)!r} "
+            "it had locked onto an old gradient-norm level, a silent learning-rate cut. If the level shift is "
+            "real (batch-size ramp, data mix), this is what you want; if not, look at the data around these "
+            "steps.",
             LockInWarning,
             stacklevel=3,
         )

@@ -80,10 +80,10 @@ class StaleMonitor(Hook):
     A hook (``TrainStep(hooks=[...])`` or ``observer=...``): ``pre_optim_step`` copies the
     weights right before the optimizer step and ``post_step`` compares them right after (in a
     plain loop: ``before_step(params, step)`` and ``after_step(params, record)``), so the update
-    measured is the one the optimizer really applied, ``w_after - w_before``, counted over the entries whose gradient
-    is non-zero. With bf16 weights a stale update leaves the weight unchanged (0 < half an
-    ulp); with fp32 weights pass ``dtype=torch.bfloat16`` to ask whether bf16 weights would
-    stall. A layer whose fraction is at least ``threshold`` for ``patience`` observed steps in
+    measured is the one the optimizer really applied, ``w_after - w_before``, counted over the
+    entries whose gradient is non-zero. With bf16 weights a stale update leaves the weight
+    unchanged (0 < half an ulp); with fp32 weights pass ``dtype=torch.bfloat16`` to ask whether
+    bf16 weights would stall. A layer whose fraction is at least ``threshold`` for ``patience`` observed steps in
     a row raises one ``StaleUpdateWarning`` per streak (rank 0 only), like the skip streak.
 
     Cost: on an observed step, one copy of the parameters in their own dtype (2 bytes per

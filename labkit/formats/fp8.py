@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import all_reduce_, is_distributed
+from ..validate import check_int, check_number
 
 __all__ = [
     "FAULT_KINDS", "FORMATS", "GRANULARITIES", "REASONS", "CastRecord", "Fp8Fault", "Fp8Guard", "Quantized",
@@ -224,8 +225,7 @@ def update_amax_history(history: Tensor, amax: float | Tensor, length: int = 16)
     >>> update_amax_history(torch.tensor([1.0, 2.0]), 5.0, length=2)
     tensor([2., 5.])
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"length must be an int >= 1, got {length!r}.")
+    check_int("length", length, 1)
     amax = torch.as_tensor(amax, dtype=torch.float32, device=history.device).reshape(1)
     return torch.cat([history.float(), amax])[-length:]
 
@@ -349,8 +349,7 @@ class Fp8Guard:
             raise ValueError("sharded=True reduces one amax per tensor; pass granularity='tensor' (finer blocks "
                              "are local to a shard).")
         for name in ("flush_limit", "saturate_limit"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be a fraction in [0, 1), got {getattr(self, name)!r}.")
+            check_number(name, getattr(self, name), 0, 1, high_open=True, noun="a fraction")
 
     def __call__(self, x: Tensor) -> Quantized:
         """Quantize ``x`` (after this step's fault, if any) and append its ``CastRecord``."""
