@@ -47,28 +47,31 @@ class Verdict:
     ``skip``: skip the step for this reason (a ``labkit.reasons.Reason``); the loss scale stays,
     as a spike is no scaling problem; on a step already skipped it names the reason instead.
     ``clip_to``: clip the global norm to at most this (the smaller of it and the clipper's
-    limit wins). ``fields``: record fields to set (e.g. ``z_loss``).
+    limit wins), ``clip_reason`` naming it in the record when it cut deeper (default: the
+    hook's class name). ``fields``: record fields to set (e.g. ``z_loss``).
 
-    >>> Verdict.merge([Verdict(clip_to=3.0), Verdict(skip="spike_grad", fields={"z_grad": 9.0}),
-    ...                Verdict(clip_to=2.0)])
-    Verdict(skip='spike_grad', clip_to=2.0, fields={'z_grad': 9.0})
+    >>> Verdict.merge([Verdict(clip_to=3.0, clip_reason="a"),
+    ...                Verdict(skip="spike_grad", fields={"z_grad": 9.0}),
+    ...                Verdict(clip_to=2.0, clip_reason="b")])
+    Verdict(skip='spike_grad', clip_to=2.0, clip_reason='b', fields={'z_grad': 9.0})
     """
 
     skip: str | None = None
     clip_to: float | None = None
+    clip_reason: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def merge(verdicts: Iterable[Verdict | None]) -> Verdict:
-        """Return one verdict: the first skip, the lowest ``clip_to``, every field (a later hook's wins)."""
+        """Return one verdict: the first skip, the lowest ``clip_to`` (and its reason), every field."""
         out = Verdict()
         for v in verdicts:
             if v is None:
                 continue
             out.skip = out.skip if out.skip is not None else v.skip
-            if v.clip_to is not None:
-                out.clip_to = v.clip_to if out.clip_to is None else min(out.clip_to, v.clip_to)
-            out.fields.update(v.fields)
+            if v.clip_to is not None and (out.clip_to is None or v.clip_to < out.clip_to):
+                out.clip_to, out.clip_reason = v.clip_to, v.clip_reason
+            out.fields.update(v.fields)  # a later hook's wins
         return out
 
 
@@ -143,7 +146,12 @@ class Hook:
         """Before the forward of optimizer step ``step``."""
 
     def post_backward(self, trainer: Any, step: int) -> Mapping[str, Tensor] | None:
-        """After backward: return ``{record field: 0-dim device tensor}`` to read with the record, or None."""
+        """After backward: return ``{record field: 0-dim device tensor}`` to read with the record, or None.
+
+        The tensors join the read the step makes anyway (the norm and the scale, or the record's
+        batched copy); only a step whose loss was not finite, without a loss scale to read, reads
+        them on their own.
+        """
         return None
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict | None:
@@ -192,7 +200,7 @@ class Hooks(Hook):
     """Hooks called in order: one hook to the step, each moment to every member.
 
     >>> Hooks([]).on_decision(None, DecisionView(0, 1.0, 1.0))
-    Verdict(skip=None, clip_to=None, fields={})
+    Verdict(skip=None, clip_to=None, clip_reason=None, fields={})
     """
 
     def __init__(self, hooks: Iterable[Hook]) -> None:
@@ -222,7 +230,13 @@ class Hooks(Hook):
         return measures
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict:
-        return Verdict.merge(h.on_decision(trainer, view) for h in self.members)
+        verdicts = []
+        for h in self.members:
+            v = h.on_decision(trainer, view)
+            if v is not None and v.clip_to is not None and v.clip_reason is None:
+                v.clip_reason = type(h).__name__
+            verdicts.append(v)
+        return Verdict.merge(verdicts)
 
     def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
         for h in self.members:

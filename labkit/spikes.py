@@ -148,7 +148,9 @@ class SpikeDetector(Hook):
         fields = {"z_loss": z_loss, "z_grad": z_grad}
         if action == "skip":
             return Verdict(skip=why, fields=fields)
-        return Verdict(clip_to=self.clip_limit() if action == "clip" else None, fields=fields)
+        if action == "clip":
+            return Verdict(clip_to=self.clip_limit(), clip_reason=why, fields=fields)
+        return Verdict(fields=fields)
 
     def on_record(self, trainer: Any, record: Any) -> None:
         """Admit the step as it was taken: a z clip's own cut, never a skipped or non-finite step."""

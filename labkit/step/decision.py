@@ -43,7 +43,8 @@ class Decision:
     threshold: float | Tensor | None = None  # the clipper's level (None: none to report)
     keep_scale: bool = False  # a hook's skip: no scaling problem, the scale stays
     reason: str | None = None  # a hook's skip reason
-    z_clip: bool | Tensor = False  # a hook's clip cut deeper than the clipper's
+    hook_clip: bool | Tensor = False  # a hook's clip_to cut deeper than the clipper's
+    clip_reason: str | None = None  # that hook's name for it
     fields: dict[str, Any] = field(default_factory=dict)  # record fields from the hooks
     norms: Tensor | None = None  # the per-tensor norms of the unscaled gradients (None: backward was skipped)
 
@@ -126,12 +127,12 @@ def decide_on_host(
     if verdict.skip is not None:  # a spike is no scaling problem: skip, keep the scale
         return Decision(norm, 1.0, True, scale, inv, dtype, device, threshold, keep_scale=True,
                         reason=verdict.skip, fields=verdict.fields, norms=norms)
-    coef, z_clip = 1.0 if clipper is None else clipper.host_coef(norm, dtype), False
+    coef, hook_clip = 1.0 if clipper is None else clipper.host_coef(norm, dtype), False
     if verdict.clip_to is not None:
-        z_coef = host_clip_coef(norm, verdict.clip_to, dtype)
-        z_clip, coef = z_coef < coef, min(coef, z_coef)
-    return Decision(norm, coef, not math.isfinite(norm), scale, inv, dtype, device, threshold, z_clip=z_clip,
-                    fields=verdict.fields, norms=norms)
+        hook_coef = host_clip_coef(norm, verdict.clip_to, dtype)
+        hook_clip, coef = hook_coef < coef, min(coef, hook_coef)
+    return Decision(norm, coef, not math.isfinite(norm), scale, inv, dtype, device, threshold,
+                    hook_clip=hook_clip, clip_reason=verdict.clip_reason, fields=verdict.fields, norms=norms)
 
 
 def decide_on_device(
@@ -162,12 +163,12 @@ def decide_on_device(
                         norms=norms)
     coef, threshold = clipper.coef_(norms, norm) if clipper is not None else (None, None)
     coef = torch.ones_like(norm) if coef is None else coef
-    z_clip: bool | Tensor = False
+    hook_clip: bool | Tensor = False
     if verdict.clip_to is not None:
-        z_coef = clip_coef(norm, verdict.clip_to)
-        z_clip, coef = z_coef < coef, torch.minimum(coef, z_coef)
+        hook_coef = clip_coef(norm, verdict.clip_to)
+        hook_clip, coef = hook_coef < coef, torch.minimum(coef, hook_coef)
     return Decision(norm, coef, found_inf, scale, inv_scale, norm.dtype, norm.device, threshold,
-                    z_clip=z_clip, fields=verdict.fields, norms=norms)
+                    hook_clip=hook_clip, clip_reason=verdict.clip_reason, fields=verdict.fields, norms=norms)
 
 
 def skip_bad_loss(scale: float, verdict: Verdict, device: torch.device) -> Decision:

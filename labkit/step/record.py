@@ -79,7 +79,8 @@ class Outcome:
     threshold: float | Tensor | None = None
     clipper: Clipper | None = None
     reason: str | None = None  # a hook's skip reason
-    z_clip: bool | Tensor = False
+    hook_clip: bool | Tensor = False  # a hook's clip cut deeper than the clipper's (a device bool: one read)
+    clip_reason: str | None = None  # that hook's name for it
     fields: dict[str, Any] = field(default_factory=dict)
     measures: tuple[str, ...] = ()
 
@@ -102,7 +103,7 @@ def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessG
     if reason in (Reason.NONFINITE_GRAD, Reason.DEAD_SCALE) or record.clipped:  # a hook's skip too
         record.top_grads, record.first_nonfinite = forensics(o.named, o.norms, group)  # type: ignore[arg-type]
     if record.clipped:
-        record.clip_reason = "z_grad" if o.z_clip else type(o.clipper).__name__
+        record.clip_reason = o.clip_reason if o.hook_clip else type(o.clipper).__name__
         if o.clipper is not None:
             record.lockin = o.clipper.lockin()
     if o.reason is not None and skipped:
