@@ -212,9 +212,6 @@ class Hooks(Hook):
         self.per_step = any(h.per_step for h in self.members)
         self.device_decision = any(h.device_decision for h in self.members)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.members)
-
     def attach(self, trainer: Any) -> None:
         for h in self.members:
             h.attach(trainer)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .hooks import DecisionView, Hook, Verdict
+from .reasons import Reason
 from .validate import check_int, check_number
 
 __all__ = ["SpikeDetector", "format_z", "rolling_z", "spike_score"]
@@ -119,9 +120,9 @@ class SpikeDetector(Hook):
         """Return ``(action, reason)``: ``("skip", "spike_loss"|"spike_grad")``, ``("clip", "z_grad")`` or ``(None, None)``."""
         if self.skip_z is not None:
             if z_loss > self.skip_z:
-                return "skip", "spike_loss"
+                return "skip", Reason.SPIKE_LOSS.value
             if z_grad > self.skip_z:
-                return "skip", "spike_grad"
+                return "skip", Reason.SPIKE_GRAD.value
         if self.clip_z is not None and z_grad > self.clip_z:
             return "clip", "z_grad"
         return None, None

@@ -16,6 +16,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from ..reasons import Reason
 from .text import describe as _describe
 from .text import format_scale as _format_scale
 from .text import title as _title
@@ -176,8 +177,8 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     rows = [
         ("steps", s["steps"]),
         *([("ranks", f"{world} ({config.parallel or 'ddp'}, {dist.get_backend()})")] if world > 1 else []),
-        ("skipped", f"{s['skipped']} (nonfinite_loss {s['skips_by_reason']['nonfinite_loss']}, "
-                    f"nonfinite_grad {s['skips_by_reason']['nonfinite_grad']})"),
+        ("skipped", f"{s['skipped']} ({Reason.NONFINITE_LOSS} {s['skips_by_reason'][Reason.NONFINITE_LOSS]}, "
+                    f"{Reason.NONFINITE_GRAD} {s['skips_by_reason'][Reason.NONFINITE_GRAD]})"),
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
         ("loss scale", f"min {_format_scale(s['min_scale'])}, max {_format_scale(s['max_scale'])}, "
                        f"final {_format_scale(s['final_scale'])}" if scaler else f"none ({config.precision} runs "
