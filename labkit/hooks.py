@@ -197,11 +197,14 @@ class ObserverHook(Hook):
 
 
 class Hooks(Hook):
-    """Hooks called in order: one hook to the step, each moment to every member.
+    """Hooks called in order: one hook to the step, each moment to the members that define it.
 
     >>> Hooks([]).on_decision(None, DecisionView(0, 1.0, 1.0))
     Verdict(skip=None, clip_to=None, clip_reason=None, fields={})
     """
+
+    MOMENTS = ("attach", "pre_step", "post_backward", "on_decision", "pre_optim_step", "post_step",
+               "on_record")
 
     def __init__(self, hooks: Iterable[Hook]) -> None:
         self.members = list(hooks)
@@ -211,24 +214,27 @@ class Hooks(Hook):
                                 f"StaleMonitor, your own subclass), got {type(h).__name__}.")
         self.per_step = any(h.per_step for h in self.members)
         self.device_decision = any(h.device_decision for h in self.members)
+        # per moment, the members that define it: a step calls no empty method (the alarms define one)
+        self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]
+                    for m in self.MOMENTS}
 
     def attach(self, trainer: Any) -> None:
-        for h in self.members:
+        for h in self._at["attach"]:
             h.attach(trainer)
 
     def pre_step(self, trainer: Any, step: int) -> None:
-        for h in self.members:
+        for h in self._at["pre_step"]:
             h.pre_step(trainer, step)
 
     def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor]:
         measures: dict[str, Tensor] = {}
-        for h in self.members:
+        for h in self._at["post_backward"]:
             measures.update(h.post_backward(trainer, step) or {})
         return measures
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict:
         verdicts = []
-        for h in self.members:
+        for h in self._at["on_decision"]:
             v = h.on_decision(trainer, view)
             if v is not None and v.clip_to is not None and v.clip_reason is None:
                 v.clip_reason = type(h).__name__
@@ -236,15 +242,15 @@ class Hooks(Hook):
         return Verdict.merge(verdicts)
 
     def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
-        for h in self.members:
+        for h in self._at["pre_optim_step"]:
             h.pre_optim_step(trainer, step, params)
 
     def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
-        for h in self.members:
+        for h in self._at["post_step"]:
             h.post_step(trainer, params, record)
 
     def on_record(self, trainer: Any, record: Any) -> None:
-        for h in self.members:
+        for h in self._at["on_record"]:
             h.on_record(trainer, record)
 
     def state_dict(self) -> dict[str, Any]:
