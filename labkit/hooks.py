@@ -74,6 +74,16 @@ class Verdict:
             out.fields.update(v.fields)  # a later hook's wins
         return out
 
+    def measured(self, values: Iterable[tuple[str, float]]) -> Verdict:
+        """Return this verdict with measured record fields added (itself when there are none)."""
+        values = dict(values)
+        if not values:
+            return self
+        return Verdict(self.skip, self.clip_to, self.clip_reason, {**self.fields, **values})
+
+
+
+NO_VERDICT = Verdict()  # what no hook says: shared, never changed (``measured`` makes a new one)
 
 class DecisionView:
     """What ``on_decision`` sees: this step's loss and global gradient norm, and what is known about them.
@@ -199,6 +209,8 @@ class ObserverHook(Hook):
 class Hooks(Hook):
     """Hooks called in order: one hook to the step, each moment to the members that define it.
 
+    ``decides``: whether any member has an ``on_decision`` (without one the step builds no view).
+
     >>> Hooks([]).on_decision(None, DecisionView(0, 1.0, 1.0))
     Verdict(skip=None, clip_to=None, clip_reason=None, fields={})
     """
@@ -214,6 +226,7 @@ class Hooks(Hook):
                                 f"StaleMonitor, your own subclass), got {type(h).__name__}.")
         self.per_step = any(h.per_step for h in self.members)
         self.device_decision = any(h.device_decision for h in self.members)
+        self.decides = any(type(h).on_decision is not Hook.on_decision for h in self.members)
         # per moment, the members that define it: a step calls no empty method (the alarms define one)
         self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]
                     for m in self.MOMENTS}

@@ -109,8 +109,9 @@ class Clipper:
       return ``[coef, threshold]``, or None.
 
     What the step reads instead of a type: ``on_host`` (``host_coef`` gives ``coef_``'s bits
-    from a norm already read to the host: the clipper has no state), ``fused_ok`` (a fused
-    optimizer can apply it: a global coefficient and nothing else), ``fixed_threshold`` (the
+    from a norm already read to the host: the clipper has no state), ``fused_ok`` (a global
+    coefficient is all it does: no ``clip_unscaled_``, no ``after_step_``, so a fused optimizer
+    can apply it and the step asks nothing more), ``fixed_threshold`` (the
     threshold known without a step, ``NormClip``'s ``max_norm``), ``max_consecutive_clips``
     (the lock-in guard's bound; None: none) and ``lockin()``.
     """

@@ -119,6 +119,9 @@ class Batch:
 
     def micro_batches(self) -> Iterator[tuple[Any, Any, float]]:
         """Yield ``(inputs, targets, weight)``: each micro-batch's share of a mean-reduced loss."""
+        if self.k == 1:
+            yield self.inputs, self.targets, 1.0
+            return
         for x, y in zip(split(self.inputs, self.k), split(self.targets, self.k)):
             # exact for a mean-reduced loss, even with unequal splits
             yield x, y, 1.0 if self.k == 1 else batch_size(x, None, 1) / self.n
@@ -149,11 +152,11 @@ class Buffers:
             for b, s in zip(self.live, self.saved):
                 b.copy_(s)
 
-    def restore_where(self, found: Tensor) -> None:
-        """Put the copy back if the 0-d device number ``found`` is nonzero (skipped): a select, no sync."""
+    def restore_where(self, row: Tensor, index: int) -> None:
+        """Put the copy back if ``row[index]`` (a device number) is nonzero (skipped): a select, no sync."""
         if not self.live:
             return
-        skipped = found != 0
+        skipped = row[index] != 0
         with torch.no_grad():
             for b, s in zip(self.live, self.saved):
                 b.copy_(torch.where(skipped.to(b.device), s, b))

@@ -26,7 +26,7 @@ from ..hooks import Verdict
 __all__ = ["Decision", "decide_on_device", "decide_on_host", "read", "skip_bad_loss", "unscaled_norms"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     """What the step does with this step's gradients, and what its record says about them.
 

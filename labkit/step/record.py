@@ -66,7 +66,7 @@ def forensics(
     return top, culprit
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """What one step leaves for its record: its numbers and the evidence to explain them."""
 

@@ -24,7 +24,7 @@ from ..clip import check_norm_type, round_to, scale_grads_
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, mean_across
 from ..faults import FaultSchedule
-from ..hooks import DecisionView, Hook, Hooks
+from ..hooks import NO_VERDICT, DecisionView, Hook, Hooks, Verdict
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler
 from ..validate import check_int
@@ -133,6 +133,7 @@ class TrainStep:
         self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, all else valid
         self.step_count = 0
         self._named_params = GuardedParams(model, optimizer)
+        self._params: list[tuple[str, nn.Parameter]] = []  # this step's (read once, in _decide)
         self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
         self._pending = Pending()
         self.hooks.attach(self)  # a Rewind takes its first snapshot: a spike in the first steps rewinds here
@@ -194,25 +195,33 @@ class TrainStep:
 
     def _decide(self, step: int, loss: LossCheck, batch: Batch, measures: dict[str, Tensor]) -> Decision:
         """Read the gradients once for their norms; decide on the host or the device, with the hooks' say."""
-        scaler, enabled, hooks = self.scaler, self.scaler.is_enabled(), self.hooks
+        scaler, enabled = self.scaler, self.scaler.is_enabled()
         if loss.bad:  # backward never ran: the hooks may still say why
             scale, *measured = read(scaler.get_scale_async(), *measures.values()) if measures else \
                 [scaler.get_scale()]
-            view = DecisionView(step, loss.value, math.nan, scale=scale, loss_bad=True, batch=batch)
-            verdict = hooks.on_decision(self, view)
-            verdict.fields.update(zip(measures, measured))
+            verdict = self._verdict(step, loss.value, math.nan, scale=scale, loss_bad=True, batch=batch)
+            verdict = verdict.measured(zip(measures, measured))
             return skip_bad_loss(scale, verdict, self.device)
         host = self._decides_on_host()
-        scale = scaler.get_scale_async() if host else scaler.get_scale_async().clone()  # update() writes it
-        self._named_grads = named = [(n, p.grad) for n, p in self._named_params() if p.grad is not None]
-        if any(g.is_sparse for _, g in named):
-            raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the "
-                             "model.")
-        grads = [g for _, g in named]
+        scale = None  # a disabled scaler's is 1: the host path does not ask for it
+        if not host:
+            scale = scaler.get_scale_async().clone()  # update() writes the state; the record reads it after
+        elif enabled:
+            scale = scaler.get_scale_async()  # read with the norm, before update()
+        named, grads = [], []
+        self._params = self._named_params()  # this step's: the hooks and the clipper see the same list
+        for name, p in self._params:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise ValueError("sparse gradients are not supported by the global norm: use "
+                                     "sparse=False in the model.")
+                named.append((name, g))
+                grads.append(g)
+        self._named_grads = named
         norms, norm, inv_scale = unscaled_norms(grads, scale if enabled else None, self.norm_type)
         if not host:
-            verdict = hooks.on_decision(self, DecisionView(step, loss.value, norm, norms=norms, scale=scale,
-                                                           batch=batch))
+            verdict = self._verdict(step, loss.value, norm, norms=norms, scale=scale, batch=batch)
             return decide_on_device(norm, norms, scale, inv_scale, self.clipper, verdict, loss.flag)
         # host sync, needed: a plain optimizer is skipped from the host (on a CPU a read is free). From the
         # norm and the scale read here, the check, the coefficient and the record are a few float operations
@@ -220,15 +229,20 @@ class TrainStep:
         # FSDP2's norm is all-reduced): so is the decision, with no all-reduce of its own.
         norm_value, *rest = read(norm, *([scale] if enabled else []), *measures.values())
         scale_value = rest.pop(0) if enabled else None
-        view = DecisionView(step, loss.value, norm_value, norms=norms, batch=batch,
-                            scale=1.0 if scale_value is None else scale_value)
-        verdict = hooks.on_decision(self, view)
-        verdict.fields.update(zip(measures, rest))
+        verdict = self._verdict(step, loss.value, norm_value, norms=norms, batch=batch,
+                                scale=1.0 if scale_value is None else scale_value)
+        verdict = verdict.measured(zip(measures, rest))
         return decide_on_host(norm_value, norms, scale_value, self.clipper, verdict)
+
+    def _verdict(self, step: int, loss: float | Tensor, norm: float | Tensor, **view: Any) -> Verdict:
+        """Return the hooks' say on this step (no view is built when none of them decides)."""
+        if not self.hooks.decides:
+            return NO_VERDICT
+        return self.hooks.on_decision(self, DecisionView(step, loss, norm, **view))
 
     def _step_or_skip(self, step: int, d: Decision) -> Tensor:
         """Step the optimizer on the unscaled, clipped gradients, or skip it; return ``found_inf``."""
-        opt, scaler, clipper, params = self.optimizer, self.scaler, self.clipper, self._named_params()
+        opt, scaler, clipper, params = self.optimizer, self.scaler, self.clipper, self._params
         if getattr(opt, "_step_supports_amp_scaling", False):  # fused: its kernel unscales, clips and skips
             if clipper is not None and not clipper.fused_ok:
                 raise ValueError(f"{type(clipper).__name__} clips the gradients or the update itself: use a "
@@ -242,23 +256,24 @@ class TrainStep:
             factor = d.factor()  # pass 2 (read-write): unscale and clip in one multiply; x1 is left out
             if factor is not None:
                 scale_grads_([g for _, g in self._named_grads], factor)
-            if clipper is not None:  # a per-tensor clip, on the unscaled gradients
+            if clipper is not None and not clipper.fused_ok:  # a per-tensor clip, on the unscaled gradients
                 d.take(clipper.clip_unscaled_([p for _, p in params], d.norms, d.norm))  # type: ignore[arg-type]
             self.hooks.pre_optim_step(self, step, params)
         found = scaler.step_async(opt)
-        if clipper is not None and not scaler.will_skip(opt):  # a clip of the update itself
+        if clipper is not None and not clipper.fused_ok and not scaler.will_skip(opt):  # a clip of the update
             d.take(clipper.after_step_([p for _, p in params]))
         return found
 
     def _update_scale(self, d: Decision, loss: LossCheck) -> None:
         """Back off on an overflow, else count to growth; a hook's skip or a bad loss keep the scale."""
-        if d.keep_scale:
-            keep = torch.ones((), dtype=torch.bool, device=self.scaler.get_scale_async().device)
-            self.scaler.update(keep_if=keep)
-        elif loss.flag is None:
+        if not d.keep_scale and loss.flag is None:
             self.scaler.update()
+            return
+        device = d.scale.device if isinstance(d.scale, Tensor) else self.scaler.get_scale_async().device
+        if d.keep_scale:
+            self.scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=device))
         else:  # a non-finite loss found on the device is no scaling problem either
-            self.scaler.update(keep_if=loss.flag.to(self.scaler.get_scale_async().device))
+            self.scaler.update(keep_if=loss.flag.to(device))  # type: ignore[union-attr]
 
     def _outcome(self, step: int, lrs: list[float], batch: Batch, loss: LossCheck, d: Decision,
                  found: Tensor | None, measures: dict[str, Tensor]) -> Outcome:
@@ -286,7 +301,7 @@ class TrainStep:
         """Put the buffers back on a skip, step the scheduler, call the hooks, log: the step is complete."""
         deferred, late_error = self.sync_every is not None, None
         if deferred:  # the skip is known on the device only: the buffers come back by a select, no sync
-            buffers.restore_where(o.values[6])  # type: ignore[index]
+            buffers.restore_where(o.values, 6)  # type: ignore[arg-type]
             record: StepRecord = self._pending.defer(o, self.flush)
         else:
             record = build(o, o.values, self.scaler.is_enabled(), self.process_group)  # type: ignore[arg-type]
@@ -299,7 +314,7 @@ class TrainStep:
                 late_error = e
         try:
             if deferred or stepped:
-                self.hooks.post_step(self, self._named_params(), record)
+                self.hooks.post_step(self, self._params, record)
             self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
             if not deferred:
                 self._append(record)  # raises LogWriteError on a full disk; the record is kept in memory
