@@ -52,6 +52,28 @@ def check_norm_type(norm_type: float | str) -> float:
     return p
 
 
+# With a loss scaler TrainStep reads the norm of the *scaled* gradients (no unscale pass). A finite
+# order p sums |g * scale|**p: fp16 holds scaled values below 65504, and 65504**4 < 2**64, so at p <= 4
+# a sum over fewer than 2**64 of them stays finite; at p = 16 one value above 256 overflows float32.
+MAX_SCALED_NORM_TYPE = 4.0
+
+
+def check_scaled_norm_type(norm_type: float) -> float:
+    """Return ``norm_type`` if a norm of scaled gradients of this order overflows only with them, or raise.
+
+    >>> check_scaled_norm_type(2.0), check_scaled_norm_type(math.inf)
+    (2.0, inf)
+    """
+    if MAX_SCALED_NORM_TYPE < norm_type < math.inf:
+        raise ValueError(
+            f"norm_type {norm_type!r} with a loss scaler: the norm is taken of the scaled gradients, and "
+            f"their {norm_type:g}-th powers overflow float32 while every gradient is finite (at 16, any "
+            f"above 256), so steps would skip for nothing. Use norm_type <= {MAX_SCALED_NORM_TYPE:g} or "
+            "float('inf') (the largest |g|, a p-norm's limit), or precision='bf16' (no scaler)."
+        )
+    return norm_type
+
+
 def check_max_norm(max_norm: float) -> float:
     """Return ``max_norm`` as a float > 0, or raise ``ValueError`` saying how to fix it."""
     try:
