@@ -95,7 +95,7 @@ def live_run(tracker_env):
     """One fp16 run streamed into all four trackers: a NaN batch, an overflow streak (skip alarm), clips.
 
     Its MLflow store is the default one, created here through labkit's own path: ``out/mlflow.db``
-    (SQLite, MLflow's schema migrations: ~13 s, once for the module; the tests that follow reuse it)."""
+    (SQLite: MLflow's schema migrations run once for the module; the tests that follow reuse it)."""
     out, elsewhere = tracker_env / "live", tracker_env / "cwd"
     out.mkdir()
     elsewhere.mkdir()
