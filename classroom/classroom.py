@@ -271,11 +271,11 @@ def up(args: argparse.Namespace) -> list[str]:
     if bad or not students or len(set(students)) != len(students) or args.instructor in students:
         raise ClassError(f"bad user names {bad or students}: students need distinct names of lowercase letters, "
                          "digits, '_' and '-' (32 at most, not starting with a digit), the instructor another one.")
-    root.mkdir(parents=True, exist_ok=True)
     blocked = world_reachable(root)
     if blocked is not None:
         raise ClassError(f"{blocked} is closed to other users: the students' homes under {root} would be "
                          "unreachable. Pick a --root all users can enter (chmod o+x), e.g. /srv/labkit-class.")
+    root.mkdir(parents=True, exist_ok=True)
     (root / "home").mkdir(exist_ok=True)
     (root / "hub").mkdir(mode=0o700, exist_ok=True)
     venv = Path(args.venv).resolve() if args.venv else root / "venv"
