@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Stand up a JupyterHub for a labkit class, and take it down: one OS user per student, nbgrader's exchange.
 
-    sudo python3 classroom/classroom.py up --students 30        # or --roster names.txt
-    sudo python3 classroom/classroom.py down                    # stop the hub, its proxy and every server
-    sudo python3 classroom/classroom.py down --remove           # and delete the class's users, homes and files
+    sudo python3 classroom/classroom.py up --students 30    # or --roster names.txt
+    sudo python3 classroom/classroom.py down                # stop the hub, its proxy and every server
+    sudo python3 classroom/classroom.py down --remove       # and delete the class's users, homes, files
 
 ``up`` builds the class's Python (ROOT/venv, from the system's python3: students' servers must be
 able to read it), creates the users (homes under ROOT/home, mode 0700; PAM passwords in
@@ -78,7 +78,7 @@ def class_users(root: Path) -> list[pwd.struct_passwd]:
 
 
 def ensure_user(name: str, root: Path) -> bool:
-    """Create user ``name`` with a private home under ``root/home``; return False if the class already has it."""
+    """Create user ``name`` with a private home under ``root/home``; False if the class already has it."""
     try:
         user = pwd.getpwnam(name)
     except KeyError:
@@ -91,28 +91,31 @@ def ensure_user(name: str, root: Path) -> bool:
     home = root / "home" / name
     run(["useradd", "--create-home", "--home-dir", str(home), "--shell", "/bin/bash", "--user-group",
          "--comment", TAG + str(root), name])
-    home.chmod(0o700)  # Debian's useradd leaves homes readable by all: students must not read each other's work
+    home.chmod(0o700)  # Debian's useradd leaves homes readable by all: no student reads another's work
     return True
 
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
     done = subprocess.run(argv, capture_output=True, text=True, **kwargs)
     if done.returncode != 0:
-        raise ClassError(f"{' '.join(argv[:3])} ... failed ({done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
+        raise ClassError(f"{' '.join(argv[:3])} ... failed ({done.returncode}): "
+                         f"{(done.stderr or done.stdout)[-1500:]}")
     return done
 
 
 def as_user(name: str, argv: list[str], **kwargs) -> list[str]:  # type: ignore[no-untyped-def]
     """Return ``argv`` run as user ``name`` (its uid, gid and groups, nothing of root's)."""
-    return ["setpriv", f"--reuid={name}", f"--regid={pwd.getpwnam(name).pw_gid}", "--init-groups", "--", *argv]
+    gid = pwd.getpwnam(name).pw_gid
+    return ["setpriv", f"--reuid={name}", f"--regid={gid}", "--init-groups", "--", *argv]
 
 
 def build_venv(venv: Path, python: str) -> None:
-    """Make the class's Python: a venv from ``python`` with the lab, nbgrader, the hub, and labkit (not editable)."""
+    """Make the class's Python: a venv from ``python`` with the lab, nbgrader, the hub and labkit (a copy)."""
     blocked = world_reachable(Path(python))
     if blocked is not None:
-        raise ClassError(f"{python} is under {blocked}, which other users cannot enter: students' servers could not "
-                         "run it. Pass --python /usr/bin/python3 (the system's) or another Python all users can read.")
+        raise ClassError(f"{python} is under {blocked}, which other users cannot enter: students' servers "
+                         "could not run it. Pass --python /usr/bin/python3 (the system's) or another Python "
+                         "all users can read.")
     print(f"building the class's Python in {venv} (a few minutes the first time)", flush=True)
     run([python, "-m", "venv", str(venv)])
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
@@ -130,9 +133,10 @@ def check_readable(venv: Path, student: str) -> None:
                           cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": "/"}, timeout=120)
     if done.returncode != 0:
         blocked = world_reachable(python)
-        raise ClassError(f"the students cannot run {python}" + (f" ({blocked} is closed to them)" if blocked else "")
-                         + f": {done.stderr.strip()[-800:]}\nIts interpreter and packages must be readable by every "
-                         "user: build the class's Python from the system's python3 (the default, without --venv).")
+        closed = f" ({blocked} is closed to them)" if blocked else ""
+        raise ClassError(f"the students cannot run {python}{closed}: {done.stderr.strip()[-800:]}\nIts "
+                         "interpreter and packages must be readable by every user: build the class's Python "
+                         "from the system's python3 (the default, without --venv).")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -176,12 +180,12 @@ def course(root: Path, instructor: str) -> Path:
         os.chown(path, user.pw_uid, user.pw_gid)
     exchange = root / "exchange"
     exchange.mkdir(exist_ok=True)
-    exchange.chmod(0o1777)  # every student writes here (nbgrader keeps them apart); sticky: none deletes another's
+    exchange.chmod(0o1777)  # all write here (nbgrader keeps them apart); sticky: none deletes another's
     return folder
 
 
 def set_passwords(root: Path, names: list[str]) -> None:
-    """Give each new user a random password (PAM checks it) and add it to ROOT/hub/passwords.csv (root only)."""
+    """Give each new user a random password (PAM checks it); add it to ROOT/hub/passwords.csv (root only)."""
     if not names:
         return
     passwords = {name: secrets.token_urlsafe(9) for name in names}
@@ -260,8 +264,8 @@ def up(args: argparse.Namespace) -> list[str]:
     if any(ch in str(root) for ch in ":,\n"):
         raise ClassError(f"--root {root} holds ':' or ',': pick a plain path (it goes in /etc/passwd).")
     if args.authenticator == "dummy" and args.ip != "127.0.0.1":
-        raise ClassError("the dummy authenticator lets anyone in as anyone: only with --ip 127.0.0.1. For a class "
-                         "use pam (the default) or an OAuth authenticator (README: Run your class).")
+        raise ClassError("the dummy authenticator lets anyone in as anyone: only with --ip 127.0.0.1. For a "
+                         "class use pam (the default) or an OAuth authenticator (README: Run your class).")
     if args.roster:
         students = [line.strip() for line in Path(args.roster).read_text(encoding="utf-8").splitlines()
                     if line.strip() and not line.startswith("#")]
@@ -269,12 +273,14 @@ def up(args: argparse.Namespace) -> list[str]:
         students = [f"{args.prefix}{i:0{len(str(args.students))}d}" for i in range(1, args.students + 1)]
     bad = [n for n in [args.instructor, *students] if not NAME.fullmatch(n)]
     if bad or not students or len(set(students)) != len(students) or args.instructor in students:
-        raise ClassError(f"bad user names {bad or students}: students need distinct names of lowercase letters, "
-                         "digits, '_' and '-' (32 at most, not starting with a digit), the instructor another one.")
+        raise ClassError(f"bad user names {bad or students}: students need distinct names of lowercase "
+                         "letters, digits, '_' and '-' (32 at most, not starting with a digit), the "
+                         "instructor another one.")
     blocked = world_reachable(root)
     if blocked is not None:
         raise ClassError(f"{blocked} is closed to other users: the students' homes under {root} would be "
-                         "unreachable. Pick a --root all users can enter (chmod o+x), e.g. /srv/labkit-class.")
+                         "unreachable. Pick a --root all users can enter (chmod o+x), e.g. "
+                         "/srv/labkit-class.")
     root.mkdir(parents=True, exist_ok=True)
     (root / "home").mkdir(exist_ok=True)
     (root / "hub").mkdir(mode=0o700, exist_ok=True)
@@ -283,9 +289,9 @@ def up(args: argparse.Namespace) -> list[str]:
         if args.venv:
             raise ClassError(f"--venv {venv} has no bin/python.")
         build_venv(venv, args.python)
-    settings = {"root": str(root), "venv": str(venv), "course_id": args.course_id, "ip": args.ip, "port": args.port,
-                "hub_port": free_port(), "proxy_api_port": free_port(), "authenticator": args.authenticator,
-                "instructor": args.instructor, "students": students}
+    settings = {"root": str(root), "venv": str(venv), "course_id": args.course_id, "ip": args.ip,
+                "port": args.port, "hub_port": free_port(), "proxy_api_port": free_port(),
+                "authenticator": args.authenticator, "instructor": args.instructor, "students": students}
     write_json(root / "class.json", settings)
     created = [name for name in [args.instructor, *students] if ensure_user(name, root)]
     if args.authenticator == "pam":
@@ -293,9 +299,9 @@ def up(args: argparse.Namespace) -> list[str]:
     check_readable(venv, students[0])
     server_config(root)
     folder = course(root, args.instructor)
-    print(f"class {args.course_id}: {len(students)} students, instructor {args.instructor} (course: {folder}); "
-          f"hub on http://{args.ip}:{args.port}" + (f"; passwords in {root / 'hub' / 'passwords.csv'}"
-                                                     if args.authenticator == "pam" else ""), flush=True)
+    passwords = f"; passwords in {root / 'hub' / 'passwords.csv'}" if args.authenticator == "pam" else ""
+    print(f"class {args.course_id}: {len(students)} students, instructor {args.instructor} (course: "
+          f"{folder}); hub on http://{args.ip}:{args.port}{passwords}", flush=True)
     return [str(venv / "bin" / "python"), "-m", "jupyterhub", "-f", str(HERE / "jupyterhub_config.py")]
 
 
@@ -340,20 +346,20 @@ def _parser() -> argparse.ArgumentParser:
     who = u.add_mutually_exclusive_group(required=True)
     who.add_argument("--students", type=int, help="this many students, named PREFIX01, PREFIX02, ...")
     who.add_argument("--roster", type=Path, help="a file of student user names, one a line")
-    u.add_argument("--prefix", default="student", help="the students' name prefix with --students (default student)")
-    u.add_argument("--instructor", default="instructor", help="the instructor's user name (hub admin; owns the course)")
-    u.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"where the class lives (default {DEFAULT_ROOT})")
+    u.add_argument("--prefix", default="student", help="the students' name prefix with --students")
+    u.add_argument("--instructor", default="instructor", help="the instructor's user (admin, course owner)")
+    u.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"where the class lives ({DEFAULT_ROOT})")
     u.add_argument("--course-id", default="labkit", help="nbgrader's course id (default labkit)")
     u.add_argument("--ip", default="0.0.0.0", help="the address students connect to (default: all)")
     u.add_argument("--port", type=int, default=8000, help="its port (default 8000)")
     u.add_argument("--authenticator", choices=["pam", "dummy"], default="pam",
                    help="pam: the users' passwords (default); dummy: any password, only on 127.0.0.1")
     u.add_argument("--python", default="/usr/bin/python3", help="the Python the class's venv is built from")
-    u.add_argument("--venv", type=Path, help="use this environment instead of building ROOT/venv (students must "
-                   "be able to read it)")
+    u.add_argument("--venv", type=Path, help="use this environment instead of building ROOT/venv (students "
+                   "must be able to read it)")
     d = commands.add_parser("down", help="stop the hub, its proxy and every server of the class")
-    d.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"the class's folder (default {DEFAULT_ROOT})")
-    d.add_argument("--remove", action="store_true", help="also delete the class's users, their homes and the folder")
+    d.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"the class's folder ({DEFAULT_ROOT})")
+    d.add_argument("--remove", action="store_true", help="also delete the class's users, homes and folder")
     return parser
 
 

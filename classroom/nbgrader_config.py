@@ -13,5 +13,5 @@ settings = json.loads((root / "class.json").read_text(encoding="utf-8"))
 
 c.CourseDirectory.course_id = settings["course_id"]
 c.Exchange.root = str(root / "exchange")
-# the instructor's course folder, the same path in the instructor's and the students' config (students never read it)
+# the instructor's course folder (the same in the students' config, who never read it)
 c.CourseDirectory.root = str(root / "home" / settings["instructor"] / "course")

@@ -85,7 +85,7 @@ def need_a_class_machine() -> None:
 
 
 def students_python(dest: Path) -> Path:
-    """Return an environment the students' servers can run: this venv, or a view of it from the system's python3.
+    """Return an environment students' servers can run: this venv, or a view of it from the system's python3.
 
     A venv from pyenv's Python under /root (CI's, mode 0700) gives students "Permission denied".
     Building the class's venv costs minutes; instead, a venv from /usr/bin/python3 (same minor
@@ -103,8 +103,8 @@ def students_python(dest: Path) -> Path:
     if found != version or blocked is not None:
         why = (f"{blocked} is closed to other users" if blocked else
                f"/usr/bin/python3 is Python {found}, this venv's is {version}")
-        message = f"the students' servers need a Python they can read: {Path(sys.executable).resolve()} is not, " \
-                  f"and {why}"
+        message = (f"the students' servers need a Python they can read: {Path(sys.executable).resolve()} "
+                   f"is not, and {why}")
         if os.environ.get("CI") == "true":
             pytest.fail(message, pytrace=False)
         pytest.skip(message)
@@ -148,7 +148,7 @@ class Hub:
         self.settings = json.loads((root / "class.json").read_text())
         self.passwords = dict(csv.reader((root / "hub" / "passwords.csv").open()))
 
-    def call(self, method, path, token=None, body=None, form=None, timeout=60.0):  # type: ignore[no-untyped-def]
+    def call(self, method, path, token=None, body=None, form=None, timeout=60.0):
         """Return (status, parsed JSON or text) of one request."""
         data = json.dumps(body).encode() if body is not None else urllib.parse.urlencode(form).encode() \
             if form is not None else None
@@ -170,7 +170,9 @@ class Hub:
 
     def token(self, user, scopes=None):  # type: ignore[no-untyped-def]
         """A token the user asks for with their password (PAM checks it), with these scopes or all theirs."""
-        body = {"auth": {"username": user, "password": self.passwords[user]}, **({"scopes": scopes} if scopes else {})}
+        body = {"auth": {"username": user, "password": self.passwords[user]}}
+        if scopes:
+            body["scopes"] = scopes
         status, reply = self.call("POST", f"/hub/api/users/{user}/tokens", body=body)
         assert status in (200, 201), (user, status, reply)
         return reply["token"]
@@ -227,7 +229,7 @@ def assignments_panel(hub: Hub, student: str, released: list[str]) -> dict:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1300, "height": 900})
-            page.set_default_timeout(180_000)  # the login spawns the student's server: seconds, more under load
+            page.set_default_timeout(180_000)  # the login spawns the student's server: more under load
             page.goto(hub.base + "/hub/login")
             page.fill("#username_input", student)
             page.fill("#password_input", hub.passwords[student])
@@ -245,7 +247,7 @@ def assignments_panel(hub: Hub, student: str, released: list[str]) -> dict:
 
 
 def work(hub: Hub, student: str, answers: dict[str, str], written: str | None) -> dict:
-    """What a student does in the panel: fetch ps1, fill it in (through the contents API), validate, submit."""
+    """What a student does in the panel: fetch ps1, fill it in (the contents API), validate, submit."""
     token = hub.token(student, [f"access:servers!user={student}"])
     course = {"course_id": hub.settings["course_id"], "assignment_id": "ps1"}
     status, fetched = hub.call("POST", f"/user/{student}/assignments/fetch", token, form=course)
@@ -262,8 +264,8 @@ def work(hub: Hub, student: str, answers: dict[str, str], written: str | None) -
             cell["source"] = written
     status, _ = hub.call("PUT", path, token, body={"type": "notebook", "format": "json", "content": nb})
     assert status == 200
-    status, validated = hub.call("POST", f"/user/{student}/assignments/validate", token, form={"path": f"ps1/{PS1}"},
-                                 timeout=300)
+    status, validated = hub.call("POST", f"/user/{student}/assignments/validate", token,
+                                 form={"path": f"ps1/{PS1}"}, timeout=300)
     assert status == 200 and validated["success"], validated
     status, submitted = hub.call("POST", f"/user/{student}/assignments/submit", token, form=course)
     assert status == 200 and submitted["success"], submitted
@@ -292,7 +294,8 @@ def lesson(tmp_path_factory):
         released = sorted(classroom.assignments())
         for ident in released:
             source = f"source/{ident}/{classroom.assignments()[ident].name}"
-            as_instructor(hub, ["python", "-m", "labkit.grading", "release", source, "-o", f"release/{ident}"])
+            as_instructor(hub, ["python", "-m", "labkit.grading", "release", source, "-o",
+                                f"release/{ident}"])
             as_instructor(hub, ["nbgrader", "release_assignment", ident])
         step("release")
         panel = assignments_panel(hub, s1, released)
@@ -302,7 +305,8 @@ def lesson(tmp_path_factory):
         assert status in (201, 202), status
         hub.wait_ready(s2, admin)
         intruder = hub.token(s3, [f"access:servers!user={s3}"])
-        denied = {target: hub.call("GET", f"/user/{target}/api/contents/ps1", intruder)[0] for target in (s1, s2)}
+        denied = {target: hub.call("GET", f"/user/{target}/api/contents/ps1", intruder)[0]
+                  for target in (s1, s2)}
         step("second server, tokens")
         right = {a: solution(a) for a in ANSWERS}
         with ThreadPoolExecutor(2) as pool:
@@ -318,9 +322,10 @@ def lesson(tmp_path_factory):
                                            "say where the scale comes from\n")
         # as root, with this venv: the sandbox binds the grader's own Python and packages (the view above is
         # links into this venv), and runs each submission as nobody; an instructor grades in the class's venv
-        graded = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", f"source/ps1/{PS1}", "submitted/",
-                                 "--assignment", "ps1", "--out", "grades/ps1", "--jobs", "2", "--manual", "manual.csv"],
-                                cwd=course, capture_output=True, text=True, timeout=400)
+        graded = subprocess.run([sys.executable, "-m", "labkit.grading", "grade", f"source/ps1/{PS1}",
+                                 "submitted/", "--assignment", "ps1", "--out", "grades/ps1", "--jobs", "2",
+                                 "--manual", "manual.csv"], cwd=course, capture_output=True, text=True,
+                                timeout=400)
         assert graded.returncode == 0, graded.stdout + graded.stderr
         step("grade (sandbox)")
         as_instructor(hub, ["python", "-m", "labkit.grading", "feedback", f"source/ps1/{PS1}", "submitted/",
@@ -354,7 +359,8 @@ def test_a_student_logs_in_and_sees_the_problem_sets_in_the_assignments_panel(le
     s1 = lesson["hub"].settings["students"][0]
     assert f"/user/{s1}/lab" in panel["url"]
     assert "ps1" in lesson["released"]
-    assert panel["released"].split() == [word for ident in lesson["released"] for word in (ident, "labkit", "Fetch")]
+    assert panel["released"].split() == [word for ident in lesson["released"]
+                                         for word in (ident, "labkit", "Fetch")]
     # the instructor's tools are not in a student's menu
     assert "Assignment List" in panel["menu"] and "Formgrader" not in panel["menu"]
 
@@ -368,8 +374,8 @@ def test_validate_passes_the_right_notebook_and_shows_the_bug_in_the_other(lesso
     s1, s2, _ = lesson["hub"].settings["students"]
     assert lesson["students"][s1]["validated"] == {}  # nbgrader's "success": no failed cell
     failed = lesson["students"][s2]["validated"]["failed"]
-    assert [("check_skip_decision(skip_reason)" in f["source"], "nonfinite_grad" in f["error"]) for f in failed] \
-        == [(True, True)], failed
+    assert [("check_skip_decision(skip_reason)" in f["source"], "nonfinite_grad" in f["error"])
+            for f in failed] == [(True, True)], failed
 
 
 def test_collect_gets_each_students_own_submission(lesson):
@@ -387,7 +393,8 @@ def test_the_collected_class_is_graded_in_the_sandbox_part_by_part(lesson):
     book = {s["student"]: s for s in lesson["book"]["students"]}
     assert sorted(book) == [s1, s2]
     parts = {name: {p["grade_id"]: (p["points"], p["status"]) for p in book[name]["parts"]} for name in book}
-    assert parts[s1] == {**{g: (p, "ok") for g, p in AUTOGRADED.items()}, "why_unscale_first": (1.5, "hand-graded")}
+    assert parts[s1] == {**{g: (p, "ok") for g, p in AUTOGRADED.items()},
+                         "why_unscale_first": (1.5, "hand-graded")}
     assert parts[s2] == {**{g: (p, "ok") for g, p in AUTOGRADED.items()}, "skip_tests": (0, "failed"),
                          "why_unscale_first": (0, "manual")}
     assert (book[s1]["score"], book[s2]["score"], book[s1]["max_score"]) == (12.5, 9, 13)
@@ -426,7 +433,8 @@ def test_down_leaves_no_process_user_or_file(lesson):
 def test_a_killed_runs_leftovers_go_at_the_next_start(tmp_path):
     """A run killed with SIGKILL leaves its folder, users and processes: the next start removes them."""
     need_a_class_machine()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
     root = Path(tempfile.gettempdir()) / f"{WORK}{int(gone.stdout)}.{_started(os.getpid())}-killed"
     (root / "home").mkdir(parents=True)
     root.chmod(0o755)
@@ -435,7 +443,8 @@ def test_a_killed_runs_leftovers_go_at_the_next_start(tmp_path):
         assert classroom.ensure_user(name, root)
         env = {"PATH": "/usr/bin:/bin", classroom.ENV: str(root)}
         left = [subprocess.Popen(["sleep", "600"], env=env, start_new_session=True),  # a proxy, say
-                subprocess.Popen(classroom.as_user(name, ["sleep", "600"]), start_new_session=True)]  # a kernel
+                subprocess.Popen(classroom.as_user(name, ["sleep", "600"]),  # a kernel, say
+                                 start_new_session=True)]
         uid = pwd.getpwnam(name).pw_uid
         assert root in sweep_stale()
         assert [p.wait(timeout=10) for p in left] == [-signal.SIGKILL] * 2

@@ -1,4 +1,4 @@
-"""``python -m labkit.grading release|grade|feedback`` (or ``python -m labkit grading ...``): the instructor's side.
+"""``python -m labkit.grading release|grade|feedback`` (or ``python -m labkit grading ...``): for instructors.
 
 Exit codes: 0 when the command did its job (whatever the score), 1 when it could not
 (an unreadable or malformed source, no sandbox tool), 2 for bad arguments. Starts in well
@@ -23,8 +23,8 @@ of <student>.ipynb, into OUT/gradebook.csv, gradebook.json, summary.txt and resu
 run the same command again after a crash and only what is missing is graded). --manual is a CSV
 student,grade_id,points[,comment] of hand-graded points. Every submission runs in a bubblewrap sandbox
 (apt-get install bubblewrap); its hidden cases are seeded from the source and the student's name, and the
-seed is in the JSON: --seed replays it. feedback writes nbgrader's feedback/<student>/<assignment>/<notebook>.html
-from the gradebook, for `nbgrader release_feedback`.
+seed is in the JSON: --seed replays it. feedback writes each student's page from the gradebook into nbgrader's
+feedback/<student>/<assignment>/<notebook>.html, for `nbgrader release_feedback`.
 """
 
 
@@ -53,12 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     gra.add_argument("--seed", type=int, help="replay the hidden cases of this seed (from a report's JSON)")
     gra.add_argument("--no-sandbox", action="store_true",
                      help="run without bubblewrap: only for notebooks you trust (your own solutions)")
-    fee = commands.add_parser("feedback", help="write each student's feedback page from a graded class, for nbgrader "
-                              "release_feedback")
+    fee = commands.add_parser("feedback", help="write each student's feedback page from a graded class, for "
+                              "nbgrader release_feedback")
     fee.add_argument("source", type=Path, help="the instructor's notebook the class was graded against")
     fee.add_argument("submitted", type=Path, help="nbgrader's submitted/ folder that was graded")
-    fee.add_argument("--grades", type=Path, required=True, help="the --out folder of grade (gradebook.json, results/)")
-    fee.add_argument("-o", "--output", type=Path, required=True, help="nbgrader's feedback/ folder to write into")
+    fee.add_argument("--grades", type=Path, required=True, help="grade's --out folder (gradebook.json)")
+    fee.add_argument("-o", "--output", type=Path, required=True, help="nbgrader's feedback/ folder, to write")
     fee.add_argument("--assignment", help="the assignment folder name, if students have several")
     return parser
 

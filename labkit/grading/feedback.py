@@ -36,11 +36,11 @@ COPIED = ("timestamp.txt", "submission_secret.txt")  # what release_feedback rea
 
 @dataclass
 class Feedback:
-    """What ``write_feedback`` did: the pages it wrote, and the students it could not write one for (and why)."""
+    """What ``write_feedback`` did: the pages it wrote, the students it could not write one for, and why."""
 
     written: list[Path] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-    awaiting: dict[str, list[str]] = field(default_factory=dict)  # student: written parts not graded by hand yet
+    awaiting: dict[str, list[str]] = field(default_factory=dict)  # student: written parts to grade by hand
 
 
 def part_label(part: dict[str, Any], manual: bool) -> str:
@@ -67,12 +67,14 @@ def _awaiting(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 STYLE = """
-body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 1.5rem auto; padding: 0 1rem; color: #222; }
+body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 1.5rem auto; padding: 0 1rem; }
 table.parts { border-collapse: collapse; width: 100%; margin: 1rem 0 2rem; }
-table.parts td, table.parts th { border: 1px solid #ccc; padding: .35rem .6rem; text-align: left; vertical-align: top; }
-tr.ok td.points { color: #17692d; } tr.failed td.points, tr.tampering td.points, tr.not-graded td.points { color: #a4161a; }
+table.parts td, table.parts th { border: 1px solid #ccc; padding: .35rem .6rem; text-align: left; }
+tr.ok td.points { color: #17692d; }
+tr.failed td.points, tr.tampering td.points, tr.not-graded td.points { color: #a4161a; }
 .cell { margin: .8rem 0; } .graded { border: 2px solid #3a6ea5; border-radius: 4px; }
-.graded > .heading { background: #3a6ea5; color: white; padding: .3rem .6rem; display: flex; justify-content: space-between; }
+.graded > .heading { background: #3a6ea5; color: white; padding: .3rem .6rem; display: flex;
+                     justify-content: space-between; }
 .graded > .verdict { padding: .3rem .6rem; background: #f3f6fa; border-top: 1px solid #c9d6e6; }
 .markdown { padding: 0 .6rem; } .highlight pre { margin: 0; padding: .5rem .6rem; overflow-x: auto; }
 .notice { border-left: 4px solid #a4161a; padding: .4rem .8rem; background: #fbeaea; }
@@ -80,7 +82,7 @@ tr.ok td.points { color: #17692d; } tr.failed td.points, tr.tampering td.points,
 
 
 def _markdown(text: str) -> str:
-    import mistune  # JupyterLab's Markdown renderer for nbconvert; escape=True: a student's HTML shows as text
+    import mistune  # nbconvert's Markdown renderer; escape=True: a student's HTML shows as text
 
     return mistune.create_markdown(escape=True, plugins=["table", "strikethrough"])(text)
 
@@ -119,11 +121,12 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
            + (f", submitted {esc(timestamp)}" if timestamp else "")
            + f". Graded by labkit in a sandbox; hidden cases seed {entry['seed']}.</p>"]
     if waiting:
-        out.append(f'<p class="notice">{_fmt(sum(p["max_points"] for p in waiting))} points of written answers '
-                   "are still to be graded by hand: they are not in the score yet.</p>")
+        points = _fmt(sum(p["max_points"] for p in waiting))
+        out.append(f'<p class="notice">{points} points of written answers are still to be graded by hand: '
+                   "they are not in the score yet.</p>")
     if entry.get("tampering"):
-        out.append('<p class="notice">Not scored: the submission reaches into the grader. A person will review '
-                   "it:</p><ul>" + "".join(f"<li>{esc(t)}</li>" for t in entry["tampering"]) + "</ul>")
+        out.append('<p class="notice">Not scored: the submission reaches into the grader. A person will '
+                   "review it:</p><ul>" + "".join(f"<li>{esc(t)}</li>" for t in entry["tampering"]) + "</ul>")
     out.append('<table class="parts"><tr><th>part</th><th>kind</th><th>points</th><th>result</th></tr>')
     for gid, p in parts.items():
         kind = "written, graded by hand" if gid in manual else "autograded"
@@ -151,7 +154,8 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
                        f'{_fmt(p["max_points"])}</span></div>{body}<div class="verdict">'
                        f"{esc(part_label(p, gid in manual))}</div></div>")
         elif _meta(cell).get("solution"):
-            out.append(f'<div class="cell answer"><b>Your answer</b> <code>{esc(gid or "")}</code>{body}</div>')
+            out.append(f'<div class="cell answer"><b>Your answer</b> <code>{esc(gid or "")}</code>'
+                       f"{body}</div>")
         else:
             out.append(f'<div class="cell">{body}</div>')
     out.append("</body></html>")
@@ -180,19 +184,20 @@ def write_feedback(source_path: Path, folder: Path, grades: Path, out: Path,
     entries = {s["student"]: s for s in book["students"]}
     subs = [s for s in find(folder, source_path.name, assignment) if s.path is not None]
     if any(s.path.parent.parent.parent != folder for s in subs):
-        raise ValueError(f"{folder} is a flat folder of notebooks: feedback needs nbgrader's submitted/<student>/"
-                         "<assignment>/ layout, whose submission_secret.txt names the file release_feedback returns.")
+        raise ValueError(f"{folder} is a flat folder of notebooks: feedback needs nbgrader's submitted/"
+                         "<student>/<assignment>/ layout, whose submission_secret.txt names the file "
+                         "release_feedback returns.")
     stale = [s.student for s in subs if s.student not in entries or _graded_sha(grades, s) != _sha(s.path)]
     if stale:
-        raise ValueError(f"the gradebook in {grades} was not made from these submissions of {', '.join(stale)} "
-                         f"(graded another version, or not at all): run the same grade command again first; "
-                         "it grades only what changed.")
+        raise ValueError(f"the gradebook in {grades} was not made from these submissions of "
+                         f"{', '.join(stale)} (graded another version, or not at all): run the same grade "
+                         "command again first; it grades only what changed.")
     done = Feedback()
     for sub in subs:
         missing = [name for name in COPIED if not (sub.path.parent / name).is_file()]
         if missing:
-            done.skipped[sub.student] = (f"no {' or '.join(missing)} in {sub.path.parent} (not collected by nbgrader "
-                                         "collect?): release_feedback could not return it")
+            done.skipped[sub.student] = (f"no {' or '.join(missing)} in {sub.path.parent} (not collected by "
+                                         "nbgrader collect?): release_feedback could not return it")
             continue
         entry = entries[sub.student]
         try:
@@ -218,6 +223,7 @@ def write_feedback(source_path: Path, folder: Path, grades: Path, out: Path,
 
 def _graded_sha(grades: Path, sub: Submission) -> str | None:
     try:
-        return json.loads((grades / "results" / f"{sub.student}.json").read_text(encoding="utf-8"))["key"]["submission"]
+        result = json.loads((grades / "results" / f"{sub.student}.json").read_text(encoding="utf-8"))
+        return result["key"]["submission"]
     except (OSError, ValueError, KeyError):
         return None
