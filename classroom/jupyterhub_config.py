@@ -19,8 +19,10 @@ c.JupyterHub.bind_url = f"http://{settings['ip']}:{settings['port']}"
 c.JupyterHub.hub_ip = "127.0.0.1"
 c.JupyterHub.hub_port = settings["hub_port"]
 c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{settings['proxy_api_port']}"
-# the Python configurable-http-proxy (classroom/requirements.txt); npm's is a drop-in: name its path here
-c.ConfigurableHTTPProxy.command = [str(venv / "bin" / "configurable-http-proxy")]
+# the Python configurable-http-proxy (classroom/requirements.txt); npm's is a drop-in: name its path here.
+# Its wait for a server's answer defaults to tornado's 20 s, and nbgrader's Validate runs the whole
+# notebook before it answers: on a busy machine the student got a 503. Ten minutes, as a cell may take.
+c.ConfigurableHTTPProxy.command = [str(venv / "bin" / "configurable-http-proxy"), "--proxy-timeout=600000"]
 c.ConfigurableHTTPProxy.pid_file = str(root / "hub" / "proxy.pid")
 c.JupyterHub.pid_file = str(root / "hub" / "jupyterhub.pid")
 c.JupyterHub.db_url = f"sqlite:///{root / 'hub' / 'jupyterhub.sqlite'}"

@@ -272,6 +272,37 @@ def work(hub: Hub, student: str, answers: dict[str, str], written: str | None) -
     return {"token": token, "handed_in": nb, "validated": validated["value"]}
 
 
+def in_terminal(hub: Hub, student: str, token: str, command: str, timeout: float = 60.0) -> str:
+    """Run ``command`` in a new JupyterLab terminal of ``student``, over its websocket through the proxy."""
+    import asyncio
+
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    status, term = hub.call("POST", f"/user/{student}/api/terminals", token)
+    assert status == 200, term
+    url = f"{hub.base.replace('http', 'ws', 1)}/user/{student}/terminals/websocket/{term['name']}"
+
+    async def talk() -> str:
+        conn = await websocket_connect(HTTPRequest(url, headers={"Authorization": f"token {token}"},
+                                                   connect_timeout=timeout, request_timeout=timeout))
+        # the shell prints END-42 only by running the line (its echo shows END-$((6*7)))
+        conn.write_message(json.dumps(["stdin", f"{command}; echo END-$((6*7))\r"]))
+        out = ""
+        while "END-42" not in out:
+            message = await asyncio.wait_for(conn.read_message(), timeout)
+            assert message is not None, f"the terminal closed: {out}"
+            kind, *data = json.loads(message)
+            out += data[0] if kind == "stdout" else ""
+        conn.close()
+        return out
+
+    try:
+        return asyncio.run(talk())
+    finally:
+        hub.call("DELETE", f"/user/{student}/api/terminals/{term['name']}", token)
+
+
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
     """Run the class from release to feedback; return what each step left, and each step's seconds."""
@@ -315,6 +346,12 @@ def lesson(tmp_path_factory):
             students = {name: future.result() for name, future in done.items()}
         cross = hub.call("GET", f"/user/{s2}/api/contents/ps1/{PS1}", students[s1]["token"])[0]
         step("fetch, edit, validate, submit")
+        terminal = in_terminal(hub, s1, students[s1]["token"], "command -v python nbgrader; id -un")
+        home = Path(pwd.getpwnam(s2).pw_dir)
+        peeks = {what: subprocess.run(classroom.as_user(s1, argv), capture_output=True, text=True, timeout=30)
+                 for what, argv in (("home", ["cat", str(home / "ps1" / PS1)]),
+                                    ("inbound", ["ls", str(root / "exchange" / "labkit" / "inbound")]))}
+        step("terminal, peeking")
         as_instructor(hub, ["nbgrader", "collect", "ps1"])
         step("collect")
         course = Path(pwd.getpwnam(instructor).pw_dir) / "course"
@@ -347,6 +384,7 @@ def lesson(tmp_path_factory):
         step("fetch_feedback")
         yield {"hub": hub, "proc": proc, "root": root, "course": course, "panel": panel, "denied": denied,
                "cross": cross, "students": students, "fetched": fetched, "released": released,
+               "terminal": terminal, "peeks": peeks,
                "book": json.loads((course / "grades" / "ps1" / "gradebook.json").read_text()),
                "uids": {pwd.getpwnam(n).pw_uid for n in [instructor, s1, s2, s3]}, "seconds": seconds}
     finally:
@@ -368,6 +406,18 @@ def test_a_student_logs_in_and_sees_the_problem_sets_in_the_assignments_panel(le
 def test_a_students_token_opens_only_their_own_server(lesson):
     assert lesson["denied"] == {name: 403 for name in lesson["hub"].settings["students"][:2]}
     assert lesson["cross"] == 403
+
+
+def test_a_student_cannot_read_another_students_work_on_disk(lesson):
+    for what, peek in lesson["peeks"].items():
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr, (what, peek)
+
+
+def test_a_terminal_through_the_proxy_finds_the_class_tools_as_the_student(lesson):
+    venv = lesson["hub"].settings["venv"]
+    lines = [line.strip() for line in lesson["terminal"].splitlines()]
+    assert f"{venv}/bin/python" in lines and f"{venv}/bin/nbgrader" in lines, lines  # not a login PATH
+    assert lesson["hub"].settings["students"][0] in lines
 
 
 def test_validate_passes_the_right_notebook_and_shows_the_bug_in_the_other(lesson):
