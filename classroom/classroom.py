@@ -335,7 +335,7 @@ def down(root: Path, remove: bool = False, timeout: float = 30.0) -> list[str]:
     if remove and root.exists():
         shutil.rmtree(root)
         done.append(f"removed {root}")
-    return done
+    return done or [f"nothing of the class in {root} was running"]
 
 
 def _parser() -> argparse.ArgumentParser:
