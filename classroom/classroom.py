@@ -48,8 +48,12 @@ class ClassError(RuntimeError):
 # ---------------------------------------------------------------- the pieces
 
 
-def world_reachable(path: Path) -> Path | None:
-    """Return the first folder on the way to ``path`` that other users cannot enter, or None."""
+def closed_folder(path: Path) -> Path | None:
+    """Return the first folder on the way to ``path`` that other users cannot enter, or None.
+
+    >>> closed_folder(Path("/usr/bin/env")) is None
+    True
+    """
     for folder in [*reversed(path.resolve().parents), path.resolve()]:
         if folder.is_dir() and not os.stat(folder).st_mode & stat.S_IXOTH:
             return folder
@@ -96,6 +100,7 @@ def ensure_user(name: str, root: Path) -> bool:
 
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """Run a system command (useradd, chpasswd...); raise ClassError with its message if it fails."""
     done = subprocess.run(argv, capture_output=True, text=True, **kwargs)
     if done.returncode != 0:
         raise ClassError(f"{' '.join(argv[:3])} ... failed ({done.returncode}): "
@@ -111,7 +116,7 @@ def as_user(name: str, argv: list[str], **kwargs) -> list[str]:  # type: ignore[
 
 def build_venv(venv: Path, python: str) -> None:
     """Make the class's Python: a venv from ``python`` with the lab, nbgrader, the hub and labkit (a copy)."""
-    blocked = world_reachable(Path(python))
+    blocked = closed_folder(Path(python))
     if blocked is not None:
         raise ClassError(f"{python} is under {blocked}, which other users cannot enter: students' servers "
                          "could not run it. Pass --python /usr/bin/python3 (the system's) or another Python "
@@ -132,7 +137,7 @@ def check_readable(venv: Path, student: str) -> None:
     done = subprocess.run(as_user(student, [str(python), "-c", IMPORTS]), capture_output=True, text=True,
                           cwd="/", env={"PATH": "/usr/bin:/bin", "HOME": "/"}, timeout=120)
     if done.returncode != 0:
-        blocked = world_reachable(python)
+        blocked = closed_folder(python)
         closed = f" ({blocked} is closed to them)" if blocked else ""
         raise ClassError(f"the students cannot run {python}{closed}: {done.stderr.strip()[-800:]}\nIts "
                          "interpreter and packages must be readable by every user: build the class's Python "
@@ -140,6 +145,7 @@ def check_readable(venv: Path, student: str) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` for every user to read (the servers' config, class.json)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     path.chmod(0o644)
@@ -214,6 +220,7 @@ def tagged(root: Path) -> list[int]:
 
 
 def owned_by(uids: set[int]) -> list[int]:
+    """Return the pids of the processes of these users."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -226,6 +233,7 @@ def owned_by(uids: set[int]) -> list[int]:
 
 
 def kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to each of ``pids`` that still runs."""
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -253,6 +261,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def require_root() -> None:
+    """Raise ClassError unless this runs as root."""
     if os.geteuid() != 0:
         raise ClassError("run it as root (sudo): it creates users and starts their servers as them.")
 
@@ -276,7 +285,7 @@ def up(args: argparse.Namespace) -> list[str]:
         raise ClassError(f"bad user names {bad or students}: students need distinct names of lowercase "
                          "letters, digits, '_' and '-' (32 at most, not starting with a digit), the "
                          "instructor another one.")
-    blocked = world_reachable(root)
+    blocked = closed_folder(root)
     if blocked is not None:
         raise ClassError(f"{blocked} is closed to other users: the students' homes under {root} would be "
                          "unreachable. Pick a --root all users can enter (chmod o+x), e.g. "

@@ -92,14 +92,14 @@ def students_python(dest: Path) -> Path:
     version, so the same compiled packages) whose site-packages, share/ and etc/ are this venv's,
     and whose scripts are this venv's with their first line pointed at it: a fraction of a second.
     """
-    if classroom.world_reachable(Path(sys.executable)) is None:
+    if classroom.closed_folder(Path(sys.executable)) is None:
         return Path(sys.prefix)
     system = Path("/usr/bin/python3")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     found = subprocess.run([str(system), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                            capture_output=True, text=True).stdout.strip() if system.exists() else "none"
     site = Path(sys.prefix) / "lib" / f"python{version}" / "site-packages"
-    blocked = classroom.world_reachable(site)
+    blocked = classroom.closed_folder(site)
     if found != version or blocked is not None:
         why = (f"{blocked} is closed to other users" if blocked else
                f"/usr/bin/python3 is Python {found}, this venv's is {version}")
