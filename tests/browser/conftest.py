@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lab_driver import NOTEBOOKS, RELEASE, LabServer, Notebook
+from lab_driver import CHROMIUM, CHROMIUM_ARGS, NOTEBOOKS, RELEASE, LabServer, Notebook
 
 HERE = Path(__file__).parent
 # student_view.py, loaded into a notebook's kernel before Run All (as a module of its own, without
@@ -23,11 +23,6 @@ HERE = Path(__file__).parent
 INSTALL_VIEW = ("import types as _types\n_labkit_view = _types.ModuleType('_labkit_view')\n"
                 f"exec(compile({(HERE / 'student_view.py').read_text()!r}, 'student_view.py', 'exec'), "
                 "_labkit_view.__dict__)\n_labkit_view.install()\ndel _types")
-CHROMIUM = Path(os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium"))
-# As root Chromium needs --no-sandbox; the rest keep it off this machine's closed network
-# (background, component-update and sync requests are refused, many at a time, and slow it).
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
