@@ -262,6 +262,7 @@ class StepLog(Sequence[StepRecord]):
         self._sent = 0  # bytes of the first pending line already in a stream, which cannot be cut back
         self._last = b""  # the last line appended: a checkpoint names it (state_dict's "stream")
         self._path, self._fd, self._good_size, self._kind = path, None, 0, None
+        self._where = os.path.abspath(path) if path is not None else None  # the same file after a chdir
         if path is not None:
             self._fd, self._kind = _open_stream(path)
             self._good_size = os.fstat(self._fd).st_size if self._kind == "file" else 0
@@ -412,11 +413,15 @@ class StepLog(Sequence[StepRecord]):
 
     def _cut_after(self, size: int, last_line_sha256: str) -> None:
         """Truncate the stream's file to ``size`` if the line ending there is the checkpoint's last line."""
-        assert self._fd is not None and self._path is not None
-        now = os.fstat(self._fd).st_size
-        if now <= size:
+        assert self._fd is not None and self._where is not None
+        ours = os.fstat(self._fd)
+        if ours.st_size <= size:
             return
-        with open(self._path, "rb") as f:
+        now = ours.st_size
+        with open(self._where, "rb") as f:
+            there = os.fstat(f.fileno())
+            if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):  # the path names another file now
+                return
             start = _line_start(f, size - 1)
             f.seek(start)
             line = f.read(size - start) if size - start <= MAX_LINE else b""
