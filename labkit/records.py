@@ -220,8 +220,8 @@ class StepLog(Sequence[StepRecord]):
     ``purge_step`` does the same). ``path`` may also be a stream: a pipe or FIFO (with its
     reader already started), a terminal, ``/dev/null``, or ``/dev/stdout`` and ``/dev/stderr``
     (written through this process's own descriptor, in order with ``print``); nothing is cut
-    from a stream. Under ``torch.distributed``
-    files are written by rank 0 only, unless the path holds ``{rank}`` (see ``rank_path``).
+    from a stream. Under ``torch.distributed`` files are written by rank 0 only, unless the
+    path holds ``{rank}`` (see ``rank_path``).
 
     Memory: every record is kept (0.4-0.8 KB per step, the more when it carries ``top_grads``: up
     to 0.8 GB per million steps; measured with tracemalloc, Python 3.11). For
@@ -559,7 +559,10 @@ def _step_of(line: bytes) -> int | None:
 
 
 def _line_start(f: Any, end: int) -> int:
-    """Return the offset where the line holding byte ``end - 1`` of ``f`` starts (reading back in blocks)."""
+    """Return the offset just past the last newline in the first ``end`` bytes of ``f`` (0 if none).
+
+    Read backwards in 64 KiB blocks: memory stays bounded however long the line.
+    """
     pos = end
     while pos > 0:
         n = min(1 << 16, pos)
