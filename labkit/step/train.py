@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..alarms import LabkitWarning
-from ..clip import check_norm_type, round_to, scale_grads_
+from ..clip import check_norm_type, check_scaled_norm_type, round_to, scale_grads_
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, mean_across
 from ..faults import FaultSchedule
@@ -129,6 +129,8 @@ class TrainStep:
         self._host_can_decide = self.device.type == "cpu" or not fused
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
+        if scaler.is_enabled():
+            check_scaled_norm_type(self.norm_type)
         self.scaler, self.faults = scaler, FaultSchedule.coerce(faults)
         self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, all else valid
         self.step_count = 0
