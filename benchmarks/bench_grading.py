@@ -40,7 +40,7 @@ BUGS = {  # answer grade_id -> a wrong body that a course sees
 
 def solutions() -> dict[str, str]:
     src = read(SOURCE)
-    return {c["metadata"]["nbgrader"]["grade_id"]: "\n".join(l for l in c["source"].split("\n") if "### " not in l)
+    return {c["metadata"]["nbgrader"]["grade_id"]: "\n".join(line for line in c["source"].split("\n") if "### " not in line)
             for c in src["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("solution")
             and c["cell_type"] == "code"}
 
@@ -93,8 +93,8 @@ def main() -> None:
             same += json.loads(alone.read_text())["parts"] == batch
     scores = sorted({s["score"] for s in book["students"]})
     per = wall / args.students
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
     print(f"CPU: {cpu}, {os.cpu_count()} cores visible; {args.label or 'load not stated'}")
     print(f"python -m labkit.grading --help: {cli:.2f} s")
     print(f"{args.students} submissions, --jobs {args.jobs}: {wall:.1f} s wall, {per:.2f} s per submission; "

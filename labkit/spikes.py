@@ -15,6 +15,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .hooks import DecisionView, Hook, Verdict
+from .reasons import Reason
+from .validate import check_int, check_number
+
 __all__ = ["SpikeDetector", "format_z", "rolling_z", "spike_score"]
 
 
@@ -71,7 +75,7 @@ def format_z(name: str, value: float, z: float) -> str:
     return f"{name} {value:.3g} ({z:+.1f}z)" if math.isfinite(z) else f"{name} {value:.3g} (z n/a)"
 
 
-class SpikeDetector:
+class SpikeDetector(Hook):
     """Score each step's loss and gradient norm by rolling z, and say whether to skip or clip it.
 
     ``window=128`` and ``skip_z=6.0`` are OLMo-core's ``SkipStepOptimizer`` defaults (inactive
@@ -81,6 +85,8 @@ class SpikeDetector:
     skip). Only increases count (a loss drop is good news). The state is plain Python floats:
     its inputs are the host values ``TrainStep`` already holds for the record, so it adds no
     sync. ``TrainStep(..., detector=SpikeDetector())`` logs ``z_loss``/``z_grad`` on every record.
+    As a hook: ``on_decision`` scores and decides (a ``Verdict``), ``on_record`` admits the
+    step; in a plain loop call ``score``, ``decide`` and ``observe`` yourself.
 
     >>> det = SpikeDetector(window=8, skip_z=6.0)
     >>> for i in range(8): det.observe(1.0 + 0.01 * (i % 3), 2.0 + 0.01 * (i % 2), admitted=True)
@@ -88,13 +94,17 @@ class SpikeDetector:
     ('skip', 'spike_grad')
     """
 
+    state_key = "detector"
+    per_step = True  # it decides from windows of every step's values
+    # Its verdict is asked on the device path (one read of the loss and the norm), as before the
+    # hook protocol: tests/test_fused.py holds that path. The host's read would serve it too.
+    device_decision = True
+
     def __init__(self, window: int = 128, skip_z: float | None = 6.0, clip_z: float | None = None,
                  min_count: int | None = None) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"window must be an int >= 2 (OLMo-core and llm.c use 128), got {window!r}.")
+        check_int("window", window, 2, hint="(OLMo-core and llm.c use 128)")
         for name, z in (("skip_z", skip_z), ("clip_z", clip_z)):
-            if z is not None and not z > 0:
-                raise ValueError(f"{name} must be a number of standard deviations > 0, or None (off); got {z!r}.")
+            check_number(name, z, 0, low_open=True, none="off", noun="a number of standard deviations")
         if skip_z is not None and clip_z is not None and clip_z >= skip_z:
             raise ValueError(f"clip_z ({clip_z}) must be below skip_z ({skip_z}): clip moderate spikes, skip the big ones.")
         self.window, self.skip_z, self.clip_z = window, skip_z, clip_z
@@ -110,9 +120,9 @@ class SpikeDetector:
         """Return ``(action, reason)``: ``("skip", "spike_loss"|"spike_grad")``, ``("clip", "z_grad")`` or ``(None, None)``."""
         if self.skip_z is not None:
             if z_loss > self.skip_z:
-                return "skip", "spike_loss"
+                return "skip", Reason.SPIKE_LOSS.value
             if z_grad > self.skip_z:
-                return "skip", "spike_grad"
+                return "skip", Reason.SPIKE_GRAD.value
         if self.clip_z is not None and z_grad > self.clip_z:
             return "clip", "z_grad"
         return None, None
@@ -129,6 +139,24 @@ class SpikeDetector:
         if admitted and math.isfinite(loss) and math.isfinite(norm):
             self.losses.append(float(loss))
             self.norms.append(float(norm))
+
+    def on_decision(self, trainer: Any, view: DecisionView) -> Verdict | None:
+        """Score this step and return the verdict: skip (``spike_loss``/``spike_grad``), clip, or the scores alone."""
+        if view.loss_bad or not math.isfinite(view.norm):  # nothing to score: the step skips anyway
+            return None
+        z_loss, z_grad = self.score(view.loss, view.norm)
+        action, why = self.decide(z_loss, z_grad)
+        fields = {"z_loss": z_loss, "z_grad": z_grad}
+        if action == "skip":
+            return Verdict(skip=why, fields=fields)
+        if action == "clip":
+            return Verdict(clip_to=self.clip_limit(), clip_reason=why, fields=fields)
+        return Verdict(fields=fields)
+
+    def on_record(self, trainer: Any, record: Any) -> None:
+        """Admit the step as it was taken: a z clip's own cut, never a skipped or non-finite step."""
+        seen = record.post_clip_norm if record.clip_reason == "z_grad" else record.grad_norm
+        self.observe(record.loss, seen, admitted=not record.skipped)
 
     def state_dict(self) -> dict[str, Any]:
         return {"losses": list(self.losses), "norms": list(self.norms)}

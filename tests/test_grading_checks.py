@@ -271,13 +271,13 @@ def skip_if(loss_bad, grads_bad, loss_first=True):
 
 ANY_BAD = lambda gs: not all(torch.isfinite(g).all() for g in gs)  # noqa: E731
 SKIP_BUGS = {
-    "only NaN counts": (skip_if(lambda l: bool(torch.isnan(l)), ANY_BAD), "expected 'nonfinite_loss'",
+    "only NaN counts": (skip_if(lambda loss: bool(torch.isnan(loss)), ANY_BAD), "expected 'nonfinite_loss'",
                         "NaN, +inf and -inf are all not finite"),
-    "gradients first": (skip_if(lambda l: not torch.isfinite(l), ANY_BAD, loss_first=False), "check the loss first"),
-    "fp16 norm": (skip_if(lambda l: not torch.isfinite(l),
+    "gradients first": (skip_if(lambda loss: not torch.isfinite(loss), ANY_BAD, loss_first=False), "check the loss first"),
+    "fp16 norm": (skip_if(lambda loss: not torch.isfinite(loss),
                           lambda gs: not torch.isfinite(torch.stack([g.norm() for g in gs]).norm())),
                   "every gradient is finite, but an fp16 norm of them overflows"),
-    "first gradient only": (skip_if(lambda l: not torch.isfinite(l), lambda gs: not torch.isfinite(gs[0]).all()),
+    "first gradient only": (skip_if(lambda loss: not torch.isfinite(loss), lambda gs: not torch.isfinite(gs[0]).all()),
                             "expected 'nonfinite_grad'", "check every .grad that exists"),
     "returns a bool": (lambda loss, ps: False, "returned False", "return None to step"),
 }

@@ -154,7 +154,8 @@ def test_detector_can_clip_instead_of_skip():
                      detector=SpikeDetector(window=16, skip_z=None, clip_z=4.0), clip_alarm=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        records = [step(*data(task, i)) for i in range(SPIKE_AT)]
+        for i in range(SPIKE_AT):
+            step(*data(task, i))
         limit = step.detector.clip_limit()
         spike = step(*data(task, SPIKE_AT))
     assert not spike.skipped and spike.clipped and spike.clip_reason == "z_grad" and spike.z_grad > 4

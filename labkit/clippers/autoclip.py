@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validate import check_int, check_number
 from .base import GlobalClipper
 
 __all__ = ["AutoClip", "history_push"]
@@ -48,11 +49,9 @@ class AutoClip(GlobalClipper):
         feed: str = "raw",
         max_consecutive_clips: int | None = 50,
     ) -> None:
-        if not 0.0 <= quantile <= 1.0:
-            raise ValueError(f"quantile must be in [0, 1] (0.9 = the 90th percentile), got {quantile!r}.")
-        for name, v in (("history", history), ("min_history", min_history)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}.")
+        check_number("quantile", quantile, 0, 1, hint="(0.9 = the 90th percentile)")
+        check_int("history", history, 1)
+        check_int("min_history", min_history, 1)
         if min_history > history:
             raise ValueError(f"min_history={min_history} cannot exceed history={history}.")
         self.quantile, self.history, self.min_history = float(quantile), history, min_history

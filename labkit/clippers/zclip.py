@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validate import check_int, check_number
 from .base import GlobalClipper
 
 __all__ = ["ZClip", "zclip_limit", "zclip_update"]
@@ -81,12 +82,9 @@ class ZClip(GlobalClipper):
         feed: str = "clipped",
         max_consecutive_clips: int | None = 50,
     ) -> None:
-        if not 0.0 < alpha < 1.0:
-            raise ValueError(f"alpha must be in (0, 1), e.g. 0.97, got {alpha!r}.")
-        if not z_thresh > 0:
-            raise ValueError(f"z_thresh must be > 0, e.g. 2.5, got {z_thresh!r}.")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1, got {warmup!r}.")
+        check_number("alpha", alpha, 0, 1, low_open=True, high_open=True, hint="e.g. 0.97")
+        check_number("z_thresh", z_thresh, 0, low_open=True, hint="e.g. 2.5")
+        check_int("warmup", warmup, 1)
         if mode not in ("adaptive_scaling", "mean"):
             raise ValueError(f"mode must be 'adaptive_scaling' or 'mean', got {mode!r}.")
         self.alpha, self.z_thresh, self.warmup, self.eps, self.mode = float(alpha), float(z_thresh), warmup, eps, mode

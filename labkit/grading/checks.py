@@ -33,6 +33,7 @@ from labkit.clip import clip_grad_norm_ as ref_clip_grad_norm_
 from labkit.clip import grad_norm as ref_grad_norm
 from labkit.clip import per_tensor_norms
 from labkit.faults import Fault
+from labkit.reasons import COUNTED
 from labkit.records import StepRecord
 from labkit.scaler import GradScaler, ScalerConfig, update_scale
 from labkit.step import TrainStep
@@ -41,7 +42,7 @@ __all__ = ["BANNED", "CHECKS", "check_clip", "check_grad_norm", "check_guarded_s
            "check_update_scale", "judge", "run"]
 
 HALF = (torch.float16, torch.bfloat16)
-REASONS = (None, "nonfinite_loss", "nonfinite_grad")
+REASONS = (None, *(r.value for r in COUNTED))  # what a student's skip decision may return
 
 
 # ---------------------------------------------------------------- calling student code
@@ -171,8 +172,8 @@ def _no_host_sync(traps: list[str]) -> Iterator[None]:
 # (a reference saved before the test is the wrapper too); they refuse only while a ban is on and
 # only calls made from outside labkit, torch and the standard library.
 
-_HOMES = ("labkit", "labkit.clip", "labkit.scaler", "labkit.step", "torch.nn.utils", "torch.nn.utils.clip_grad",
-          "torch.amp", "torch.amp.grad_scaler")
+_HOMES = ("labkit", "labkit.clip", "labkit.scaler", "labkit.step", "labkit.step.decision", "torch.nn.utils",
+          "torch.nn.utils.clip_grad", "torch.amp", "torch.amp.grad_scaler")
 _TRUSTED = tuple(os.path.dirname(m.__file__) + os.sep for m in (labkit, torch, os))
 _ACTIVE: list[tuple[frozenset[Callable], str, list[str]]] = []  # (the wrappers banned now, task, traps seen)
 

@@ -147,8 +147,8 @@ def main(job_path: str, out_dir: str) -> int:
 if __name__ == "__main__":
     code = main(*sys.argv[1:3])
     # Every result is on disk already (atomic replaces), so skip the interpreter's teardown: freeing
-    # torch's modules costs ~0.5 s, ~0.8 s once an optimizer has pulled in torch._dynamo, about a
-    # fifth of a sandboxed run. The student's buffered output is flushed first (their own stream too).
+    # torch's modules (and torch._dynamo's, once an optimizer pulled it in) is about a fifth of a
+    # sandboxed run. The student's buffered output is flushed first (their own stream too).
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             stream.flush()

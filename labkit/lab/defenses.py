@@ -24,6 +24,7 @@ from matplotlib.patches import Patch, Rectangle
 from torch import Tensor
 
 from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, ZClip
+from ..reasons import Reason
 from ..records import StepLog, StepRecord
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
@@ -111,7 +112,8 @@ def ledger(log: Sequence[StepRecord]) -> list[str]:
         if r.rewound and r.rewind_to is None:  # the step that triggered the rewind keeps its own outcome
             out.append("rewound")
         elif r.skipped:
-            out.append({"nonfinite_loss": OUTCOMES[2], "nonfinite_grad": OUTCOMES[3]}.get(r.reason or "", OUTCOMES[4]))
+            out.append({Reason.NONFINITE_LOSS: OUTCOMES[2], Reason.NONFINITE_GRAD: OUTCOMES[3]}.get(r.reason or "",
+                                                                                            OUTCOMES[4]))
         else:
             out.append("clipped" if r.clipped else "stepped")
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
 from ..tasks import TASKS, Task, make_task
+from ..validate import check_int, check_number
 from .defenses import Defenses, loss_fn_with_shift
 
 __all__ = ["ExperimentConfig", "default_device", "run_experiment"]
@@ -35,17 +35,12 @@ def default_device() -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return value
+    return check_int(name, value, 1)
 
 
 def _positive_float(name: str, value: object) -> float:
     # a number, not something float() accepts: "0.05" or True would reach the optimizer as given
-    v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    return v
+    return check_number(name, value, 0, low_open=True, finite=True, noun="a finite number")
 
 
 @dataclass(frozen=True)
@@ -91,7 +86,7 @@ class ExperimentConfig:
     parallel: str | None = None
     fault_rank: int | None = None
     task: str | Task = "toy"
-    defenses: Defenses | None = None  # issue 15: clipper, detector, rewind, spike and shift (lab/defenses.py)
+    defenses: Defenses | None = None  # clipper, detector, rewind, spike and shift (lab/defenses.py)
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -110,8 +105,7 @@ class ExperimentConfig:
         _positive_int("steps", self.steps)
         _positive_float("lr", self.lr)
         _positive_float("loss_weight", self.loss_weight)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}.")  # ToyTask's generator takes 64 bits
+        check_int("seed", self.seed, 0, 2**32 - 1)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
         if self.scheduler not in SCHEDULERS:
@@ -169,8 +163,8 @@ def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
 def _one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
     # The toy model's matmuls (64x16, 64x64) are far too small to split across threads: on 2
     # cores torch's intra-op threads cost more than they save, and when another process holds a
-    # core they spin-wait for it (120 steps: 0.7 s on one thread, 11 s on two, on a loaded
-    # 2-core AMD EPYC). The setting is process-wide, so it is put back after the run.
+    # core they spin-wait for it (an order of magnitude slower on a loaded 2-core machine). The
+    # setting is process-wide, so it is put back after the run.
     if device.type != "cpu":
         yield
         return

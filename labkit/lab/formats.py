@@ -14,12 +14,12 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..fp8 import FORMATS, CastRecord, quantize
-from ..precision import RemedyRun
+from ..formats.fp8 import FORMATS, CastRecord, quantize
+from ..formats.bf16 import RemedyRun
 
 __all__ = [
     "GRANULARITY_LABELS", "NUMBER_LINE", "GranularityExplorer", "format_values", "granularity_rows", "number_line",
-    "round_to", "scaling_figure", "stagnation_figure",
+    "round_trip", "scaling_figure", "stagnation_figure",
 ]
 
 NUMBER_LINE = ("e2m1", "e4m3", "e5m2", "fp16", "bf16")
@@ -35,7 +35,7 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _e2m1():  # type: ignore[no-untyped-def]
-    from ..fp8 import _torchao_mx
+    from ..formats.fp8 import _torchao_mx
 
     _torchao_mx()  # torchao imported quietly
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
@@ -70,10 +70,10 @@ def format_values(name: str, samples: int = 512) -> torch.Tensor:
     return values.unique()
 
 
-def round_to(value: float, name: str) -> float:
+def round_trip(value: float, name: str) -> float:
     """Return ``value`` after a real cast to format ``name`` and back.
 
-    >>> [round_to(500.0, f) for f in ("e4m3", "e5m2", "e2m1")], round_to(math.inf, "e4m3")
+    >>> [round_trip(500.0, f) for f in ("e4m3", "e5m2", "e2m1")], round_trip(math.inf, "e4m3")
     ([448.0, 512.0, 6.0], 448.0)
     """
     x = torch.tensor([value], dtype=torch.float32)
@@ -97,7 +97,7 @@ def number_line(cursor: float | None = None, formats: Sequence[str] = NUMBER_LIN
         values = format_values(name).tolist()
         ax.plot(values, [row] * len(values), "|", color=f"C{row}", markersize=12)
         if cursor is not None:
-            landed = round_to(cursor, name)
+            landed = round_trip(cursor, name)
             shown = min(max(landed, _XLIM[0]), _XLIM[1] / 1.5) if not math.isnan(landed) else _XLIM[1] / 1.5
             ax.plot([shown], [row], "o", color="k", markersize=6)
             ax.annotate(f"{landed:g}", (shown, row), textcoords="offset points", xytext=(6, 6), fontsize=8)
@@ -240,3 +240,13 @@ def scaling_figure(runs: Mapping[str, Sequence[CastRecord]], fault_step: int | N
     ax_sat.set_title("what the cast did: no NaN, no inf, no skip", fontsize=9)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.9, wspace=0.25)
     return fig
+
+
+def __getattr__(name: str) -> object:
+    if name == "round_to":  # one name, one meaning: labkit.clip.round_to rounds to a torch dtype
+        import warnings
+
+        warnings.warn("labkit.lab.formats.round_to is now round_trip (a cast to an FP format and back).",
+                      DeprecationWarning, stacklevel=2)
+        return round_trip
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
