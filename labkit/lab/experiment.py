@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,11 @@ class ExperimentConfig:
 
     ``faults`` uses the demo's ``--inject`` language (``"60:spike:1000"``, ``"100-104:overflow"``).
     ``loss_scaling=False`` runs fp16 without a scaler, to see gradients underflow.
-    ``loss_weight`` multiplies the loss: small values give the tiny per-element gradients of a
-    large model (with ``optimizer="adam"``, which is invariant to that factor in exact arithmetic,
-    any difference from fp32 is fp16's). ``device=None`` takes the GPU when there is one.
+    ``loss_weight`` multiplies the loss, as a small loss term's weight would: every gradient under
+    it shrinks by that factor. ``optimizer="adam"`` is invariant to a constant factor only up to
+    its ``eps = 1e-8`` (added to sqrt(v_hat)): with gradients near 1e-8 the factor changes the run
+    in fp32 too. ``betas`` are Adam's (torch's default ``(0.9, 0.999)``; LLM pretraining uses
+    beta2 = 0.95); SGD (momentum 0.9) has none. ``device=None`` takes the GPU when there is one.
     Under an initialized process group each rank trains on its slice of every global batch,
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
@@ -81,6 +84,7 @@ class ExperimentConfig:
     steps: int = 150
     lr: float = 0.05
     optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
     loss_weight: float = 1.0
     scheduler: str | None = None
     seed: int = 0
@@ -111,6 +115,14 @@ class ExperimentConfig:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}.")  # ToyTask's generator takes 64 bits
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                                      for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), Adam's (beta1, beta2), got {self.betas!r}.")
+        if self.optimizer != "adam" and betas != (0.9, 0.999):
+            raise ValueError(f"betas are Adam's; optimizer={self.optimizer!r} has none (SGD uses momentum 0.9). "
+                             "Pass optimizer='adam' or leave betas out.")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
         if self.parallel not in PARALLEL:
@@ -187,6 +199,7 @@ def run_experiment(
     log_to: str | Sequence[str] | None = None,
     log_dir: str | os.PathLike | None = None,
     histogram_every: int = 10,
+    observer: Any = None,
 ) -> StepLog:
     """Train a fresh model of ``config.task`` as ``config`` says and return its log; ``on_record`` sees each record.
 
@@ -194,7 +207,10 @@ def run_experiment(
     while an old figure is still on screen. ``log_to`` (``"tensorboard,trackio,mlflow,wandb"``)
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
-    steps (``labkit.export``; rank 0 only). Where to show a run is not part of its config.
+    steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
+    step (``TrainStep(observer=...)``, e.g. ``labkit.precision.StaleMonitor``); one with an
+    ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
+    reads its optimizer). Where to show a run is not part of its config.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
     >>> len(log), log.skipped_steps, log[5].reason
@@ -212,7 +228,7 @@ def run_experiment(
     if config.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps) if config.scheduler else None
     scaler = GradScaler(device.type, init_scale=config.init_scale, growth_interval=config.growth_interval,
                         enabled=config.precision == "fp16" and config.loss_scaling)
@@ -225,7 +241,9 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, **extra)
+                     faults=faults, log_path=log_path, observer=observer, **extra)
+    if observer is not None and hasattr(observer, "attach"):
+        observer.attach(step)
     rewind = extra.get("rewind")
     telemetry = None
     try:
