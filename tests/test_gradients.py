@@ -55,10 +55,10 @@ def test_the_slider_shifts_the_histogram_and_says_what_is_lost():
     g = torch.tensor([2.0**-30] * 3 + [1.0])
     h = GradHistogram(g, log2_scale=0)
     assert h.title() == "scale 2^0: 75.0% flush to 0, 0.0% overflow (fp16)"
-    before = list(h.bars.get_data().values)
+    before = list(h.bars["all"].get_data().values)
     h.slider.value = 20  # what a student's slider does
     assert h.title() == "scale 2^20: 0.0% flush to 0, 25.0% overflow (fp16)"
-    assert list(h.bars.get_data().values) != before
+    assert list(h.bars["all"].get_data().values) != before
 
 
 def test_u_curve_sawtooth_and_heatmap_show_what_the_run_did():
