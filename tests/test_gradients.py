@@ -125,11 +125,13 @@ def test_an_fp16_sawtooth_overflows_in_a_weight_gradient_and_the_probe_names_it(
         assert bad and all(g.kind == "weight" for g in bad)
         assert probe.first_nonfinite[step] in {g.name for g in bad}
     tied = next(g for g in probe.trace[0] if g.name.startswith("wte.weight"))
-    assert tied.name == "wte.weight = lm_head.weight" and tied.linear
+    assert tied.name == "wte.weight = lm_head.weight" and not tied.linear  # its .grad adds the fp32 embedding's
+    assert next(g for g in probe.trace[0] if g.name == "lm_head.weight (this use)").linear
     ax = plot_headroom(probe).axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
     held = [max(g.amax * s for g in stats if g.kind == "weight" and g.linear) for stats, s in
             zip(probe.trace, probe.loss_scale)]
+    assert all(h < 65520 for h, step in zip(held, probe.steps) if step not in backoffs)  # no overflow, below the line
     drawn = lines["weight gradients"].get_ydata().tolist()
     assert [d for d, step in zip(drawn, probe.steps) if step not in backoffs] == \
         [h for h, step in zip(held, probe.steps) if step not in backoffs]
@@ -166,5 +168,30 @@ def test_flushed_bars_follow_backward_order_and_heatmaps_share_one_colour_range(
     top, bottom = fig.axes[:2]
     assert top.images[0].get_clim() == bottom.images[0].get_clim() == (-1.0, 3.0)
     assert bottom.images[0].get_array().shape == (1, 4)
-    assert [t.get_text() for t in bottom.texts] == ["steps 1-3: no finite gradient\n(the loss or the gradients were inf/NaN)"]
-    assert [t.get_text() for t in top.texts] == ["steps 2-3: no finite gradient\n(the loss or the gradients were inf/NaN)"]
+    note = "grey: norm not finite (inf/NaN) or no backward, first at step {}"
+    assert [t.get_text() for t in bottom.texts] == [note.format(1)]
+    assert [t.get_text() for t in top.texts] == [note.format(2)]
+    a._norms["x"][1] = math.inf  # an overflowed layer is grey too
+    assert [t.get_text() for t in plot_layer_heatmap(a, steps=2).axes[0].texts] == [note.format(1)]
+
+
+def test_a_tied_weights_linear_use_is_measured_apart_and_equals_the_untied_heads_gradient():
+    import copy
+
+    from labkit.tasks import GPTTask
+
+    task = GPTTask(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
+    tied = task.model()
+    untied = copy.deepcopy(tied)
+    untied.lm_head.weight = torch.nn.Parameter(untied.wte.weight.detach().clone())  # the oracle: its own tensor
+    x, y = task.batch(0)
+    task.loss_fn(untied(x), y).backward()
+    probe = GradientProbe()
+    probe.attach(tied)
+    probe.begin(0)
+    probe.loss_hook(task.loss_fn(tied(x), y)).backward()
+    stats = {g.name: g for g in probe.trace[0]}
+    assert stats["lm_head.weight (this use)"].amax == pytest.approx(untied.lm_head.weight.grad.abs().max().item(),
+                                                                     rel=1e-5)
+    assert stats["wte.weight = lm_head.weight"].amax == pytest.approx(
+        (untied.lm_head.weight.grad + untied.wte.weight.grad).abs().max().item(), rel=1e-5)

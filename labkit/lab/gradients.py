@@ -91,9 +91,10 @@ class GradStat:
     ``wte.weight = lm_head.weight``) or a module's activation (``h.0.attn.c_proj (output)``,
     ``(input)``); ``kind`` is ``"weight"`` or ``"activation"``; ``amax`` its largest magnitude,
     unscaled (``inf``/``nan`` when the gradient held one; times the step's ``loss_scale`` it is
-    what the tensor held); ``zero_fraction`` its share of exact zeros. ``linear``: an
+    what the tensor held); ``zero_fraction`` its share of exact zeros. ``linear``: only an
     ``nn.Linear`` computed it (its input, output, weight or bias gradient), which autocast runs
-    in fp16; embeddings and LayerNorms run in fp32 under autocast.
+    in fp16; embeddings and LayerNorms run in fp32 under autocast, and a weight tied to one of
+    them has a ``.grad`` that adds an fp32 part.
     """
 
     name: str
@@ -115,7 +116,9 @@ class GradientProbe:
     parameter (its gradient's norm, grouped by module), and the task's loss (its gradient is the
     loss scale, so no scaler is needed to unscale). Each hook fires when backward produces its
     gradient, so ``trace`` is in backward order: from the loss to the input. A tied parameter
-    (GPT's head and token embedding) is reported once, when its gradient is complete.
+    (GPT's head and token embedding) is reported once, when its gradient is complete, and each
+    Linear use of it also on its own (``lm_head.weight (this use)``: that use's share, recomputed
+    in fp32 from the matmul's two operands), since the sum hides which use was large.
     ``begin(step)`` closes the previous step: one host sync per step, the probe's own cost
     (a few small tensors per hooked gradient), not the training step's. Attaching again forgets
     the old run.
@@ -128,12 +131,13 @@ class GradientProbe:
     >>> probe.steps, probe.layers[:2], len(probe.layer_norms["wte"])
     ([0, 1, 2], ['wte', 'wpe'], 3)
     >>> [g.name for g in probe.trace[-1][:2]], probe.trace[-1][-1].name, probe.first_nonfinite
-    (['lm_head (output)', 'lm_head (input)'], 'wte.weight = lm_head.weight', [None, None, None])
+    (['lm_head (output)', 'lm_head.weight (this use)'], 'wte.weight = lm_head.weight', [None, None, None])
     """
 
     def __init__(self, sample: int = 65536) -> None:
         self.sample = sample
         self._handles: list = []
+        self._tied: set[int] = set()
         self.model: nn.Module | None = None
         self.listeners: list[Callable[[GradientProbe], None]] = []
         self._reset()
@@ -222,12 +226,15 @@ class GradientProbe:
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+        self._tied = {pid for pid, names in aliases.items() if len(names) > 1}
         for name, p in model.named_parameters():
             groups.setdefault(_module_of(name), []).append(p)
             label = " = ".join(aliases[id(p)])
+            # a tied weight's .grad adds its uses; if one is not a Linear (an fp32 embedding), it is not fp16's
+            only_linear = id(p) in linear and id(p) not in self._tied
             self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda p, module=_module_of(name), label=label, lin=id(p) in linear: self._param_grad(module, label, p,
-                                                                                                   lin)))
+                lambda p, module=_module_of(name), label=label, lin=only_linear: self._param_grad(module, label, p,
+                                                                                                  lin)))
         self.layers = list(groups)
         self._norms = {m: [] for m in self.layers}
         for name, module in model.named_modules():
@@ -251,6 +258,11 @@ class GradientProbe:
         for t, side in sides:
             if isinstance(t, Tensor) and t.requires_grad:
                 t.register_hook(lambda g, label=f"{name} ({side})": self._activation_grad(label, g, lin))
+        if lin and id(module.weight) in self._tied and out.requires_grad:
+            # This use's share of a tied weight's gradient, which its .grad hides in a sum: recomputed
+            # in fp32 from the two tensors the Linear's weight-gradient matmul multiplies (one small matmul).
+            x = args[0].detach()
+            out.register_hook(lambda g, label=f"{name}.weight (this use)": self._use_grad(label, g, x))
 
     def _activation_grad(self, name: str, g: Tensor, linear: bool) -> None:
         buf = self._buffers()
@@ -259,6 +271,10 @@ class GradientProbe:
         buf["numel"] += g.numel()
         buf["samples"]["activation"].append(self._sample(g))
         buf["stats"].append((name, "activation", g.detach().abs().amax().float(), zeros, g.numel(), linear))
+
+    def _use_grad(self, name: str, g: Tensor, x: Tensor) -> None:
+        gw = g.detach().flatten(0, -2).float().t() @ x.flatten(0, -2).float()
+        self._buffers()["stats"].append((name, "weight", gw.abs().amax(), (gw == 0).sum(), gw.numel(), True))
 
     def _sample(self, g: Tensor) -> Tensor:
         stride = max(1, g.numel() // self.sample)
@@ -563,8 +579,9 @@ def plot_layer_heatmap(probes: GradientProbe | Mapping[str, GradientProbe], titl
 
     ``probes`` is one probe or ``{run: probe}``: several runs are stacked on one colour range
     with one colour bar, so the same colour means the same norm in each. ``steps`` (the runs'
-    length) draws every step; where a run has no finite gradient (its backward did not run, or
-    overflowed), the cells are grey and a note says from which step.
+    length) draws every step; a cell without a finite norm (inf or NaN: an entry was, or the sum
+    of squares overflowed; or backward did not run) is grey, and a note on the panel says so and
+    from which step.
 
     >>> p = GradientProbe(); p.layers = ["a", "b"]; p._norms = {"a": [1.0, 10.0], "b": [0.1, 0.1]}; p._steps = [0, 1]
     >>> plot_layer_heatmap(p).axes[0].get_yticklabels()[1].get_text()
@@ -597,12 +614,11 @@ def plot_layer_heatmap(probes: GradientProbe | Mapping[str, GradientProbe], titl
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
         if name:
             ax.set_title(name, fontsize=9, loc="left")
-        drawn = torch.isfinite(grid).any(dim=0).nonzero().flatten().tolist()
-        if drawn and drawn[-1] < n - 1:
-            after = drawn[-1] + 1
-            ax.text((after + n - 1) / 2, (len(layers) - 1) / 2,
-                    f"steps {after}-{n - 1}: no finite gradient\n(the loss or the gradients were inf/NaN)",
-                    ha="center", va="center", fontsize=8, color="0.2")
+        grey = (~torch.isfinite(grid)).any(dim=0).nonzero().flatten().tolist()
+        if grey:  # said on the panel: a grey cell is not a small norm
+            ax.text(0.995, 0.98, f"grey: norm not finite (inf/NaN) or no backward, first at step {grey[0]}",
+                    transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.15",
+                    bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1.5})
     axes[-1].set_xlabel("step")
     fig.colorbar(im, ax=list(axes), label="log10 grad norm")
     if title:
@@ -618,23 +634,23 @@ def plot_headroom(probe: GradientProbe, title: str = "") -> Figure:
     that step's loss scale, on a log2 axis, against fp16's largest value. A step whose backward
     overflowed gets a mark at the top, coloured by the gradient the inf first appeared in
     (backward order). Below 65504 by less than 2x, the next doubling of the scale overflows.
-    (A weight shared with an fp32 op, GPT's head tied to its embedding, has a gradient that adds
-    both; that sum may pass 65504 without overflowing.)
+    A weight tied to an fp32 op (GPT's head and embedding) counts by its Linear use's share.
 
     >>> p = GradientProbe(); p._steps, p._scale = [0, 1], [2.0**16, 2.0**17]
     >>> p._trace = [[GradStat("w", "weight", 0.5, 0.0)], [GradStat("w", "weight", math.inf, 0.0)]]
     >>> ax = plot_headroom(p).axes[0]; [t.get_text() for t in ax.get_legend().get_texts()]
     ['weight gradients', 'fp16 max 65504', 'overflow: inf first in w (1)']
     """
-    fig = Figure(figsize=(8, 3.0), layout="constrained")
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
     _agg(fig)
     ax = fig.add_subplot()
     steps, scales, trace = probe.steps, probe.loss_scale, probe.trace
+    overflowed = [name is not None for name in probe.first_nonfinite]
     for kind, color in (("weight", "C3"), ("activation", "k")):
-        ys = []
-        for stats, s in zip(trace, scales):
+        ys = []  # an overflowed step has no largest value to draw: its mark goes on top instead
+        for stats, s, bad in zip(trace, scales, overflowed):
             held = [g.amax * s for g in stats if g.kind == kind and g.linear]
-            ys.append(max(held) if held and all(math.isfinite(v) for v in held) and max(held) > 0 else math.nan)
+            ys.append(max(held) if held and not bad and max(held) > 0 else math.nan)
         if any(math.isfinite(y) for y in ys):
             ax.plot(steps, ys, color=color, lw=1.0, marker=".", ms=3, label=f"{kind} gradients")
     ax.axhline(_F16.max, color="C0", lw=1.0, ls="--", label="fp16 max 65504")
@@ -651,7 +667,7 @@ def plot_headroom(probe: GradientProbe, title: str = "") -> Figure:
     ax.set_ylim(lo / 2, top * 2)
     ax.set_xlabel("step")
     ax.set_ylabel("max |gradient| x scale")
-    ax.legend(fontsize=7, loc="lower left", ncols=2)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)  # below: off the data
     if title:
         ax.set_title(title, fontsize=9)
     return fig
@@ -683,7 +699,9 @@ def plot_flushed_by_tensor(probes: Mapping[str, GradientProbe], title: str = "")
             for g in stats:
                 sums.setdefault(g.name, []).append(g.zero_fraction)
         means = [sum(sums.get(n, [math.nan])) / len(sums.get(n, [math.nan])) for n in names]
-        ax.barh([j + i * height for j in range(len(names))], means, height=height, color=f"C{i}", label=run)
+        overall = sum(probe.zero_fraction) / max(1, len(probe.zero_fraction))  # bars of ~0 length: named anyway
+        ax.barh([j + i * height for j in range(len(names))], means, height=height, color=f"C{i}",
+                label=f"{run} ({overall:.1%} of all entries)")
     ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=7)
     ax.set_ylim(len(names) - 0.4, -0.6)
     ax.set_xlim(0, 1)
