@@ -173,16 +173,16 @@ def rolling_band(log: Sequence[StepRecord], window: int, z: float) -> tuple[list
     return lows, highs
 
 
-def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | None = None,
+def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | Mapping[str, float] | None = None,
                   title: str | None = None) -> Figure:
     """Draw one panel per run (small multiples, one step axis) over a skip ledger with a row per run.
 
     Each panel shows that run's own numbers: the raw gradient norm (logged), the norm it stepped
     with (after its clip), its clipper's threshold (warm-up and per-tensor rules have none),
     the clipped steps, the steps where the lock-in guard restarted the statistics, and the
-    rewound branch in grey. ``z`` (a detector's ``skip_z``) adds the level the detector skips
-    above, ``mean + z * std`` of its rolling ``window``. Every legend lists only what is drawn,
-    the ledger's only the outcomes that happened.
+    rewound branch in grey. ``z`` (a detector's ``skip_z``, or ``{run: skip_z}`` where the runs
+    differ) adds the level the detector skips above, ``mean + z * std`` of its rolling
+    ``window``. Every legend lists only what is drawn, the ledger's only the outcomes that happened.
 
     >>> fig = plot_defenses({"run": StepLog([StepRecord(0, 1.0, grad_norm=2.0, threshold=3.0)])})
     >>> [ax.get_ylabel() for ax in fig.axes], [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
@@ -208,10 +208,12 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | N
         threshold = _positive(r.threshold for r in live)
         if any(math.isfinite(t) for t in threshold):
             ax.plot(steps, threshold, color="k", lw=0.8, ls="--", label="threshold")
-        if z is not None:
-            _, highs = rolling_band(live, window, z)
+        skip_z = z.get(name) if isinstance(z, Mapping) else z
+        if skip_z is not None:
+            _, highs = rolling_band(live, window, skip_z)
             if any(math.isfinite(h) for h in highs):
-                ax.plot(steps, _positive(highs), color="C4", lw=0.8, ls=":", label=f"skip above mean + {z:g} sigma")
+                ax.plot(steps, _positive(highs), color="C4", lw=1.0, ls="-.",
+                        label=f"skip above mean + {skip_z:g} sigma")
         fired = [r for r in live if r.lockin]
         for k, r in enumerate(fired):
             ax.axvline(r.step, color="C2", lw=1.2, label="lock-in guard fired" if k == 0 else "_guard")
