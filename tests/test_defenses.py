@@ -81,7 +81,7 @@ def test_each_run_gets_its_own_panel_and_the_guard_is_marked_where_it_fired():
         assert lo <= min(ys) and max(ys) <= hi
 
 
-def test_the_explorer_gives_each_method_its_own_knob_and_never_raises():
+def test_the_explorer_gives_each_method_its_own_knob_and_never_raises(monkeypatch):
     base = ExperimentConfig(precision="fp32", optimizer="adam", lr=0.003, steps=16,
                             defenses=Defenses(spike_step=12, shift_step=8))
     ex = DefenseExplorer(base, window=4)

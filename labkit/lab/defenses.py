@@ -275,7 +275,8 @@ class DefenseExplorer:
     method cannot act on (a warm-up that lasts past the spike) is said in one line under the
     controls, and an error is shown in that line, never as a traceback. Each change re-runs
     ``base`` with the new ``Defenses`` (``base.defenses`` gives the spike and shift steps) and
-    redraws ``plot_defenses``; the figure's title repeats the settings it was drawn for.
+    redraws ``plot_defenses``; the figure's title repeats the settings it was drawn for. The last
+    16 runs are kept by their settings, so going back to one redraws without training.
 
     >>> from labkit.lab.experiment import ExperimentConfig
     >>> ex = DefenseExplorer(ExperimentConfig(precision="fp32", steps=12, defenses=Defenses(spike_step=8)), window=4)
@@ -311,6 +312,7 @@ class DefenseExplorer:
         self.log: StepLog | None = None
         self.figure: Figure | None = None
         self.note: str | None = None
+        self._cache: dict[Defenses, StepLog] = {}  # a run is a pure function of its settings: back is instant
         self.error: Exception | None = None
         self._quiet = False
         self.controls["method"].observe(self._method_changed, names="value")
@@ -361,9 +363,13 @@ class DefenseExplorer:
         self.controls["feed"].disabled = self.controls["method"].value in ("norm", "agc")
         try:
             d = self.defenses()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the ledger and the guard marks show what the alarms say
-                self.log = run_experiment(dataclasses.replace(self.base, defenses=d))
+            if d not in self._cache:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the ledger and the guard marks show what the alarms say
+                    self._cache[d] = run_experiment(dataclasses.replace(self.base, defenses=d))
+                while len(self._cache) > 16:
+                    del self._cache[next(iter(self._cache))]
+            self.log = self._cache[d]
         except (ValueError, TypeError) as e:
             self.error, self.note, self.log = e, None, None
             self.status.value = f"<span style='color:#b00'>{html.escape(str(e))}</span>"
