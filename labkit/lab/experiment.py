@@ -55,11 +55,13 @@ class ExperimentConfig:
 
     ``faults`` uses the demo's ``--inject`` language (``"60:spike:1000"``, ``"100-104:overflow"``).
     ``loss_scaling=False`` runs fp16 without a scaler, to see gradients underflow.
-    ``loss_weight`` multiplies the loss, as a small loss term's weight would: every gradient under
-    it shrinks by that factor. ``optimizer="adam"`` is invariant to a constant factor only up to
-    its ``eps = 1e-8`` (added to sqrt(v_hat)): with gradients near 1e-8 the factor changes the run
-    in fp32 too. ``betas`` are Adam's (torch's default ``(0.9, 0.999)``; LLM pretraining uses
-    beta2 = 0.95); SGD (momentum 0.9) has none. ``device=None`` takes the GPU when there is one.
+    ``loss_weight`` multiplies the loss, and so every gradient: small values give the tiny
+    gradients of a small loss term (an auxiliary loss with a small coefficient). It is not neutral
+    under ``optimizer="adam"``: torch's eps (1e-8) is added to sqrt(v_hat), so once the gradients
+    come near it the update shrinks; compare precisions at the same weight (any difference is then
+    the precision's) or pass your own optimizer with eps scaled by the weight to ``TrainStep``.
+    ``betas`` are Adam's (torch's default ``(0.9, 0.999)``; LLM pretraining uses beta2 = 0.95);
+    SGD (momentum 0.9) has none. ``device=None`` takes the GPU when there is one.
     Under an initialized process group each rank trains on its slice of every global batch,
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).

@@ -450,6 +450,7 @@ class GradHistogram:
         self.slider.add_class("labkit-control-hist_scale")
         self._values: dict[str, Tensor] = {}
         self._seen = 0
+        self._drawn_scale: int | None = None  # the scale the bars and title were last set for
         self.widget = W.VBox([self.slider, fig.canvas if self.interactive else self._image])
         self.widget.add_class("labkit-histogram")
         self.update(values if values is not None else torch.zeros(0), draw=False)
@@ -461,6 +462,12 @@ class GradHistogram:
     def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
         self._paint(idle=True)
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def figure_mismatches(self) -> list[str]:
+        """Return ``[]`` when the histogram shows the slider's scale, else what each says."""
+        if self._drawn_scale in (None, self.log2_scale):
+            return []
+        return [f"scale: the slider says 2^{self.log2_scale}, the histogram shows 2^{self._drawn_scale}"]
 
     def fractions(self, kind: str | None = None) -> tuple[float, float]:
         """The fractions fp16 flushes to 0 and to inf at the slider's scale: of every entry, or of one ``kind``."""
@@ -524,6 +531,7 @@ class GradHistogram:
         self.ax.set_ylim(0, top)
         self.ax.set_ylabel("fraction" if list(self._values) == ["all"] else "fraction of each kind")
         self.ax.set_title(self.title(), fontsize=9)
+        self._drawn_scale = self.log2_scale
 
     def _redraw(self, idle: bool) -> None:
         self._set_data()
