@@ -77,3 +77,4 @@ def test_the_explorers_bars_are_never_cut_and_its_map_has_a_colour_bar():
                                                                     explorer.ax_err)] == ["log10 |x|"]
     explorer.slider.value = 10.0
     assert len(explorer.figure.axes) == 4  # one colour bar, updated, not one more per move
+    assert explorer.ax_map.images[0].colorbar is not None  # and the new map knows its colour bar

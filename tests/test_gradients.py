@@ -162,11 +162,14 @@ def test_flushed_bars_follow_backward_order_and_heatmaps_share_one_colour_range(
     ax = plot_flushed_by_tensor({"a": a, "b": b}).axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["head (output)", "body (input)"]
     assert [bar.get_width() for bar in ax.patches] == [0.1, 0.9, 0.0, 0.0]
+    lo, hi = sorted(ax.get_ylim())  # every bar inside the axes
+    assert all(lo <= bar.get_y() and bar.get_y() + bar.get_height() <= hi for bar in ax.patches)
     a.layers, a._norms = ["x"], {"x": [10.0, 1000.0]}
     b.layers, b._norms, b._steps = ["x"], {"x": [0.1]}, [0]  # b stopped after step 0
     fig = plot_layer_heatmap({"a": a, "b": b}, steps=4)
     top, bottom = fig.axes[:2]
     assert top.images[0].get_clim() == bottom.images[0].get_clim() == (-1.0, 3.0)
+    assert top.images[0].colorbar is bottom.images[0].colorbar is not None  # one colour bar serves both
     assert bottom.images[0].get_array().shape == (1, 4)
     note = "grey: norm not finite (inf/NaN) or no backward, first at step {}"
     assert [t.get_text() for t in bottom.texts] == [note.format(1)]

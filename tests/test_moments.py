@@ -54,7 +54,8 @@ def test_an_unclipped_spike_lingers_in_v_and_a_skipped_one_never_enters():
     fig = plot_adam_moments(watches, logs, spike_step=16, beta2=0.95)
     assert [ax.get_ylabel() for ax in fig.axes] == ["v_hat (median)", "lr / (sqrt(v_hat) + eps)", "loss"]
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["unclipped", "skipped"]
-    assert [line.get_ydata().tolist() for line in fig.axes[1].get_lines()[:2]] == [up.step_size, skip.step_size]
+    drawn = [line.get_ydata().tolist() for line in fig.axes[1].get_lines()[:2]]
+    assert drawn == [up.step_size, skip.step_size]
 
 
 def test_under_sgd_the_watch_measures_the_update_only():
@@ -66,7 +67,8 @@ def test_under_sgd_the_watch_measures_the_update_only():
 
 def test_betas_reach_adam_and_are_refused_for_sgd():
     watch = AdamWatch()
-    run_experiment(ExperimentConfig(precision="fp32", optimizer="adam", betas=(0.8, 0.9), steps=1), observer=watch)
+    config = ExperimentConfig(precision="fp32", optimizer="adam", betas=(0.8, 0.9), steps=1)
+    run_experiment(config, observer=watch)
     assert watch.optimizer.param_groups[0]["betas"] == (0.8, 0.9)
     with pytest.raises(ValueError, match="betas are Adam's"):
         ExperimentConfig(optimizer="sgd", betas=(0.9, 0.95))

@@ -315,6 +315,7 @@ class DefenseExplorer:
         self._cache: dict[Defenses, StepLog] = {}  # a run is a pure function of its settings: back is instant
         self.error: Exception | None = None
         self._quiet = False
+        self._shown: dict[str, Any] = {}  # the controls' values the figure was drawn for
         self.controls["method"].observe(self._method_changed, names="value")
         for key in ("knob", "window", "feed", "spike_size", "shift_size"):
             self.controls[key].observe(lambda _: self.update(), names="value")
@@ -323,6 +324,11 @@ class DefenseExplorer:
 
     def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def figure_mismatches(self) -> list[str]:
+        """Return ``[]`` when the figure shows the controls' values, else what each says."""
+        return [f"{key}: the control says {w.value!r}, the figure shows {self._shown.get(key)!r}"
+                for key, w in self.controls.items() if w.value != self._shown.get(key)]
 
     def _method_changed(self, change: Any) -> None:
         name, options, default = KNOBS[change["new"]]
@@ -381,6 +387,7 @@ class DefenseExplorer:
         buf = io.BytesIO()
         self.figure.savefig(buf, format="png", dpi=72)
         self.image.value = buf.getvalue()
+        self._shown = {key: w.value for key, w in self.controls.items()}
 
 
 def _message_figure(text: str) -> Figure:

@@ -222,6 +222,7 @@ class GranularityExplorer:
             self._colorbar = self.figure.colorbar(image, ax=self.ax_map, label="log10 |x|")
         else:
             self._colorbar.update_normal(image)
+            image.colorbar = self._colorbar  # update_normal rebinds the bar but not the image's link to it
         self.ax_map.set_title(f"first 64 columns (outlier: column {self.channel})", fontsize=8)
         flushed = [100 * r["flushed"] for r in self.rows]
         errors = [r["rel_err"] for r in self.rows]

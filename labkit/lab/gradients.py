@@ -628,7 +628,9 @@ def plot_layer_heatmap(probes: GradientProbe | Mapping[str, GradientProbe], titl
                     transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.15",
                     bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1.5})
     axes[-1].set_xlabel("step")
-    fig.colorbar(im, ax=list(axes), label="log10 grad norm")
+    bar = fig.colorbar(im, ax=list(axes), label="log10 grad norm")
+    for ax in axes:  # one bar for every panel: they share the colour range
+        ax.images[0].colorbar = bar
     if title:
         fig.suptitle(title, fontsize=9)
     return fig
@@ -710,8 +712,8 @@ def plot_flushed_by_tensor(probes: Mapping[str, GradientProbe], title: str = "")
         overall = sum(probe.zero_fraction) / max(1, len(probe.zero_fraction))  # bars of ~0 length: named anyway
         ax.barh([j + i * height for j in range(len(names))], means, height=height, color=f"C{i}",
                 label=f"{run} ({overall:.1%} of all entries)")
-    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=7)
-    ax.set_ylim(len(names) - 0.4, -0.6)
+    ax.set_yticks([j + (len(probes) - 1) * height / 2 for j in range(len(names))], names, fontsize=7)
+    ax.set_ylim(len(names) - 1 + (len(probes) - 0.5) * height + 0.1, -height / 2 - 0.1)
     ax.set_xlim(0, 1)
     ax.set_xlabel("share of entries exactly 0 (mean over steps)")
     ax.legend(fontsize=7, loc="lower right")

@@ -75,16 +75,19 @@ class AdamWatch:
     def after_step(self, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
         """Read the optimizer's state and append this step's numbers."""
         if self.optimizer is None:
-            raise RuntimeError("AdamWatch has no optimizer: pass optimizer=, or attach(trainer) before training.")
+            raise RuntimeError("AdamWatch has no optimizer: pass optimizer=, or attach(trainer) before "
+                               "training.")
         before, self._before = self._before, None
         skipped = before is None or bool(getattr(record, "skipped", False))
         moved = torch.zeros(())
         if not skipped:
-            moved = torch.stack([(p.detach().float() - b.float()).pow(2).sum() for (_, p), b in zip(params, before)]).sum()
+            moved = torch.stack([(p.detach().float() - b.float()).pow(2).sum()
+                                 for (_, p), b in zip(params, before)]).sum()
         count = sum(p.numel() for _, p in params)
         v_hats, sizes = [], []
         for group in self.optimizer.param_groups:
-            beta2, eps, lr = group.get("betas", (math.nan, math.nan))[1], group.get("eps", math.nan), group["lr"]
+            beta2, eps = group.get("betas", (math.nan, math.nan))[1], group.get("eps", math.nan)
+            lr = group["lr"]
             for p in group["params"]:
                 state = self.optimizer.state.get(p, {})
                 if "exp_avg_sq" not in state:
@@ -106,13 +109,15 @@ class AdamWatch:
 
 
 def plot_adam_moments(watches: Mapping[str, AdamWatch], logs: Mapping[str, StepLog] | None = None, *,
-                      spike_step: int | None = None, beta2: float | None = None, title: str | None = None) -> Figure:
+                      spike_step: int | None = None, beta2: float | None = None,
+                      title: str | None = None) -> Figure:
     """Draw each run's ``v_hat`` and effective step size (and its loss, given ``logs``) against step.
 
     ``spike_step`` marks the spike; ``beta2`` marks ``1 / (1 - beta2)`` steps after it, the
     time ``v`` takes to fall by a factor ``e``.
 
-    >>> w = AdamWatch(); w.steps, w.v_hat, w.step_size, w.update = [0, 1], [1e-6, 1e-2], [3.0, 0.03], [0.1, 0.1]
+    >>> w = AdamWatch()
+    >>> w.steps, w.v_hat, w.step_size, w.update = [0, 1], [1e-6, 1e-2], [3.0, 0.03], [0.1, 0.1]
     >>> fig = plot_adam_moments({"run": w}, spike_step=1)
     >>> [ax.get_ylabel() for ax in fig.axes]
     ['v_hat (median)', 'lr / (sqrt(v_hat) + eps)']
@@ -130,8 +135,8 @@ def plot_adam_moments(watches: Mapping[str, AdamWatch], logs: Mapping[str, StepL
         axes["step"].plot(watch.steps, watch.step_size, **style)
         if logs and name in logs:
             live = [r for r in logs[name] if not r.rewound]
-            axes["loss"].plot([r.step for r in live], [r.loss if math.isfinite(r.loss) else math.nan for r in live],
-                              **style)
+            losses = [r.loss if math.isfinite(r.loss) else math.nan for r in live]
+            axes["loss"].plot([r.step for r in live], losses, **style)
     axes["v"].set_ylabel("v_hat (median)")
     axes["step"].set_ylabel("lr / (sqrt(v_hat) + eps)")
     if "loss" in axes:
@@ -143,8 +148,8 @@ def plot_adam_moments(watches: Mapping[str, AdamWatch], logs: Mapping[str, StepL
             if beta2 is not None and name == "v":
                 end = spike_step + 1.0 / (1.0 - beta2)
                 ax.axvspan(spike_step, end, color="C3", alpha=0.08, lw=0)
-                ax.text(end, 0.95, f" 1/(1-beta2) = {1.0 / (1.0 - beta2):g} steps", transform=ax.get_xaxis_transform(),
-                        fontsize=7, va="top", color="C3")
+                ax.text(end, 0.95, f" 1/(1-beta2) = {1.0 / (1.0 - beta2):g} steps", fontsize=7, va="top",
+                        color="C3", transform=ax.get_xaxis_transform())
     axes["v"].legend(fontsize=7, loc="upper left")
     axes[panels[-1]].set_xlabel("step")
     if title:
