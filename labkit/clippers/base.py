@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..alarms import LabkitWarning
-from ..clip import EPS, Parameters, named_grads, per_tensor_norms, total_norm
+from ..clip import EPS, Parameters, named_grads, named_tensors, per_tensor_norms, total_norm
 from ..distributed import local_tensor
 
 __all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard", "scale_grads_"]
@@ -268,7 +268,5 @@ class GlobalClipper(Clipper):
 
 
 def parameters_list(parameters: Parameters | Iterable[Tensor]) -> list[Tensor]:
-    """Return the parameters (named pairs unwrapped) as a list."""
-    if isinstance(parameters, Tensor):
-        return [parameters]
-    return [item[1] if isinstance(item, tuple) else item for item in parameters]
+    """Return the parameters (named pairs unwrapped) as a list; anything else raises ``TypeError``."""
+    return [p for _, p in named_tensors(parameters)]
