@@ -4,7 +4,7 @@ Adam divides each coordinate's update by ``sqrt(v_hat) + eps``, with ``v`` an EM
 squared gradients (``beta2``) and ``v_hat = v / (1 - beta2**t)`` (Kingma & Ba 2015, Alg. 1;
 ``torch.optim.Adam``). So a constant factor on every gradient cancels (up to ``eps``): clipping
 every step to a fixed norm under Adam is close to normalising the gradient (Seetharaman et
-al. 2020, AutoClip, §4), not a learning-rate cut as it is under SGD. What does hurt is one
+al. 2020, AutoClip), not a learning-rate cut as it is under SGD. What does hurt is one
 huge gradient entering ``v``: ``v`` then decays by ``beta2`` per step, a factor ``e`` every
 ``1 / (1 - beta2)`` steps (20 for LLM runs' 0.95, 1000 for torch's default 0.999), and every
 update is shrunk by ``sqrt(v_hat)`` until it has. A skipped step never enters ``v``, which is
