@@ -7,8 +7,9 @@ every step to a fixed norm under Adam is close to normalising the gradient (Seet
 al. 2020, AutoClip), not a learning-rate cut as it is under SGD. What does hurt is one
 huge gradient entering ``v``: ``v`` then decays by ``beta2`` per step, a factor ``e`` every
 ``1 / (1 - beta2)`` steps (20 for LLM runs' 0.95, 1000 for torch's default 0.999), and every
-update is shrunk by ``sqrt(v_hat)`` until it has. A skipped step never enters ``v``, which is
-why OLMo-core skips spikes (``SkipStepAdamW``: the step is multiplied by 0) rather than clipping them.
+update is shrunk by ``sqrt(v_hat)`` until it has. A clipped spike still enters ``v`` (at the
+clip's norm) and ``m`` (its direction); a skipped step enters neither, which is why OLMo-core
+skips outliers (``SkipStepAdamW``: the step is multiplied by 0) on top of clipping at 1.0.
 
 ``AdamWatch`` reads Adam's own state after every step; ``plot_adam_moments`` draws it.
 """
