@@ -25,8 +25,10 @@ __all__ = ["SpikeDetector", "format_z", "rolling_z", "spike_score"]
 def rolling_z(window: Sequence[float], x: float, min_count: int) -> float:
     """Return the z-score of ``x`` against ``window`` (the previous values), NaN when it cannot say.
 
-    ``z = (x - mean) / std`` with the population std of ``window``, as OLMo-core compares
-    ``x - mean`` with ``k * std`` over the previous values (the current one excluded). NaN
+    ``z = (x - mean) / std`` with the population std of ``window`` (divided by n, as llm.c's
+    detector), comparing ``x - mean`` with ``k * std`` over the previous values (the current one
+    excluded) as OLMo-core does. OLMo-core's ``torch.std_mean`` is Bessel-corrected (n - 1): its
+    z is ``sqrt((n - 1) / n)`` of this one, 0.4 % smaller at its window of 128. NaN
     when ``x`` is not finite or fewer than ``min_count`` values are in; ``+-inf`` when the
     window is constant and ``x`` differs from it.
 
@@ -66,13 +68,20 @@ def spike_score(values: Iterable[float], window: int = 1000, k: float = 7.0, min
     return 100.0 * spikes / total if total else 0.0
 
 
-def format_z(name: str, value: float, z: float) -> str:
-    """Return llm.c's log fragment, e.g. ``loss 3.21 (+0.5z)``.
+def format_z(name: str, value: float, z: float, cap: float = 100.0) -> str:
+    """Return llm.c's log fragment, e.g. ``loss 3.21 (+0.5z)``; beyond ``cap`` sigma, ``(>+100z)``.
 
-    >>> format_z("loss", 3.2104, 0.53), format_z("norm", 1.5, float("nan"))
-    ('loss 3.21 (+0.5z)', 'norm 1.5 (z n/a)')
+    Past a hundred sigma the number says how quiet the window was (its std is tiny), not how
+    bad the step is; ``inf`` (a constant window) reads the same.
+
+    >>> format_z("loss", 3.2104, 0.53), format_z("norm", 1.5, float("nan")), format_z("loss", 881.0, 278543.1)
+    ('loss 3.21 (+0.5z)', 'norm 1.5 (z n/a)', 'loss 881 (>+100z)')
     """
-    return f"{name} {value:.3g} ({z:+.1f}z)" if math.isfinite(z) else f"{name} {value:.3g} (z n/a)"
+    if math.isnan(z):
+        return f"{name} {value:.3g} (z n/a)"
+    if abs(z) > cap:
+        return f"{name} {value:.3g} ({'>+' if z > 0 else '<-'}{cap:g}z)"
+    return f"{name} {value:.3g} ({z:+.1f}z)"
 
 
 class SpikeDetector(Hook):

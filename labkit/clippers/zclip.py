@@ -60,9 +60,13 @@ class ZClip(GlobalClipper):
     clip ``g`` to ``mu + (z_thresh**2 / z) * sigma``; then ``mu, sigma**2`` move by an EMA with
     ``alpha``. The first ``warmup`` norms only fill a buffer. Defaults as ``bluorion-com/ZClip``
     (``zclip/zclip.py``, PyPI ``zclip`` 1.0.0): ``alpha=0.97, z_thresh=2.5, warmup=25, eps=1e-6``,
-    ``feed="clipped"``. Unlike ZClip 1.0.0, a NaN/inf norm never enters the EMA (one NaN turns
-    the published one off for good), the state is on the device with no ``.item()`` per step,
-    and ``state_dict`` includes the warm-up buffer. ``feed`` and ``max_consecutive_clips``: see
+    ``feed="clipped"``. Where labkit deliberately differs from ZClip 1.0.0: a NaN/inf norm never
+    enters the EMA (one NaN turns the published one off for good), the state is on the device
+    with no ``.item()`` per step, ``state_dict`` includes the warm-up buffer, and there is no
+    always-on fixed clip: the reference's ``max_grad_norm`` defaults to 1.0 in its code (its
+    README says None) and clips to the smaller of it and the adaptive limit, so with its defaults
+    every norm above 1 is cut whatever the z-score. Here ZClip is the adaptive rule alone; put a
+    fixed cap in your loop if you want both. ``feed`` and ``max_consecutive_clips``: see
     ``GlobalClipper``.
 
     >>> clip = ZClip(warmup=2)

@@ -1,6 +1,6 @@
 """bf16's quiet failure, stale weights, and its remedies.
 
-bf16 has fp32's range but only 8 significant bits: an update smaller than half an ulp of the
+bf16 has fp32's range but only 8 significant bits (7 stored): an update smaller than half an ulp of the
 weight it is added to rounds away, and the weight never moves (``1 + 1e-3`` is ``1.0`` in
 bf16). A run with bf16 parameters then trains on with a flat loss and no NaN, no skip, no
 warning. This module measures it (``stale_fraction``, ``StaleMonitor`` -> ``StaleUpdateWarning``)

@@ -1,9 +1,12 @@
 """FP8 scaling, the grown-up loss scale: a scale per tensor, row, tile or block, chosen from amax.
 
 FP8 has too little range for any tensor as it comes (e4m3: 448 down to 2**-9; a gradient of
-1e-6 flushes to zero), so every FP8 recipe multiplies by a scale before the cast, exactly as a
-loss scaler does for fp16, but per tensor and every step: ``scale = amax / fmt_max`` maps the
-largest magnitude onto the format's largest value. Where amax comes from is the recipe:
+1e-6 flushes to zero), so every FP8 recipe rescales each tensor before the cast, as a loss
+scaler does for fp16, but per tensor and every step, mapping the largest magnitude (amax) onto
+the format's largest value. Two conventions name that factor: Transformer Engine and torchao
+call ``fmt_max / amax`` the scale and multiply by it before the cast; here, as in the
+``scale_a``/``scale_b`` that ``torch._scaled_mm`` takes, ``scale = amax / fmt_max`` is the
+*dequantization* scale: the cast divides by it and ``x ~= data * scale``. Where amax comes from is the recipe:
 *current* scaling takes this tensor's amax now; *delayed* scaling (Transformer Engine's
 ``DelayedScaling``) takes the largest amax of the last steps, so a tensor whose range jumps
 saturates silently; finer granularity (rows, 1x128 tiles, 128x128 blocks, MX's 32-element
@@ -13,9 +16,12 @@ Every cast here is a real one (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, 
 torchao); ``linear`` runs ``torch._scaled_mm`` for per-tensor and rowwise scales (the CPU has
 both) and dequantises first for the others (the CPU refuses block scales).
 
-The guard's order: **amax is checked before the cast** (``check_amax``), because torch's
-e4m3fn cast saturates, even ``inf`` becomes 448, so after the cast an overflow cannot be seen;
-amax = 0 would make the scale fmt_max / 0 = inf and the data 0 * inf = NaN.
+The guard's order: **amax is checked before the cast** (``check_amax``), because torch 2.13's
+e4m3fn cast saturates, even ``inf`` becomes 448 (older torch, and ml_dtypes, gave NaN; torchao
+clamps to the format's range before casting), so after the cast an overflow cannot be seen.
+amax = 0 (padding, a dead branch) breaks naive code: fmt_max / 0 = inf, and 0 * inf = NaN.
+Transformer Engine keeps the previous scale when amax is 0 or not finite, torchao clamps amax to
+at least a small eps; labkit casts such a block with scale 1 (its data is 0) and records it.
 """
 
 from __future__ import annotations
@@ -149,6 +155,9 @@ def quantize(
 ) -> Quantized:
     """Cast ``x`` to float8 with one scale per block of ``granularity``: ``scale = amax / fmt_max``.
 
+    ``scale`` is the dequantization scale (``x ~= data * scale``; the cast divides by it); TE
+    and torchao call its inverse, ``fmt_max / amax``, the scale and multiply by it.
+
     ``amax_history`` (per-tensor only) switches to delayed scaling: amax is the largest of
     the history (Transformer Engine's ``amax_compute_algo="max"``, margin 0), not this
     tensor's; update it after the cast with ``update_amax_history``. A block whose amax is 0
@@ -245,9 +254,11 @@ def update_amax_history(history: Tensor, amax: float | Tensor, length: int = 16)
 def linear(x: Quantized, weight: Quantized, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """Return ``x @ weight.T`` (``F.linear``'s contract) from two quantized operands.
 
-    Both per-tensor or both rowwise: ``torch._scaled_mm`` (FP8 inputs, fp32 accumulation; on
-    the CPU too). Any other pairing: dequantise, then matmul (the CPU's ``_scaled_mm`` refuses
-    block scales), the simulation every FP8 paper uses for its error studies.
+    Both per-tensor or both rowwise: ``torch._scaled_mm`` (FP8 inputs; on the CPU it accumulates
+    in fp32, while Hopper's FP8 tensor cores keep about 14 bits, which is why DeepSeek-V3 §3.3.2
+    promotes partial sums to fp32 every 128 elements and torch offers ``use_fast_accum``). Any
+    other pairing: dequantise, then matmul (the CPU's ``_scaled_mm`` refuses block scales), the
+    simulation every FP8 paper uses for its error studies.
 
     Exact only where the arithmetic is: with power-of-two scales (``round_scales_to_power_of_2``)
     and sums that fit float32's 24 bits, the result is the same on every machine. Other scales

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,8 @@ class ExperimentConfig:
     under ``optimizer="adam"``: torch's eps (1e-8) is added to sqrt(v_hat), so once the gradients
     come near it the update shrinks; compare precisions at the same weight (any difference is then
     the precision's) or pass your own optimizer with eps scaled by the weight to ``TrainStep``.
-    ``device=None`` takes the GPU when there is one.
+    ``betas`` are Adam's (torch's default ``(0.9, 0.999)``; LLM pretraining uses beta2 = 0.95);
+    SGD (momentum 0.9) has none. ``device=None`` takes the GPU when there is one.
     Under an initialized process group each rank trains on its slice of every global batch,
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
@@ -79,6 +81,7 @@ class ExperimentConfig:
     steps: int = 150
     lr: float = 0.05
     optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
     loss_weight: float = 1.0
     scheduler: str | None = None
     seed: int = 0
@@ -108,6 +111,14 @@ class ExperimentConfig:
         check_int("seed", self.seed, 0, 2**32 - 1)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                                      for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), Adam's (beta1, beta2), got {self.betas!r}.")
+        if self.optimizer != "adam" and betas != (0.9, 0.999):
+            raise ValueError(f"betas are Adam's; optimizer={self.optimizer!r} has none (SGD uses momentum 0.9). "
+                             "Pass optimizer='adam' or leave betas out.")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
         if self.parallel not in PARALLEL:
@@ -184,6 +195,7 @@ def run_experiment(
     log_to: str | Sequence[str] | None = None,
     log_dir: str | os.PathLike | None = None,
     histogram_every: int = 10,
+    observer: Any = None,
 ) -> StepLog:
     """Train a fresh model of ``config.task`` as ``config`` says and return its log; ``on_record`` sees each record.
 
@@ -191,7 +203,10 @@ def run_experiment(
     while an old figure is still on screen. ``log_to`` (``"tensorboard,trackio,mlflow,wandb"``)
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
-    steps (``labkit.export``; rank 0 only). Where to show a run is not part of its config.
+    steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
+    step (``TrainStep(observer=...)``, e.g. ``labkit.precision.StaleMonitor``); one with an
+    ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
+    reads its optimizer). Where to show a run is not part of its config.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
     >>> len(log), log.skipped_steps, log[5].reason
@@ -209,7 +224,7 @@ def run_experiment(
     if config.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps) if config.scheduler else None
     scaler = GradScaler(device.type, init_scale=config.init_scale, growth_interval=config.growth_interval,
                         enabled=config.precision == "fp16" and config.loss_scaling)
@@ -222,7 +237,9 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, **extra)
+                     faults=faults, log_path=log_path, observer=observer, **extra)
+    if observer is not None and hasattr(observer, "attach"):
+        observer.attach(step)
     rewind = extra.get("rewind")
     telemetry = None
     try:

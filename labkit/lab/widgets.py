@@ -336,6 +336,18 @@ class ControlPanel:
             took = "shown again (already run)"
         return " &middot; ".join(parts) + f" &middot; {took}"
 
+    def clear(self) -> None:
+        """Take the shown run off the panel: an empty dashboard, "not run yet", no events (the cache stays).
+
+        A check that runs the panel from code and then puts its controls back calls this, so the
+        panel never shows a run of other settings than the ones on its controls.
+        """
+        self.logs, self.alarms, self.error, self.shown_values = {}, {}, None, None
+        self.dashboard.reset(self.config.max_norm, scale_note=None)
+        self.dashboard.draw_idle()
+        self.status.value = "not run yet"
+        self.table.value = ""
+
     def _fail(self, error: Exception) -> None:
         self.error = error
         self.status.value = f"<span style='color:#b00'>{html.escape(type(error).__name__)}: {html.escape(str(error))}</span>"
