@@ -33,8 +33,6 @@ class _Trapped(BaseException):
     """Raised inside student code by a trap; a BaseException, so ``except Exception`` can't hide it."""
 
 
-
-
 def _where(case: str, hidden: bool, seed: int) -> str:
     return f"on the hidden case '{case}' (seed={seed})" if hidden else f"on the case '{case}'"
 
@@ -58,14 +56,14 @@ def _ship(value: Any, items: int = 8) -> Any:
     return {"type": type(value).__name__}
 
 
-def _call(fn: Callable, *args: Any) -> dict[str, Any]:
+def _call(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Call the student's ``fn``; return ``{"value": ...}`` or what it raised, as data.
 
     ``_exc`` keeps the exception itself for the in-process checks (its traceback helps the
     student); it never leaves the process.
     """
     try:
-        return {"value": fn(*args)}
+        return {"value": fn(*args, **kwargs)}
     except NotImplementedError:
         return {"raised": "NotImplementedError", "message": ""}
     except _Trapped as e:
@@ -224,6 +222,20 @@ def _number(shipped: dict[str, Any]) -> float:
     if isinstance(tensor, Tensor) and tensor.numel() == 1:
         return tensor.item()
     raise TypeError(shipped.get("type"))
+
+
+def _plain(shipped: dict[str, Any]) -> Any:
+    """Return shipped data as Python values: numbers (one-element tensors too), strings, None, lists.
+
+    Raises ``TypeError`` naming the first thing that is none of those (or a list cut short).
+    """
+    if "items" in shipped:
+        if shipped.get("len", len(shipped["items"])) > len(shipped["items"]):
+            raise TypeError(f"a {shipped['type']} of {shipped['len']} items")
+        return [_plain(v) for v in shipped["items"]]
+    if shipped.get("type") in ("str", "NoneType"):
+        return shipped["py"]
+    return _number(shipped)
 
 
 
