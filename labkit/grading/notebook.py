@@ -328,8 +328,10 @@ def part_seed(seed: int, grade_id: str) -> int:
 
 
 def _defines(source: str) -> set[str]:
+    """Return the names of the functions and classes ``source`` defines at its top level."""
     try:
-        return {n.name for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        return {n.name for n in ast.parse(source).body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     except SyntaxError:
         return set()
 
