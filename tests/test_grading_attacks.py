@@ -258,8 +258,13 @@ PS2_BANNED = {
 
     def load_state_dict(self, state):
         self.inner.load_state_dict(state)""",
+    "read_run_answer": ga.solutions(ga.PS2)["read_run_answer"].replace(
+        "z = (r.grad_norm - mean) / std if std > 0 else (math.inf if r.grad_norm > mean else 0.0)",
+        "z = z_of(recent, r.grad_norm, window)"),
+    # right answers, but labkit's rule is named in a class, on a path the cases never take: the reading sees it
     "detector_answer": ga.solutions(ga.PS2)["detector_answer"].replace(
-        "return (x - mean) / std", "return z_of(values, x, min_count=self.window // 2)"),
+        "        if std == 0:", "        if self.window < 0:\n            return labkit.spikes.rolling_z(values, x, 1)\n"
+                               "        if std == 0:"),
 }
 PS3_SAVED = "import functools\nimport labkit.fp8, labkit.precision\n"
 PS3_BANNED = {
@@ -286,8 +291,10 @@ def set_submission(path, answers, prepend):
 @pytest.mark.parametrize("path, banned, prepend, lost", [
     (ga.PS2, PS2_BANNED, PS2_SAVED, {"zclip_tests": "called labkit.clippers.ZClip: this part asks you to write the "
                                                      "clipper yourself",
-                                     "detector_tests": "called labkit.spikes.rolling_z: this part asks you to write "
-                                                       "the detector yourself"}),
+                                     "read_run_tests": "called labkit.spikes.rolling_z: this part asks you to compute "
+                                                       "the z-scores yourself",
+                                     "detector_tests": "uses what this part asks you to write yourself: cell 15 "
+                                                       "'detector_answer', line 34: labkit.spikes.rolling_z"}),
     (ga.PS3, PS3_BANNED, PS3_SAVED, {"kahan_tests": "called labkit.precision.kahan_add: this part asks you to write "
                                                     "the compensated update yourself",
                                      "fp8_tests": "called labkit.fp8.quantize: this part asks you to write the cast "
