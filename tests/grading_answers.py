@@ -14,13 +14,15 @@ PS2 = EXERCISES / "ps2_instabilities_and_spikes.ipynb"
 PS3 = EXERCISES / "ps3_precision_beyond_fp16.ipynb"
 # autograded part -> points, per set
 PARTS = {
-    PS2: {"read_run_tests": 3, "fp16_range_tests": 2, "zclip_tests": 3, "detector_tests": 2, "clip_effect_tests": 2},
+    PS2: {"read_run_tests": 3, "fp16_range_tests": 2, "zclip_tests": 3, "detector_tests": 2,
+          "clip_effect_tests": 2},
     PS3: {"stale_tests": 2, "kahan_tests": 2, "fp8_tests": 3, "delayed_tests": 2},
 }
 # the function or class each test cell checks, by answer cell
 NAMES = {"read_run_answer": "read_run", "fp16_range_answer": "fp16_range", "zclip_answer": "ZScoreClipper",
-         "detector_answer": "RollingDetector", "clip_effect_answer": "clip_effect", "stale_answer": "lost_fraction",
-         "kahan_answer": "kahan_update", "fp8_answer": "quantize_tiles", "delayed_answer": "saturation"}
+         "detector_answer": "RollingDetector", "clip_effect_answer": "clip_effect",
+         "stale_answer": "lost_fraction", "kahan_answer": "kahan_update", "fp8_answer": "quantize_tiles",
+         "delayed_answer": "saturation"}
 
 
 def solutions(path: Path) -> dict[str, str]:
@@ -74,8 +76,9 @@ def fp16_range(grads, scale):
 class ZScoreClipper:
     def __init__(self, alpha=0.97, z_thresh=2.5, warmup=25, eps=1e-6):
         self.alpha, self.z_thresh, self.warmup, self.eps = alpha, z_thresh, warmup, eps
-        self.state = {"mu": torch.tensor(0.0, dtype=torch.float64), "var": torch.tensor(0.0, dtype=torch.float64),
-                      "seen": torch.zeros(warmup, dtype=torch.float64), "n": torch.tensor(0)}
+        zero = torch.tensor(0.0, dtype=torch.float64)
+        self.state = {"mu": zero, "var": zero.clone(), "seen": torch.zeros(warmup, dtype=torch.float64),
+                      "n": torch.tensor(0)}
 
     def clip_(self, parameters):
         params = [p for p in parameters if p.grad is not None]
@@ -101,7 +104,8 @@ class ZScoreClipper:
         var_e = self.alpha * s["var"] + (1 - self.alpha) * (v - mu_e) ** 2
         step = ok & ready
         self.state = {"mu": torch.where(done, mu_b, torch.where(step, mu_e, s["mu"])),
-                      "var": torch.where(done, var_b, torch.where(step, var_e, s["var"])), "seen": seen, "n": n}
+                      "var": torch.where(done, var_b, torch.where(step, var_e, s["var"])),
+                      "seen": seen, "n": n}
         return total.float()
 
     def state_dict(self):
@@ -260,7 +264,8 @@ class ZScoreClipper:
         ema_var = self.alpha * self.var + (1 - self.alpha) * (limit - ema_mean) ** 2
         buffer_mean = self.buffer.mean()
         self.mean = torch.where(full, buffer_mean, torch.where(warm, ema_mean, self.mean))
-        self.var = torch.where(full, ((self.buffer - buffer_mean) ** 2).mean(), torch.where(warm, ema_var, self.var))
+        buffer_var = ((self.buffer - buffer_mean) ** 2).mean()
+        self.var = torch.where(full, buffer_var, torch.where(warm, ema_var, self.var))
         self.count = torch.where(warm, self.count, count)
         return norm
 
@@ -268,7 +273,8 @@ class ZScoreClipper:
         return {"mean": self.mean, "var": self.var, "buffer": self.buffer, "count": self.count}
 
     def load_state_dict(self, state):
-        self.mean, self.var, self.buffer, self.count = state["mean"], state["var"], state["buffer"], state["count"]
+        self.mean, self.var = state["mean"], state["var"]
+        self.buffer, self.count = state["buffer"], state["count"]
 ''', "zclip_tests", "statistics moved on a NaN/inf step"),
     "skipped spikes enter the window": ("detector_answer", '''
 class RollingDetector:

@@ -23,13 +23,15 @@ from .core import SYNCS
 # what the harness protects and installs, and the tests undo, reached from here
 from .core import _call as _call, _forbid as _forbid, _homes as _homes, _install as _install, _ship as _ship
 from .ps1 import check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale
-from .ps2 import check_clip_effect, check_fp16_range, check_read_run, check_spike_detector, check_zscore_clipper
+from .ps2 import (
+    check_clip_effect, check_fp16_range, check_read_run, check_spike_detector, check_zscore_clipper,
+)
 from .ps3 import check_delayed_scaling, check_fp8_tiles, check_kahan_update, check_stale_fraction
 
 __all__ = ["BANNED", "CHECKS", "SYNCS", "check_clip", "check_clip_effect", "check_delayed_scaling",
-           "check_fp16_range", "check_fp8_tiles", "check_grad_norm", "check_guarded_step", "check_kahan_update",
-           "check_read_run", "check_skip_decision", "check_spike_detector", "check_stale_fraction",
-           "check_update_scale", "check_zscore_clipper", "judge", "run"]
+           "check_fp16_range", "check_fp8_tiles", "check_grad_norm", "check_guarded_step",
+           "check_kahan_update", "check_read_run", "check_skip_decision", "check_spike_detector",
+           "check_stale_fraction", "check_update_scale", "check_zscore_clipper", "judge", "run"]
 
 CHECKS: dict[str, core.Check] = {**ps1.CHECKS, **ps2.CHECKS, **ps3.CHECKS}
 # the library functions each check's part asks the student to write (trapped while it runs)

@@ -98,8 +98,8 @@ SYNCS = {
 }
 
 
-CLIP_ADVICE = ("compute the factor as a tensor (torch.clamp(max_norm / (norm + 1e-6), max=1.0)) and choose with "
-               "torch.where, not `if`")
+CLIP_ADVICE = ("compute the factor as a tensor (torch.clamp(max_norm / (norm + 1e-6), max=1.0)) and choose "
+               "with torch.where, not `if`")
 
 
 @contextlib.contextmanager
@@ -112,7 +112,8 @@ def _no_host_sync(traps: list[str], advice: str = CLIP_ADVICE) -> Iterator[None]
 
     def trap(what: str) -> Callable:
         def raise_(*args: Any, **kwargs: Any) -> Any:
-            message = f"synced with the host: it {what}. In the hot path that waits for the GPU every step; {advice}"
+            message = (f"synced with the host: it {what}. In the hot path that waits for the GPU every step; "
+                       f"{advice}")
             traps.append(message)
             raise _Trapped(message)
         return raise_
@@ -178,7 +179,7 @@ def _install(names: tuple[str, ...]) -> frozenset[Callable]:
 
 @contextlib.contextmanager
 def _forbid(names: tuple[str, ...], task: str, traps: list[str]) -> Iterator[None]:
-    """Make the library functions this part asks the student to write refuse, noting each call in ``traps``."""
+    """Make the library functions the part asks the student to write refuse, noting each call in ``traps``."""
     _ACTIVE.append((_install(names), task, traps))
     try:
         yield
@@ -207,9 +208,12 @@ def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
     def bits(t: Tensor) -> Tensor:
         return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
-    return len(a) == len(b) and all(
-        (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and x.shape == y.shape
-                                                      and torch.equal(bits(x), bits(y)))) for x, y in zip(a, b))
+    def same(x: Tensor | None, y: Tensor | None) -> bool:
+        if x is None or y is None:
+            return x is y
+        return x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
+
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 
@@ -307,7 +311,7 @@ def _joined(name: str, problems: list[str]) -> str:
 
 
 def check(spec: Check, fn: Callable, hidden: bool, seed: int | None) -> None:
-    """Run and judge case by case in this process (the notebook's visible test cells); raise AssertionError."""
+    """Run and judge case by case in this process (the notebook's test cells); raise AssertionError."""
     seed = _seed(hidden, seed)
     name = getattr(fn, "__name__", "your function")
     problems, cause = [], None

@@ -39,16 +39,19 @@ from labkit.spikes import SpikeDetector, rolling_z
 from labkit.step import TrainStep
 from labkit.tasks.gpt import GPTTask
 
-from .core import Check, _call, _close, _forbid, _grads, _no_host_sync, _plain, _raised, _same, _ship, _where, check
+from .core import (
+    Check, _call, _close, _forbid, _grads, _no_host_sync, _plain, _raised, _same, _ship, _where, check,
+)
 
-__all__ = ["BANNED", "CHECKS", "check_clip_effect", "check_fp16_range", "check_read_run", "check_spike_detector",
-           "check_zscore_clipper"]
+__all__ = ["BANNED", "CHECKS", "check_clip_effect", "check_fp16_range", "check_read_run",
+           "check_spike_detector", "check_zscore_clipper"]
 
 SPIKE_FUNCS = ("labkit.spikes.rolling_z", "labkit.spikes.SpikeDetector", "labkit.spikes.spike_score")
-ZCLIP_FUNCS = ("labkit.clippers.ZClip", "labkit.clippers.zclip.zclip_update", "labkit.clippers.zclip.zclip_limit",
-               "labkit.clippers.GlobalClipper", "labkit.clippers.NormClip", "labkit.clippers.AutoClip",
-               "labkit.clippers.AdaGC", "labkit.clippers.AGC", "labkit.clippers.UpdateNormClip",
-               "labkit.clippers.base.feed_value", "labkit.clippers.base.lockin_guard", "labkit.TrainStep")
+ZCLIP_FUNCS = ("labkit.clippers.ZClip", "labkit.clippers.zclip.zclip_update",
+               "labkit.clippers.zclip.zclip_limit", "labkit.clippers.GlobalClipper",
+               "labkit.clippers.NormClip", "labkit.clippers.AutoClip", "labkit.clippers.AdaGC",
+               "labkit.clippers.AGC", "labkit.clippers.UpdateNormClip", "labkit.clippers.base.feed_value",
+               "labkit.clippers.base.lockin_guard", "labkit.TrainStep")
 
 
 @contextlib.contextmanager
@@ -91,21 +94,22 @@ def _gpt_run(seed: int, steps: int, growth_interval: int, hysteresis: int, skip_
 
 # the mistakes a z-score over a run's records is built with, each replayed by _zscores
 FLAG_MISTAKES = {
-    "nonfinite": "a skipped step's norm is inf or NaN, and it entered your window (from then on the mean is inf and "
-                 "every z NaN): a norm enters the window only if its step trained (not record.skipped)",
-    "skipped": "a step the run skipped (record.skipped, e.g. reason 'spike_grad') entered your window: it never "
-               "trained, so its norm must not judge the next ones, finite or not",
-    "current": "the current norm is in its own window: a z-score compares a norm with the window of the steps "
-               "*before* it (with itself included, z can never exceed sqrt(window - 1))",
-    "sample": "the standard deviation is the population one (divide by the window size, as OLMo-core and labkit "
-              "do), not the sample one (n - 1)",
+    "nonfinite": "a skipped step's norm is inf or NaN, and it entered your window (from then on the mean is "
+                 "inf and every z NaN): a norm enters the window only if its step trained (not "
+                 "record.skipped)",
+    "skipped": "a step the run skipped (record.skipped, e.g. reason 'spike_grad') entered your window: it "
+               "never trained, so its norm must not judge the next ones, finite or not",
+    "current": "the current norm is in its own window: a z-score compares a norm with the window of the "
+               "steps *before* it (with itself included, z can never exceed sqrt(window - 1))",
+    "sample": "the standard deviation is the population one (divide by the window size, as OLMo-core and "
+              "labkit do), not the sample one (n - 1)",
     "early": "a step is flagged only once the window is full (window norms of steps that trained)",
 }
 K_GRID = tuple(k / 4 for k in range(4, 17))  # 1.0 .. 4.0
 
 
 def _zscores(records: tuple[StepRecord, ...], window: int, mistake: str | None = None) -> list[float]:
-    """Return each record's gradient-norm z-score against the window before it (NaN: none), or with ``mistake``."""
+    """Return each record's norm z-score against the window before it (NaN: none), or with ``mistake``."""
     if mistake is None:  # labkit's rule: the previous `window` norms of steps that trained, population std
         history: deque[float] = deque(maxlen=window)
         out = []
@@ -138,7 +142,7 @@ def _flagged(records: tuple[StepRecord, ...], window: int, k: float, mistake: st
 
 
 def _choose_k(records: tuple[StepRecord, ...], window: int) -> float:
-    """Return the threshold of the grid under which the most classic mistakes change the flags (a real run decides)."""
+    """Return the grid's threshold under which the most classic mistakes change the flags."""
     right = _zscores(records, window)
     wrong = [_zscores(records, window, m) for m in FLAG_MISTAKES]
 
@@ -204,20 +208,22 @@ def _backoff_hint(case: _RunCase, got: list[tuple[int, Any]], want: list[tuple[i
     extra = sorted({s for s, _ in got} - {s for s, _ in want})
     if extra and extra[0] in records and records[extra[0]].skipped:
         r = records[extra[0]]
-        why = ("with hysteresis=2 the scaler backs off on every second overflow only" if r.reason == "nonfinite_grad"
-               else "a z-score skip is not a scaling problem: the scale stays")
-        return (f"step {r.step} was skipped ({r.reason}) but its scale stayed ({r.scale:g} -> {r.next_scale:g}): {why}. "
-                "A backoff is next_scale < scale, not skipped=True.")
+        why = "a z-score skip is not a scaling problem: the scale stays"
+        if r.reason == "nonfinite_grad":
+            why = "with hysteresis=2 the scaler backs off on every second overflow only"
+        return (f"step {r.step} was skipped ({r.reason}) but its scale stayed ({r.scale:g} -> "
+                f"{r.next_scale:g}): {why}. A backoff is next_scale < scale, not skipped=True.")
     if [s for s, _ in got] == [s for s, _ in want]:
         step, reason = next((s, r) for (s, r), (_, mine) in zip(got, want) if r != mine)
         return (f"the steps are right, the reasons not (step {step}: you said {reason!r}, the record says "
-                f"{records[step].reason!r}): a backoff's reason is the record.reason of the step that overflowed.")
+                f"{records[step].reason!r}): a backoff's reason is the record.reason of the step that "
+                "overflowed.")
     missing = sorted({s for s, _ in want} - {s for s, _ in got})
     if missing:
         r = records[missing[0]]
-        return (f"step {r.step} backed off ({r.scale:g} -> {r.next_scale:g}, {r.reason}) and is missing: a backoff "
-                "is any record whose next_scale is below its scale.")
-    return "a backoff is a record whose next_scale is below its scale, listed as (record.step, record.reason)."
+        return (f"step {r.step} backed off ({r.scale:g} -> {r.next_scale:g}, {r.reason}) and is missing: a "
+                "backoff is any record whose next_scale is below its scale.")
+    return "a backoff is a record whose next_scale is below its scale, as (record.step, record.reason)."
 
 
 def _flag_hint(case: _RunCase, got: list[int], want: list[int]) -> str:
@@ -228,9 +234,10 @@ def _flag_hint(case: _RunCase, got: list[int], want: list[int]) -> str:
     step = min(set(got) ^ set(want))
     if step not in z:
         return f"step {step} is not a step of this run."
-    shown = f"{z[step]:.3g}" if math.isfinite(z[step]) else "undefined (the window is not full, or the norm not finite)"
-    return (f"step {step}'s z-score is {shown} against the {case.window} norms of steps that trained before it, so "
-            f"it is {'' if step in want else 'not '}flagged at k={case.k:g}.")
+    shown = f"{z[step]:.3g}" if math.isfinite(z[step]) else \
+        "undefined (the window is not full, or the norm not finite)"
+    return (f"step {step}'s z-score is {shown} against the {case.window} norms of steps that trained before "
+            f"it, so it is {'' if step in want else 'not '}flagged at k={case.k:g}.")
 
 
 def _judge_read(name: str, case: _RunCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
@@ -250,8 +257,8 @@ def _judge_read(name: str, case: _RunCase, out: dict[str, Any], hidden: bool, se
         return (f"{name}'s backoffs {where} are {_shown(got_b, 4)}, expected {_shown(want_b, 4)}: "
                 f"{_backoff_hint(case, got_b, want_b)}")
     if got_f != want_f:
-        return (f"{name} flagged steps {_shown(got_f)} {where} with window={case.window}, k={case.k:g}; expected "
-                f"{_shown(want_f)}: {_flag_hint(case, got_f, want_f)}")
+        return (f"{name} flagged steps {_shown(got_f)} {where} with window={case.window}, k={case.k:g}; "
+                f"expected {_shown(want_f)}: {_flag_hint(case, got_f, want_f)}")
     return None
 
 
@@ -263,7 +270,7 @@ FP16_MAX, FP16_TINY, FP16_SUBNORMAL = 65504.0, 2.0**-14, 2.0**-24
 
 @functools.lru_cache(maxsize=4)
 def _gpt_grads(seed: int) -> tuple[Tensor, ...]:
-    """Return the fp32 gradients of a 1-layer GPT's first step, its loss weighted as a batch of 2**20 tokens."""
+    """Return the fp32 gradients of a 1-layer GPT's first step, its loss weighted as 2**20 tokens'."""
     with _one_thread():
         task = GPTTask(seed=seed, **TINY_GPT)
         model = task.model()
@@ -275,8 +282,8 @@ def _gpt_grads(seed: int) -> tuple[Tensor, ...]:
 
 # scaled values on fp16's edges: the largest finite value and the tie above it, the smallest
 # normal and subnormal, the tie between 0 and the smallest subnormal (it rounds to 0: even)
-EDGES = (65504.0, 65505.0, 65519.0, 65519.99, 65520.0, 65536.0, 1e5, 2.0**-14, 2.0**-15, 2.0**-24, 1.5 * 2.0**-24,
-         2.0**-25, 2.0**-25 * 1.25, 2.0**-26, 3e-8, 1e-9, 0.0, 1.0)
+EDGES = (65504.0, 65505.0, 65519.0, 65519.99, 65520.0, 65536.0, 1e5, 2.0**-14, 2.0**-15, 2.0**-24,
+         1.5 * 2.0**-24, 2.0**-25, 2.0**-25 * 1.25, 2.0**-26, 3e-8, 1e-9, 0.0, 1.0)
 
 
 @dataclass
@@ -290,7 +297,8 @@ class _RangeCase:
 
 def _edges(scale: float, rnd: random.Random | None = None) -> Tensor:
     signs = [1.0 if rnd is None else rnd.choice([1.0, -1.0]) for _ in EDGES]
-    return torch.tensor([s * v for s, v in zip(signs, EDGES)], dtype=torch.float32) / scale  # exact: a power of 2
+    # exact: the scale is a power of 2
+    return torch.tensor([s * v for s, v in zip(signs, EDGES)], dtype=torch.float32) / scale
 
 
 def _range_cases(hidden: bool, seed: int) -> list[_RangeCase]:
@@ -327,14 +335,15 @@ def _fractions(case: _RangeCase, mistake: str | None = None) -> tuple[float, flo
 
 
 RANGE_MISTAKES = {
-    "normal": "you counted fp16's subnormals as flushed: below 2**-14 fp16 still holds values down to 2**-24 (with "
-              "fewer bits); only what rounds to 0 is lost. Cast and compare: (g * scale).half() == 0",
+    "normal": "you counted fp16's subnormals as flushed: below 2**-14 fp16 still holds values down to 2**-24 "
+              "(with fewer bits); only what rounds to 0 is lost. Cast and compare: (g * scale).half() == 0",
     "zeros": "you counted gradients that were 0 already: flushed means a nonzero gradient that became 0",
-    "floor": "a value between 2**-25 and 2**-24 rounds up to 2**-24, it is not lost (only up to 2**-25, the tie, "
-             "rounds to 0): let the cast decide, (g * scale).half() == 0",
-    "strict": "fp16 rounds to nearest: values up to 65520 (exclusive) round down to 65504, only from 65520 on do "
-              "they become inf. Cast and test torch.isinf",
-    "noscale": "the gradients are multiplied by the loss scale before the cast: that is the scaler's whole point",
+    "floor": "a value between 2**-25 and 2**-24 rounds up to 2**-24, it is not lost (only up to 2**-25, the "
+             "tie, rounds to 0): let the cast decide, (g * scale).half() == 0",
+    "strict": "fp16 rounds to nearest: values up to 65520 (exclusive) round down to 65504, only from 65520 "
+              "on do they become inf. Cast and test torch.isinf",
+    "noscale": "the gradients are multiplied by the loss scale before the cast: that is the scaler's whole "
+               "point",
 }
 
 
@@ -352,12 +361,12 @@ def _judge_range(name: str, case: _RangeCase, out: dict[str, Any], hidden: bool,
     try:
         flushed, over = (float(v) for v in _plain(out["value"]))
     except (TypeError, ValueError):
-        return f"{name} returned a {out['value']['type']} {where}; return (flushed, overflowed): two fractions."
+        return f"{name} returned a {out['value']['type']} {where}; return (flushed, overflowed): fractions."
     want = _fractions(case)
     if _close(flushed, want[0], 1e-6) and _close(over, want[1], 1e-6):
         return None
-    hint = next((h for m, h in RANGE_MISTAKES.items() if all(_close(a, b, 1e-6) for a, b in
-                                                              zip((flushed, over), _fractions(case, m)))), None)
+    hint = next((h for m, h in RANGE_MISTAKES.items()
+                 if all(_close(a, b, 1e-6) for a, b in zip((flushed, over), _fractions(case, m)))), None)
     if hint is None and not _close(flushed, want[0], 1e-6):
         hint = "flushed is the fraction of all entries that are nonzero and become 0 in fp16 after the scale."
     elif hint is None:
@@ -369,8 +378,8 @@ def _judge_range(name: str, case: _RangeCase, out: dict[str, Any], hidden: bool,
 # ---------------------------------------------------------------- 3. a NaN-safe z-score clipper
 
 
-ZCLIP_ADVICE = ("keep the statistics as tensors and decide with torch.where (clip or not, warm-up or not, finite "
-                "or not), never with an `if` on a tensor")
+ZCLIP_ADVICE = ("keep the statistics as tensors and decide with torch.where (clip or not, warm-up or not, "
+                "finite or not), never with an `if` on a tensor")
 
 
 @dataclass
@@ -426,7 +435,8 @@ def _zclip_cases(hidden: bool, seed: int) -> list[_ZCase]:
         bad[12], bad[19], bad[26] = bad[12] * 5, bad[19] * 3, bad[26] * 8
         return [_ZCase("steady norms with two spikes, warmup=8", spiky, warmup=8),
                 _ZCase("NaN in warm-up, NaN and inf after it, spikes, warmup=6", bad, warmup=6, seed=1),
-                _ZCase("resumed from state_dict() at step 20, warmup=8", spiky, warmup=8, resume_at=20, seed=2)]
+                _ZCase("resumed from state_dict() at step 20, "
+                       "warmup=8", spiky, warmup=8, resume_at=20, seed=2)]
     rnd = random.Random(seed)
     cases = []
     warm = rnd.randint(5, 12)
@@ -445,7 +455,8 @@ def _zclip_cases(hidden: bool, seed: int) -> list[_ZCase]:
     resume = _series(rnd, 40, rnd.uniform(0.5, 2.0))
     resume[rnd.randint(2, 5)] = math.nan
     resume[rnd.randint(warm + 3, 39)] *= 20
-    cases.append(_ZCase(f"resumed mid-warm-up at step {warm - 2}", resume, 0.95, 2.5, warm, resume_at=warm - 2,
+    cases.append(_ZCase("resumed mid-warm-up at step "
+                        f"{warm - 2}", resume, 0.95, 2.5, warm, resume_at=warm - 2,
                         seed=seed + 2))
     cases.append(_ZCase(f"resumed after the warm-up at step {warm + 4}", noisy, 0.95, 2.0, warm,
                         resume_at=warm + 4, seed=seed + 3))
@@ -453,7 +464,7 @@ def _zclip_cases(hidden: bool, seed: int) -> list[_ZCase]:
 
 
 def _roundtrip(state: Any) -> Any:
-    """Return ``state`` as a checkpoint gives it back: saved with torch.save, loaded with weights_only=True."""
+    """Return ``state`` as a checkpoint gives it back: torch.save, then torch.load(weights_only=True)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -461,7 +472,7 @@ def _roundtrip(state: Any) -> Any:
 
 
 def _drive(fn: Callable, case: _ZCase, traps: list[str], resume_at: int | None) -> dict[str, Any]:
-    """Build the student's clipper and feed it the case's steps, through a state_dict round trip at ``resume_at``."""
+    """Build the student's clipper and feed it the case's steps, through a state_dict at ``resume_at``."""
     made = _call(fn, **case.config)
     if "raised" in made:
         return {**made, "steps": []}
@@ -472,7 +483,8 @@ def _drive(fn: Callable, case: _ZCase, traps: list[str], resume_at: int | None) 
             if "raised" in saved:
                 return {**saved, "steps": steps, "message": f"at the resume (step {t}): {saved['message']}"}
             again = _call(fn, **case.config)
-            loaded = again if "raised" in again else _call(lambda: again["value"].load_state_dict(saved["value"]))
+            loaded = again if "raised" in again else \
+                _call(lambda: again["value"].load_state_dict(saved["value"]))
             if "raised" in loaded:
                 return {**loaded, "steps": steps}
             clipper = again["value"]
@@ -511,7 +523,7 @@ def _zclip_reference(case: _ZCase) -> list[tuple[float, list[Tensor]]]:
 
 
 def _zclip_sim(case: _ZCase, mistake: str | None = None) -> list[float]:
-    """Return each step's clip coefficient by ZClip's rule, or under a classic mistake (float64, for naming it)."""
+    """Return each step's clip coefficient by ZClip's rule, or under a classic mistake (in float64)."""
     mean = var = math.nan
     buffer: list[float] = []
     count, coefs = 0, []
@@ -538,7 +550,7 @@ def _zclip_sim(case: _ZCase, mistake: str | None = None) -> list[float]:
         z = (g - mean) / (std + case.eps) if finite else math.nan
         limit = math.inf
         if z > case.z_thresh:
-            limit = mean + case.z_thresh * std if mistake == "threshold" else mean + case.z_thresh**2 / z * std
+            limit = mean + (case.z_thresh if mistake == "threshold" else case.z_thresh**2 / z) * std
         coefs.append(min(1.0, limit / (g + 1e-6)) if finite else 1.0)
         value = g if mistake == "raw" else min(g, limit)
         old = mean
@@ -548,13 +560,15 @@ def _zclip_sim(case: _ZCase, mistake: str | None = None) -> list[float]:
 
 
 ZCLIP_MISTAKES = {
-    "nonfinite": "your z-score statistics moved on a NaN/inf step: a non-finite norm must never enter the mean, the "
-                 "variance or the warm-up buffer (one NaN turns the published ZClip off for good)",
+    "nonfinite": "your z-score statistics moved on a NaN/inf step: a non-finite norm must never enter the "
+                 "mean, the variance or the warm-up buffer (one NaN turns the published ZClip off for good)",
     "count": "your warm-up counted a NaN/inf step: only finite norms fill the warm-up buffer",
-    "raw": "the EMA was fed the raw norm of a clipped step: ZClip feeds it the clipped value (min(norm, limit))",
-    "old_mean": "the variance is updated around the new mean: var = alpha * var + (1 - alpha) * (value - mean_new)**2",
-    "threshold": "a clipped norm goes to mean + (z_thresh**2 / z) * std (ZClip's adaptive scaling), not to the "
-                 "threshold mean + z_thresh * std",
+    "raw": "the EMA was fed the raw norm of a clipped step: ZClip feeds it the clipped value (min(norm, "
+           "limit))",
+    "old_mean": "the variance is updated around the new mean: var = alpha * var + (1 - alpha) * (value - "
+                "mean_new)**2",
+    "threshold": "a clipped norm goes to mean + (z_thresh**2 / z) * std (ZClip's adaptive scaling), not to "
+                 "the threshold mean + z_thresh * std",
 }
 
 
@@ -566,7 +580,8 @@ def _coef(before: list[Tensor], after: list[Tensor]) -> float:
 
 def _zclip_hint(case: _ZCase, steps: list[dict[str, Any]], t: int, want: float) -> str:
     """Name the classic mistake whose clip coefficients are the student's, over every step they shipped."""
-    coefs = [_coef(case.grads[i], s["grads"]) if math.isfinite(case.norms[i]) else 1.0 for i, s in enumerate(steps)]
+    coefs = [_coef(case.grads[i], s["grads"]) if math.isfinite(case.norms[i]) else 1.0
+             for i, s in enumerate(steps)]
     right = _zclip_sim(case)[: len(coefs)]
     for mistake, hint in ZCLIP_MISTAKES.items():
         sim = _zclip_sim(case, mistake)[: len(coefs)]
@@ -574,8 +589,8 @@ def _zclip_hint(case: _ZCase, steps: list[dict[str, Any]], t: int, want: float) 
             return hint
     if t < case.warmup and want == 1.0:
         return f"the first warmup={case.warmup} finite norms only fill the warm-up buffer: nothing is clipped"
-    return ("during the warm-up nothing is clipped; after it, a norm whose z = (norm - mean) / (std + eps) exceeds "
-            "z_thresh is clipped to mean + (z_thresh**2 / z) * std, and the EMA moves by alpha")
+    return ("during the warm-up nothing is clipped; after it, a norm whose z = (norm - mean) / (std + eps) "
+            "exceeds z_thresh is clipped to mean + (z_thresh**2 / z) * std, and the EMA moves by alpha")
 
 
 def _judge_zclip(name: str, case: _ZCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
@@ -588,28 +603,29 @@ def _judge_zclip(name: str, case: _ZCase, out: dict[str, Any], hidden: bool, see
         at = f"{where}, step {t} (norm {case.norms[t]:.4g})"
         value = step["value"]
         if "tensor" not in value or value["tensor"].numel() != 1:
-            return f"{name}.clip_ returned a {value['type']} {at}; return the pre-clip global norm as a 0-dim tensor."
+            return f"{name}.clip_ returned a {value['type']} {at}; return the pre-clip norm, a 0-dim tensor."
         if not math.isfinite(norm):
             if not _same(step["grads"], case.grads[t]):
-                return (f"{name}.clip_ changed the gradients {at}, whose norm is {norm:g}: a non-finite norm must "
-                        "leave them untouched (the step will be skipped; multiplying by NaN destroys the evidence).")
+                return (f"{name}.clip_ changed the gradients {at}, whose norm is {norm:g}: a non-finite norm "
+                        "must leave them untouched (the step will be skipped; multiplying by NaN destroys "
+                        "the evidence).")
             continue
         got = value["tensor"].double().item()
         if not _close(got, norm, 1e-4):
             return f"{name}.clip_ returned {got:.6g} {at}; return the norm before clipping, {norm:.6g}."
         if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(step["grads"], grads)):
             want = _coef(case.grads[t], grads)
-            return (f"{name}.clip_ scaled the gradients by {_coef(case.grads[t], step['grads']):.6g} {at}; labkit's "
-                    f"ZClip scales them by {want:.6g}: {_zclip_hint(case, steps, t, want)}.")
+            return (f"{name}.clip_ scaled the gradients by {_coef(case.grads[t], step['grads']):.6g} {at}; "
+                    f"labkit's ZClip scales them by {want:.6g}: {_zclip_hint(case, steps, t, want)}.")
     resumed = out.get("resumed")
     if resumed is not None:
         for t, (a, b) in enumerate(zip(resumed["steps"], steps)):
             if t >= case.resume_at and not (_same(a["grads"], b["grads"]) and _same(
                     [a["value"].get("tensor")], [b["value"].get("tensor")])):
                 return (f"{name} did not resume bit for bit {where}: loaded from state_dict() at step "
-                        f"{case.resume_at}, it clipped step {t} differently from the clipper that ran straight on. "
-                        "state_dict() must hold every piece of state (mean, var, the warm-up buffer and its count), "
-                        "and load_state_dict() must put all of it back.")
+                        f"{case.resume_at}, it clipped step {t} differently from the clipper that ran "
+                        "straight on. state_dict() must hold every piece of state (mean, var, the warm-up "
+                        "buffer and its count), and load_state_dict() must put all of it back.")
     return None
 
 
@@ -632,7 +648,7 @@ class _DetCase:
 
 
 def _decisions(case: _DetCase, mistake: str | None = None) -> list[tuple[str, float | None]]:
-    """Return each step's (action, limit): labkit's SpikeDetector driven as TrainStep drives it, or a mistake."""
+    """Return each step's (action, limit): labkit's SpikeDetector as TrainStep drives it, or a mistake's."""
     if mistake is None:
         det = SpikeDetector(case.window, case.skip_z, case.clip_z)
         out: list[tuple[str, float | None]] = []
@@ -694,10 +710,11 @@ def _decisions(case: _DetCase, mistake: str | None = None) -> list[tuple[str, fl
 
 
 DETECTOR_MISTAKES = {
-    "skipped": "a skipped spike entered your window: it never trained, and in the window it widens the band, so "
-               "the next spike passes (inflation)",
+    "skipped": "a skipped spike entered your window: it never trained, and in the window it widens the band, "
+               "so the next spike passes (inflation)",
     "nonfinite": "a NaN/inf entered your window: it must be skipped and never admitted",
-    "current": "the z-score is against the previous values only (OLMo-core): leave the current one out of its window",
+    "current": "the z-score is against the previous values only (OLMo-core): leave the current one out of "
+               "its window",
     "abs": "only increases count: a loss or norm far *below* its mean is good news, not a spike",
     "early": "the detector stays inactive until the window holds window // 2 values (OLMo-core's warm-up)",
     "raw": "a clipped step enters the norm window with its clipped norm (the limit), as TrainStep admits it",
@@ -738,7 +755,7 @@ def _det_cases(hidden: bool, seed: int) -> list[_DetCase]:
         warm = rnd.randrange(2, window // 2)
         series[warm] = (series[warm][0] * 100, series[warm][1] * 100)  # in the warm-up: nothing acts yet
         # each event at its own step, each judged by a window the earlier ones would spoil if admitted: a NaN,
-        # two norm spikes in a row, a loss spike, a drop (good news), moderate rises (clipped when clip_z is set)
+        # two norm spikes in a row, a loss spike, a drop (good news), moderate rises (clipped with a clip_z)
         bad = rnd.randint(window + 2, window + 6)  # after the warm-up spike has left the window
         series[bad] = (rnd.choice([math.nan, math.inf]), series[bad][1]) if k else (series[bad][0], math.nan)
         burst = bad + rnd.randint(2, 4)
@@ -750,7 +767,7 @@ def _det_cases(hidden: bool, seed: int) -> list[_DetCase]:
         drop = loss_spike + 2
         series[drop] = (series[drop][0] * rnd.uniform(0.2, 0.5), series[drop][1] * rnd.uniform(0.1, 0.3))
         for i in range(drop + window, len(series), 4):
-            series[i] = (series[i][0], series[i][1] * rnd.uniform(1.16, 1.22))  # z of 3 to 4.5: clip, not skip
+            series[i] = (series[i][0], series[i][1] * rnd.uniform(1.16, 1.22))  # z 3 to 4.5: clip, not skip
         skip_z = rnd.uniform(5.0, 7.0)
         clip_z = rnd.uniform(2.0, 2.8) if k else None
         cases.append(_DetCase(f"random series #{k}, window={window}, skip_z={skip_z:.3g}"
@@ -773,7 +790,8 @@ def _run_detector(fn: Callable, case: _DetCase) -> dict[str, Any]:
                 if "raised" in out or traps:
                     made = {k: out[k] for k in ("raised", "message", "_exc") if k in out}
                     break
-    return {**{k: made[k] for k in ("raised", "message", "_exc") if k in made}, "steps": steps, "traps": traps}
+    ended = {k: made[k] for k in ("raised", "message", "_exc") if k in made}
+    return {**ended, "steps": steps, "traps": traps}
 
 
 def _judge_detector(name: str, case: _DetCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
@@ -789,24 +807,26 @@ def _judge_detector(name: str, case: _DetCase, out: dict[str, Any], hidden: bool
             action, limit = _plain(step["value"])
             got.append((action, None if limit is None else float(limit)))
         except (TypeError, ValueError):
-            return (f"{name}.decide returned a {step['value']['type']} {where}, step {t}; return (action, limit): "
-                    "('log', None), ('clip', the norm to clip to) or ('skip', None).")
+            return (f"{name}.decide returned a {step['value']['type']} {where}, step {t}; return (action, "
+                    "limit): ('log', None), ('clip', the norm to clip to) or ('skip', None).")
     for t, ((action, limit), (mine, mine_limit)) in enumerate(zip(got, want)):
         if action == mine and (limit is None) == (mine_limit is None) and \
                 (limit is None or _close(limit, mine_limit, 1e-5)):
             continue
         loss, norm = case.series[t]
-        hint = next((h for m, h in DETECTOR_MISTAKES.items() if _same_decisions(got, _decisions(case, m))), None)
+        hint = next((h for m, h in DETECTOR_MISTAKES.items() if _same_decisions(got, _decisions(case, m))),
+                    None)
         if hint is None and mine == "clip" and action == "clip":
             hint = "clip to mean + clip_z * std of the norm window (the values before this step)"
         elif hint is None:
-            hint = ("a NaN/inf loss or norm is skipped and never admitted; skip when the loss or the norm z-score "
-                    "exceeds skip_z, else clip when the norm's exceeds clip_z; z against the previous window "
-                    "(population std), inactive until window // 2 values; only steps that trained enter the window")
+            hint = ("a NaN/inf loss or norm is skipped and never admitted; skip when the loss or the norm "
+                    "z-score exceeds skip_z, else clip when the norm's exceeds clip_z; z against the "
+                    "previous window (population std), inactive until window // 2 values; only steps that "
+                    "trained enter the window")
         shown = f"({action!r}, {limit:.6g})" if limit is not None else f"({action!r}, None)"
         expected = f"({mine!r}, {mine_limit:.6g})" if mine_limit is not None else f"({mine!r}, None)"
-        return (f"{name}.decide(loss={loss:.4g}, norm={norm:.4g}) returned {shown} {where}, step {t}; expected "
-                f"{expected}: {hint}.")
+        return (f"{name}.decide(loss={loss:.4g}, norm={norm:.4g}) returned {shown} {where}, step {t}; "
+                f"expected {expected}: {hint}.")
     return None
 
 
@@ -815,7 +835,7 @@ def _same_decisions(a: list[tuple[str, float | None]], b: list[tuple[str, float 
                                     (x[1] is None or _close(x[1], y[1], 1e-5)) for x, y in zip(a, b))
 
 
-# ---------------------------------------------------------------- 5. Adam or SGD: what a clip does to the update
+# ---------------------------------------------------------------- 5. Adam or SGD: what a clip does
 
 
 @dataclass
@@ -838,9 +858,11 @@ class _EffectCase:
             torch.manual_seed(self.seed)
             model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         if self.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum)
+            opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=self.lr,
+                                                         momentum=self.momentum)
         elif self.optimizer == "adamw":
-            opt = torch.optim.AdamW(model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+            opt = torch.optim.AdamW(model.parameters(), lr=self.lr, betas=self.betas,
+                                    weight_decay=self.weight_decay)
         else:
             opt = torch.optim.Adam(model.parameters(), lr=self.lr, betas=self.betas)
         return model, opt
@@ -893,17 +915,17 @@ def _update_ratio(case: _EffectCase, mistake: str | None = None) -> float:
             if mistake == "gradient":
                 return min(1.0, case.max_norm / (norm.item() + 1e-6))
         opt.step()
-        deltas.append(torch.linalg.vector_norm(torch.cat([(p.detach() - b).flatten()
-                                                          for p, b in zip(model.parameters(), before)])).item())
+        delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+        deltas.append(torch.linalg.vector_norm(delta).item())
     ratio = deltas[1] / deltas[0]
     return 1 / ratio if mistake == "inverse" else ratio
 
 
 EFFECT_MISTAKES = {
-    "gradient": "that is what clipping did to the gradient (the clip coefficient); the question is what it did to "
-                "the update: compare the parameters after the step with those before it",
-    "same_model": "the second step started where the first one ended: call fresh() again, so the clipped and the "
-                  "unclipped step start from the same weights and the same optimizer state",
+    "gradient": "that is what clipping did to the gradient (the clip coefficient); the question is what it "
+                "did to the update: compare the parameters after the step with those before it",
+    "same_model": "the second step started where the first one ended: call fresh() again, so the clipped and "
+                  "the unclipped step start from the same weights and the same optimizer state",
     "inverse": "that is the inverse: return |update with the clip| / |update without it|",
 }
 
@@ -917,10 +939,12 @@ def _effect_cases(hidden: bool, seed: int) -> list[_EffectCase]:
     sgd_lr, momentum = rnd.choice([0.01, 0.05]), rnd.choice([0.5, 0.9])
     adam_lr, wd = rnd.choice([3e-4, 1e-3, 3e-3]), rnd.choice([0.01, 0.1])
     return [_EffectCase(f"SGD, lr {sgd_lr:g}", "sgd", sgd_lr, seed, spike, cut),
-            _EffectCase(f"SGD with momentum {momentum:g}", "sgd", sgd_lr, seed + 1, spike, cut, momentum=momentum),
+            _EffectCase("SGD with momentum "
+                        f"{momentum:g}", "sgd", sgd_lr, seed + 1, spike, cut, momentum=momentum),
             _EffectCase(f"Adam, betas (0.9, 0.95), lr {adam_lr:g}", "adam", adam_lr, seed + 2, spike, cut,
                         betas=(0.9, 0.95)),
-            _EffectCase(f"AdamW, weight_decay {wd:g}", "adamw", adam_lr, seed + 3, spike, cut, weight_decay=wd)]
+            _EffectCase("AdamW, weight_decay "
+                        f"{wd:g}", "adamw", adam_lr, seed + 3, spike, cut, weight_decay=wd)]
 
 
 def _run_effect(fn: Callable, case: _EffectCase) -> dict[str, Any]:
@@ -944,8 +968,9 @@ def _judge_effect(name: str, case: _EffectCase, out: dict[str, Any], hidden: boo
         return None
     hint = next((h for m, h in EFFECT_MISTAKES.items() if _close(got, _update_ratio(case, m), 1e-3)), None)
     if hint is None:
-        hint = ("run one step without clipping and one with labkit.clip_grad_norm_(..., max_norm) after backward, "
-                "each from fresh(), and divide the norms of the two updates (parameters after minus before)")
+        hint = ("run one step without clipping and one with labkit.clip_grad_norm_(..., max_norm) after "
+                "backward, each from fresh(), and divide the norms of the two updates (parameters after "
+                "minus before)")
     return f"{name} returned {got:.6g} {where}, expected {want:.6g}: {hint}."
 
 
@@ -963,7 +988,8 @@ BANNED = {"check_read_run": SPIKE_FUNCS, "check_fp16_range": (), "check_zscore_c
           "check_spike_detector": SPIKE_FUNCS, "check_clip_effect": ()}
 
 
-def check_read_run(fn: Callable[..., tuple[list, list]], hidden: bool = False, seed: int | None = None) -> None:
+def check_read_run(fn: Callable[..., tuple[list, list]], hidden: bool = False,
+                   seed: int | None = None) -> None:
     """Check ``fn(records, window, k) -> (backoffs, flagged)`` on the records of a real fp16 GPT run.
 
     ``backoffs``: ``(step, reason)`` of each record whose ``next_scale`` is below its ``scale``;
@@ -988,7 +1014,8 @@ def check_read_run(fn: Callable[..., tuple[list, list]], hidden: bool = False, s
     check(CHECKS["check_read_run"], fn, hidden, seed)
 
 
-def check_fp16_range(fn: Callable[[list[Tensor], float], tuple], hidden: bool = False, seed: int | None = None) -> None:
+def check_fp16_range(fn: Callable[[list[Tensor], float], tuple], hidden: bool = False,
+                     seed: int | None = None) -> None:
     """Check ``fn(grads, scale) -> (flushed, overflowed)``: the fractions fp16 turns into 0 and into inf.
 
     The reference is torch's own cast, ``(g * scale).half()``: ``flushed`` counts the nonzero
@@ -1014,7 +1041,7 @@ def check_zscore_clipper(fn: Callable[..., Any], hidden: bool = False, seed: int
 
 
 def check_spike_detector(fn: Callable[..., Any], hidden: bool = False, seed: int | None = None) -> None:
-    """Check the class ``fn(window, skip_z, clip_z)`` against ``labkit.SpikeDetector`` as ``TrainStep`` drives it.
+    """Check the class ``fn(window, skip_z, clip_z)`` against ``SpikeDetector`` as ``TrainStep`` uses it.
 
     ``decide(loss, norm)`` returns ``("skip", None)``, ``("clip", limit)`` or ``("log", None)``
     for one step and then admits it (skipped and non-finite steps never enter the windows; a
@@ -1041,7 +1068,8 @@ def check_clip_effect(fn: Callable[..., float], hidden: bool = False, seed: int 
     ...         if clip:
     ...             labkit.clip_grad_norm_(model.parameters(), max_norm)
     ...         optimizer.step()
-    ...         sizes.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm())
+    ...         after = model.parameters()
+    ...         sizes.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(after, before)]).norm())
     ...     return (sizes[1] / sizes[0]).item()
     >>> check_clip_effect(clip_effect, hidden=True, seed=0)
     """

@@ -35,8 +35,9 @@ __all__ = ["BANNED", "CHECKS", "check_delayed_scaling", "check_fp8_tiles", "chec
 
 STALE_FUNCS = ("labkit.precision.stale_fraction", "labkit.precision._stale", "labkit.precision.StaleMonitor")
 KAHAN_FUNCS = ("labkit.precision.kahan_add", "labkit.precision.stochastic_round_bf16")
-FP8_FUNCS = ("labkit.fp8.quantize", "labkit.fp8.check_amax", "labkit.fp8.Fp8Guard", "labkit.fp8.update_amax_history",
-             "labkit.fp8._block_amax", "labkit.fp8._block_view", "labkit.fp8._expand")
+FP8_FUNCS = ("labkit.fp8.quantize", "labkit.fp8.check_amax", "labkit.fp8.Fp8Guard",
+             "labkit.fp8.update_amax_history", "labkit.fp8._block_amax", "labkit.fp8._block_view",
+             "labkit.fp8._expand")
 BF16 = torch.bfloat16
 E4M3_MAX = 448.0
 
@@ -64,7 +65,7 @@ class _StaleCase:
 
 
 def _edge_case(rnd: random.Random, gen: torch.Generator) -> _StaleCase:
-    """Weights at powers of two (downward updates), exact ties (even and odd weights), just past a tie, zeros, subnormals."""
+    """Return powers of two (updates toward 0), exact ties, just past a tie, zero and subnormal weights."""
     weights, updates = [], []
 
     def add(w: float, u: float) -> None:
@@ -73,10 +74,11 @@ def _edge_case(rnd: random.Random, gen: torch.Generator) -> _StaleCase:
 
     for sign in (1.0, 1.0, -1.0, -1.0):
         p = 2.0 ** rnd.randint(-20, 20) * sign
-        half_below = abs(p) * 2.0**-9  # toward zero the gap is half the gap away from it (2**-8 against 2**-7)
+        half_below = abs(p) * 2.0**-9  # toward zero the gap is half the gap away from it (2**-8, 2**-7)
         add(p, -math.copysign(half_below * rnd.uniform(1.2, 1.9), p))  # between the two half-gaps: survives
     # ties: 4 weights with an even last bit, 8 with an odd one (so no two mistakes below count the same)
-    bits = torch.tensor([rnd.uniform(1, 2) * 2.0 ** rnd.randint(-10, 10) * rnd.choice([1, -1]) for _ in range(12)])
+    bits = torch.tensor([rnd.uniform(1, 2) * 2.0 ** rnd.randint(-10, 10) * rnd.choice([1, -1])
+                         for _ in range(12)])
     bits = bits.to(BF16).view(torch.int16)
     w = torch.cat([bits[:4] & ~1, bits[4:] | 1]).view(BF16)
     for i, wi in enumerate(w):
@@ -85,7 +87,7 @@ def _edge_case(rnd: random.Random, gen: torch.Generator) -> _StaleCase:
         sign = 1.0 if up else -1.0
         add(wi.item(), sign * half)  # an exact tie: lost if the weight's last bit is even
         if i < 3:
-            add(wi.item(), sign * half * (1 + 2.0**-20))  # just past it: survives (a float32 add would say lost)
+            add(wi.item(), sign * half * (1 + 2.0**-20))  # just past it: survives (float32 adds say lost)
     for u in (2.0**-134, 2.0**-133 * 0.75, 2.0**-135, 3e-41, 1e-30):
         add(0.0, u * rnd.choice([1.0, -1.0]))  # zero weights: the gap is the smallest subnormal, 2**-133
     for _ in range(4):
@@ -95,7 +97,8 @@ def _edge_case(rnd: random.Random, gen: torch.Generator) -> _StaleCase:
     add(1.0, 0.0)
     order = torch.randperm(len(weights), generator=gen)
     return _StaleCase("powers of two, exact ties, subnormal and zero weights",
-                      torch.tensor(updates, dtype=torch.float32)[order], torch.tensor(weights).to(BF16)[order])
+                      torch.tensor(updates, dtype=torch.float32)[order],
+                      torch.tensor(weights).to(BF16)[order])
 
 
 def _stale_cases(hidden: bool, seed: int) -> list[_StaleCase]:
@@ -140,17 +143,18 @@ def _lost(case: _StaleCase, mistake: str | None = None) -> float:
 
 
 STALE_MISTAKES = {
-    "zeros": "a zero update has nothing to lose: count only the entries whose update is nonzero, and divide by them",
-    "up": "the gap that matters is the one in the update's direction: below a power of two it is half the gap "
-          "above (torch.nextafter(w, -inf) for a negative update)",
-    "away": "the gap that matters is the one in the update's direction: below a power of two it is half the gap "
-            "above (torch.nextafter(w, -inf) for a negative update)",
-    "strict": "an update of exactly half an ulp is a tie, and a tie rounds to even: it is lost when the weight's "
-              "last bit is even (w.view(torch.int16) % 2 == 0)",
-    "le": "an update of exactly half an ulp is a tie, and a tie rounds to even: it survives when the weight's last "
-          "bit is odd (w.view(torch.int16) % 2 == 1)",
-    "fp32": "adding in float32 first rounds twice: an update just past a tie becomes the tie in float32, then rounds "
-            "back to the weight in bf16. Compare |u| with half the gap, exactly",
+    "zeros": "a zero update has nothing to lose: count only the entries whose update is nonzero, and divide "
+             "by them",
+    "up": "the gap that matters is the one in the update's direction: below a power of two it is half the "
+          "gap above (torch.nextafter(w, -inf) for a negative update)",
+    "away": "the gap that matters is the one in the update's direction: below a power of two it is half the "
+            "gap above (torch.nextafter(w, -inf) for a negative update)",
+    "strict": "an update of exactly half an ulp is a tie, and a tie rounds to even: it is lost when the "
+              "weight's last bit is even (w.view(torch.int16) % 2 == 0)",
+    "le": "an update of exactly half an ulp is a tie, and a tie rounds to even: it survives when the "
+          "weight's last bit is odd (w.view(torch.int16) % 2 == 1)",
+    "fp32": "adding in float32 first rounds twice: an update just past a tie becomes the tie in float32, "
+            "then rounds back to the weight in bf16. Compare |u| with half the gap, exactly",
     "relative": "|w| * 2**-9 is half an ulp only at a power of two: take the weight's real neighbour "
                 "(torch.nextafter), which also works at 0 and for subnormal weights",
 }
@@ -172,14 +176,15 @@ def _judge_stale(name: str, case: _StaleCase, out: dict[str, Any], hidden: bool,
     try:
         got = float(_plain(out["value"]))
     except (TypeError, ValueError):
-        return f"{name} returned a {out['value']['type']} {where}; return the fraction as a number (or 0-dim tensor)."
+        return f"{name} returned a {out['value']['type']} {where}; return the fraction as a number."
     want = _lost(case)
     if _close(got, want, 1e-6):
         return None
     hint = next((h for m, h in STALE_MISTAKES.items() if _close(got, _lost(case, m), 1e-6)), None)
     if hint is None:
-        hint = ("an update is lost when w + u rounds back to w in bf16 (round to nearest, ties to even): |u| below "
-                "half the gap to the weight's neighbour in the update's direction, or exactly half with an even w")
+        hint = ("an update is lost when w + u rounds back to w in bf16 (round to nearest, ties to even): |u| "
+                "below half the gap to the weight's neighbour in the update's direction, or exactly half "
+                "with an even w")
     return f"{name} returned {got:.6g} {where}, expected {want:.6g}: {hint}."
 
 
@@ -188,7 +193,7 @@ def _judge_stale(name: str, case: _StaleCase, out: dict[str, Any], hidden: bool,
 
 @dataclass
 class _KahanCase:
-    """Steps of labkit's Kahan-compensated trajectory: each (weight, update, compensation) the student is given."""
+    """Steps of labkit's Kahan-compensated trajectory: each (weight, update, compensation) given in turn."""
 
     name: str
     steps: list[tuple[Tensor, Tensor, Tensor]]
@@ -205,7 +210,8 @@ def _trajectory(name: str, weight: Tensor, updates: list[Tensor]) -> _KahanCase:
 def _kahan_cases(hidden: bool, seed: int) -> list[_KahanCase]:
     gen = torch.Generator().manual_seed(seed)
     if not hidden:
-        one = _trajectory("1000 updates of 1e-3 to w = 1", torch.ones(1, dtype=BF16), [torch.tensor([1e-3])] * 1000)
+        one = _trajectory("1000 updates of 1e-3 to w = "
+                          "1", torch.ones(1, dtype=BF16), [torch.tensor([1e-3])] * 1000)
         w = (torch.randn(64, generator=gen) * 0.1).to(BF16)
         mixed = _trajectory("64 weights ~ N(0, 0.1), 50 updates ~ 1e-3", w,
                             [torch.randn(64, generator=gen) * 1e-3 for _ in range(50)])
@@ -213,8 +219,9 @@ def _kahan_cases(hidden: bool, seed: int) -> list[_KahanCase]:
     rnd = random.Random(seed)
     w = (torch.randn(64, generator=gen) * 10.0 ** rnd.uniform(-2, 1)).to(BF16)
     ulp = _ulp(w).float()
-    near = [ulp * torch.empty(64).uniform_(0.2, 3.0, generator=gen) * torch.where(
-        torch.rand(64, generator=gen) < 0.5, -1.0, 1.0) for _ in range(40)]  # about an ulp: the compensation matters
+    # about an ulp of each weight: there the compensation matters
+    near = [ulp * torch.empty(64).uniform_(0.2, 3.0, generator=gen)
+            * torch.where(torch.rand(64, generator=gen) < 0.5, -1.0, 1.0) for _ in range(40)]
     small = [torch.randn(64, generator=gen) * 10.0 ** rnd.uniform(-5, -3) for _ in range(40)]
     return [_trajectory("updates of 0.2 to 3 ulps of each weight", w, near),
             _trajectory("small updates, mixed signs", (torch.randn(64, generator=gen)).to(BF16), small)]
@@ -235,8 +242,8 @@ def _kahan_mistake(w: Tensor, u: Tensor, c: Tensor, mistake: str) -> tuple[Tenso
 KAHAN_MISTAKES = {
     "nocomp": "the compensation was never added back: y = update + compensation is what goes into the weight",
     "sign": "the compensation has the wrong sign: it is what the rounding lost, y - (new - weight)",
-    "bf16": "y = update + compensation was rounded to bf16 before the add: do the arithmetic in float32 and round "
-            "only the results",
+    "bf16": "y = update + compensation was rounded to bf16 before the add: do the arithmetic in float32 and "
+            "round only the results",
     "stale": "the compensation never changes: return the new one, y - (new - weight), rounded to bf16",
 }
 
@@ -276,20 +283,22 @@ def _judge_kahan(name: str, case: _KahanCase, out: dict[str, Any], hidden: bool,
             return f"{name} returned a {step['value']['type']} {at}; return (new_weight, new_compensation)."
         got_w, got_c = (i["tensor"] for i in items)
         if got_w.dtype != BF16 or got_c.dtype != BF16:
-            return (f"{name} returned a {got_w.dtype} weight and a {got_c.dtype} compensation {at}: both stay "
-                    "bf16 (16 + 16 bits per weight is the point), only the arithmetic is float32.")
+            return (f"{name} returned a {got_w.dtype} weight and a {got_c.dtype} compensation {at}: both "
+                    "stay bf16 (16 + 16 bits per weight is the point), only the arithmetic is float32.")
         want_w, want_c = kahan_add(w, u, c)
         if _within_ulp(got_w, want_w) and _within_ulp(got_c, want_c):
             continue
         hint = next((h for m, h in KAHAN_MISTAKES.items()
-                     if all(torch.equal(a, b) for a, b in zip((got_w, got_c), _kahan_mistake(w, u, c, m)))), None)
+                     if all(torch.equal(a, b) for a, b in zip((got_w, got_c), _kahan_mistake(w, u, c, m)))),
+                    None)
         bad = int((~((got_w == want_w) & (got_c == want_c))).nonzero()[0, 0]) if got_w.numel() > 1 else 0
         shown = (f"weight={w.view(-1)[bad].item():.6g}, update={u.view(-1)[bad].item():.6g}, compensation="
                  f"{c.view(-1)[bad].item():.6g} gave ({got_w.view(-1)[bad].item():.6g}, "
                  f"{got_c.view(-1)[bad].item():.6g}), expected ({want_w.view(-1)[bad].item():.6g}, "
                  f"{want_c.view(-1)[bad].item():.6g})")
-        return (f"{name} {at}: {shown}: " + (hint or "y = update + compensation; new = round(weight + y) to bf16; "
-                                              "compensation = round(y - (new - weight)) to bf16, in float32") + ".")
+        return (f"{name} {at}: {shown}: " + (hint or "y = update + compensation; new = round(weight + y) to "
+                                              "bf16; compensation = round(y - (new - weight)) to bf16, in "
+                                              "float32") + ".")
     return None
 
 
@@ -305,7 +314,8 @@ class _TileCase:
     previous: Tensor
 
 
-def _activation(gen: torch.Generator, rows: int, tiles: int, outliers: dict[int, float], tiny: bool = False) -> Tensor:
+def _activation(gen: torch.Generator, rows: int, tiles: int, outliers: dict[int, float],
+                tiny: bool = False) -> Tensor:
     x = torch.randn(rows, 128 * tiles, generator=gen)
     for column, factor in outliers.items():
         x[:, column] *= factor
@@ -331,20 +341,21 @@ def _tile_cases(hidden: bool, seed: int) -> list[_TileCase]:
     zero = (rnd.randrange(rows), rnd.randrange(tiles))
     x[zero[0], zero[1] * 128:(zero[1] + 1) * 128] = 0.0
     previous = torch.rand(rows, tiles, generator=gen) * 0.1 + 1e-3
-    cases.append(_TileCase(f"{rows}x{128 * tiles}, outlier channels {sorted(outliers)}, a row of 1e-6, a zero tile",
-                           x, previous))
+    name = f"{rows}x{128 * tiles}, outlier channels {sorted(outliers)}, a row of 1e-6, a zero tile"
+    cases.append(_TileCase(name, x, previous))
     x2 = _activation(gen, 1, 1, {rnd.randrange(128): rnd.uniform(10, 100)}) * 10.0 ** rnd.uniform(-3, 3)
     cases.append(_TileCase("one tile, one outlier, a random range", x2, torch.full((1, 1), 0.5)))
     for value in (math.nan, -math.inf):
         bad = _activation(gen, rnd.randint(1, 4), rnd.randint(1, 3), {})
         bad.view(-1)[rnd.randrange(bad.numel())] = value
-        cases.append(_TileCase(f"a {value} in {tuple(bad.shape)}", bad, torch.full((bad.shape[0], bad.shape[1] // 128),
+        cases.append(_TileCase(f"a {value} in "
+                               f"{tuple(bad.shape)}", bad, torch.full((bad.shape[0], bad.shape[1] // 128),
                                                                                      0.01)))
     return cases
 
 
 def _tiles_reference(case: _TileCase) -> tuple[Tensor, Tensor, float, float] | None:
-    """labkit's tile128 e4m3 cast, with a zero-amax tile keeping its previous scale; None: refuse (non-finite)."""
+    """Return labkit's tile128 e4m3 cast, a zero tile keeping its previous scale; None: refuse (NaN/inf)."""
     if check_amax(case.x, "tile128") == "nonfinite_amax":
         return None
     q = quantize(case.x, "e4m3", "tile128")
@@ -362,7 +373,7 @@ def _run_tiles(fn: Callable, case: _TileCase) -> dict[str, Any]:
 
 
 def _e4m3_steps(a: Tensor, b: Tensor) -> Tensor:
-    """How many e4m3 values apart ``a`` and ``b`` are, entry by entry (the bits of same-signed values are ordered)."""
+    """Return how many e4m3 values apart ``a`` and ``b`` are, entry by entry (their bits are ordered)."""
     ia, ib = a.view(torch.uint8).long(), b.view(torch.uint8).long()
     signed = lambda i: torch.where(i >= 128, -(i - 128), i)  # noqa: E731 (sign-magnitude to a line)
     return (signed(ia) - signed(ib)).abs()
@@ -375,13 +386,14 @@ def _judge_tiles(name: str, case: _TileCase, out: dict[str, Any], hidden: bool, 
         if out.get("raised") == "ValueError":
             return None
         if out.get("raised") and out["raised"] not in ("NotImplementedError", "trap"):
-            return (f"{name} raised {out['raised']} {where}; refuse a non-finite amax with a ValueError that says "
-                    "which tile.")
+            return (f"{name} raised {out['raised']} {where}; refuse a non-finite amax with a ValueError that "
+                    "says which tile.")
         raised = _raised(name, out, where)
         if raised:
             return raised
-        return (f"{name} returned {where} instead of refusing: this tensor holds a NaN or inf, and the e4m3 cast "
-                "hides it (inf becomes 448, saturated): check every tile's amax *before* the cast and raise ValueError.")
+        return (f"{name} returned {where} instead of refusing: this tensor holds a NaN or inf, and the e4m3 "
+                "cast hides it (inf becomes 448, saturated): check every tile's amax *before* the cast and "
+                "raise ValueError.")
     raised = _raised(name, out, where)
     if raised:
         return raised
@@ -396,41 +408,42 @@ def _judge_tiles(name: str, case: _TileCase, out: dict[str, Any], hidden: bool, 
     want_data, want_scale, want_sat, want_flushed = want
     rows, tiles = case.previous.shape
     if data.dtype != torch.float8_e4m3fn or data.shape != case.x.shape:
-        return f"{name} returned data of {data.dtype} {tuple(data.shape)} {where}; cast x to torch.float8_e4m3fn."
+        return f"{name} returned data of {data.dtype} {tuple(data.shape)} {where}; cast x to float8_e4m3fn."
     if scale.shape != (rows, tiles):
-        hint = ("one scale for the whole tensor: one outlier then sets it for every row" if scale.numel() == 1 else
-                "tiles are 1x128: 128 consecutive entries of one row, so the scales are (rows, columns // 128)")
-        return f"{name} returned scales of shape {tuple(scale.shape)} {where}, expected {(rows, tiles)}: {hint}."
+        hint = "tiles are 1x128: 128 consecutive entries of one row, so the scales are (rows, columns // 128)"
+        if scale.numel() == 1:
+            hint = "one scale for the whole tensor: one outlier then sets it for every row"
+        return f"{name} returned scales of shape {tuple(scale.shape)} {where}, not {(rows, tiles)}: {hint}."
     scale = scale.float()
     if torch.isnan(scale).any() or (scale == 0).any() or torch.isinf(scale).any():
-        return (f"{name} returned a scale of {scale[~torch.isfinite(scale) | (scale == 0)][0].item():g} {where}: a "
-                "tile of zeros has amax 0, and amax / 448 = 0 makes its data 0 / 0 = NaN: keep the previous step's "
-                "scale for it.")
+        return (f"{name} returned a scale of {scale[~torch.isfinite(scale) | (scale == 0)][0].item():g} "
+                f"{where}: a tile of zeros has amax 0, and amax / 448 = 0 makes its data 0 / 0 = NaN: keep "
+                "the previous step's scale for it.")
     if not torch.allclose(scale, want_scale, rtol=1e-6, atol=0):
         if torch.allclose(scale * want_scale, torch.full_like(scale, 1.0), rtol=1e-5) or \
                 torch.allclose(1 / scale, want_scale, rtol=1e-5, atol=0):
             hint = "that is the inverse: scale = amax / 448, so that x is about data * scale"
         elif torch.allclose(scale, torch.full_like(scale, want_scale.max().item()), rtol=1e-6):
-            hint = ("one scale for the whole tensor: its outlier channel then flushes the other tiles to 0; one scale "
-                    "per 1x128 tile of each row")
-        elif torch.allclose(torch.where(want_scale == case.previous, torch.ones_like(scale), scale),
-                            torch.where(want_scale == case.previous, torch.ones_like(scale), want_scale), rtol=1e-6):
+            hint = ("one scale for the whole tensor: its outlier channel then flushes the other tiles to 0; "
+                    "one scale per 1x128 tile of each row")
+        elif torch.allclose(*(torch.where(want_scale == case.previous, torch.ones_like(scale), s)
+                              for s in (scale, want_scale)), rtol=1e-6):
             hint = "a tile of zeros (amax 0) keeps the previous step's scale (previous_scale), not 1 or 0"
         else:
             hint = "each tile's scale is its amax (the largest |x| of its 128 entries) / 448"
         return f"{name} returned wrong scales {where}: {hint}."
     apart = _e4m3_steps(data, want_data)
     if (apart > 1).any() or (apart > 0).float().mean().item() > 0.01:
-        return (f"{name}'s e4m3 data differ from x / scale {where}: divide each entry by its tile's scale, clamp to "
-                "+-448, then cast to torch.float8_e4m3fn (round to nearest).")
+        return (f"{name}'s e4m3 data differ from x / scale {where}: divide each entry by its tile's scale, "
+                "clamp to +-448, then cast to torch.float8_e4m3fn (round to nearest).")
     if not _close(flushed, want_flushed, 2e-3):
-        return (f"{name} returned flushed={flushed:.4g} {where}, expected {want_flushed:.4g}: the fraction of all "
-                "entries that were nonzero in x and are 0 in the e4m3 data.")
+        return (f"{name} returned flushed={flushed:.4g} {where}, expected {want_flushed:.4g}: the fraction "
+                "of all entries that were nonzero in x and are 0 in the e4m3 data.")
     if not _close(saturated, want_sat, 1e-6):
         if saturated > 0:
-            hint = ("each tile's amax maps to 448 exactly: that is the scale working, not saturating. With current "
-                    "scaling nothing lies above the amax its scale was made for, so nothing saturates; do not compare "
-                    "x / scale with 448 (the division can round just above it)")
+            hint = ("each tile's amax maps to 448 exactly: that is the scale working, not saturating. With "
+                    "current scaling nothing lies above the amax its scale was made for, so nothing "
+                    "saturates; do not compare x / scale with 448 (the division can round just above it)")
         else:
             hint = "the fraction of entries whose |x| is above the amax their tile's scale was made for"
         return f"{name} returned saturated={saturated:.4g} {where}, expected {want_sat:.4g}: {hint}."
@@ -450,7 +463,7 @@ class _DelayedCase:
 
 
 def _saturation(case: _DelayedCase, mistake: str | None = None) -> tuple[list[int], list[int]]:
-    """Return per-step saturated counts under delayed and current scaling: labkit's rule, or a classic mistake's."""
+    """Return per-step saturated counts under delayed and current scaling: labkit's rule, or a mistake's."""
     keep = max(1, case.history + {"longer": 1, "shorter": -1}.get(mistake or "", 0))
     history = torch.zeros(0)
     delayed, current = [], []
@@ -470,13 +483,14 @@ def _saturation(case: _DelayedCase, mistake: str | None = None) -> tuple[list[in
 
 
 DELAYED_MISTAKES = {
-    "current": "this step's amax was already in the history when its scale was chosen: delayed scaling takes the "
-               "scale from the previous steps' amaxes only, and appends this one after the cast",
-    "mean": "delayed scaling takes the largest amax of the history (Transformer Engine's amax_compute_algo='max'), "
-            "not their mean",
+    "current": "this step's amax was already in the history when its scale was chosen: delayed scaling takes "
+               "the scale from the previous steps' amaxes only, and appends this one after the cast",
+    "mean": "delayed scaling takes the largest amax of the history (Transformer Engine's "
+            "amax_compute_algo='max'), not their mean",
     "longer": "the history holds the last `history` amaxes, not one more",
     "shorter": "the history holds the last `history` amaxes, not one fewer",
-    "first": "with an empty history (the first step) there is nothing to be late about: use this step's own amax",
+    "first": "with an empty history (the first step) there is nothing to be late about: use this step's own "
+             "amax",
 }
 
 
@@ -523,15 +537,16 @@ def _judge_delayed(name: str, case: _DelayedCase, out: dict[str, Any], hidden: b
                 "counts, one per step.")
     want_delayed, want_current = _saturation(case)
     if current != want_current:
-        return (f"{name}'s current-scaling counts are {current} {where}, expected {want_current}: current scaling "
-                "takes the scale from this step's own amax, so no value lies above it.")
+        return (f"{name}'s current-scaling counts are {current} {where}, expected {want_current}: current "
+                "scaling takes the scale from this step's own amax, so no value lies above it.")
     if delayed != want_delayed:
         hint = next((h for m, h in DELAYED_MISTAKES.items() if delayed == _saturation(case, m)[0]), None)
         step = next(i for i, (a, b) in enumerate(zip(delayed, want_delayed)) if a != b)
-        return (f"{name}'s delayed-scaling counts are {delayed} {where}, expected {want_delayed} (first difference "
-                f"at step {step}): " + (hint or "the scale of a step comes from the largest amax of the previous "
-                                        "`history` steps (this step's own amax when there is none yet); count the "
-                                        "values whose |x| is above that amax") + ".")
+        hint = hint or ("the scale of a step comes from the largest amax of the previous `history` steps "
+                        "(this step's own amax when there is none yet); count the values whose |x| is above "
+                        "that amax")
+        return (f"{name}'s delayed-scaling counts are {delayed} {where}, expected {want_delayed} (first "
+                f"difference at step {step}): {hint}.")
     return None
 
 
@@ -544,12 +559,13 @@ CHECKS = {
     "check_fp8_tiles": Check(_tile_cases, _run_tiles, _judge_tiles),
     "check_delayed_scaling": Check(_delayed_cases, _run_delayed, _judge_delayed),
 }
-BANNED = {"check_stale_fraction": STALE_FUNCS, "check_kahan_update": KAHAN_FUNCS, "check_fp8_tiles": FP8_FUNCS,
-          "check_delayed_scaling": FP8_FUNCS}
+BANNED = {"check_stale_fraction": STALE_FUNCS, "check_kahan_update": KAHAN_FUNCS,
+          "check_fp8_tiles": FP8_FUNCS, "check_delayed_scaling": FP8_FUNCS}
 
 
-def check_stale_fraction(fn: Callable[[Tensor, Tensor], Any], hidden: bool = False, seed: int | None = None) -> None:
-    """Check ``fn(update, weight) -> fraction``: of the nonzero fp32 updates, how many a bf16 weight rounds away.
+def check_stale_fraction(fn: Callable[[Tensor, Tensor], Any], hidden: bool = False,
+                         seed: int | None = None) -> None:
+    """Check ``fn(update, weight) -> fraction``: of the nonzero fp32 updates, how many bf16 rounds away.
 
     Lost means ``weight + update`` rounded to the nearest bf16 (ties to even) is ``weight``:
     ``labkit.precision.stale_fraction(update, weight, mask=update != 0)``.
@@ -569,7 +585,7 @@ def check_stale_fraction(fn: Callable[[Tensor, Tensor], Any], hidden: bool = Fal
 
 def check_kahan_update(fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]], hidden: bool = False,
                        seed: int | None = None) -> None:
-    """Check ``fn(weight, update, compensation) -> (weight, compensation)`` against ``labkit.precision.kahan_add``.
+    """Check ``fn(weight, update, compensation) -> (weight, compensation)`` against ``precision.kahan_add``.
 
     bf16 weight and compensation, fp32 update, float32 arithmetic: ``y = u + c``,
     ``w' = bf16(w + y)``, ``c' = bf16(y - (w' - w))``. Each step of labkit's trajectory is
@@ -584,8 +600,9 @@ def check_kahan_update(fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tens
     check(CHECKS["check_kahan_update"], fn, hidden, seed)
 
 
-def check_fp8_tiles(fn: Callable[[Tensor, Tensor], tuple], hidden: bool = False, seed: int | None = None) -> None:
-    """Check ``fn(x, previous_scale) -> (data, scale, saturated, flushed)``: e4m3 with one scale per 1x128 tile.
+def check_fp8_tiles(fn: Callable[[Tensor, Tensor], tuple], hidden: bool = False,
+                    seed: int | None = None) -> None:
+    """Check ``fn(x, previous_scale) -> (data, scale, saturated, flushed)``: e4m3, one scale per 1x128 tile.
 
     ``scale = amax / 448`` per tile, the amax checked before the cast: a NaN/inf raises
     ``ValueError``, a zero amax keeps ``previous_scale``'s entry. Graded against
@@ -607,7 +624,7 @@ def check_fp8_tiles(fn: Callable[[Tensor, Tensor], tuple], hidden: bool = False,
 
 def check_delayed_scaling(fn: Callable[[list[Tensor], int], tuple], hidden: bool = False,
                           seed: int | None = None) -> None:
-    """Check ``fn(steps, history) -> (delayed, current)``: per step, how many values saturate under each scaling.
+    """Check ``fn(steps, history) -> (delayed, current)``: per step, how many values saturate under each.
 
     Delayed: the scale comes from the largest amax of the previous ``history`` steps (this
     step's own when there is none yet), the history updated after the cast
