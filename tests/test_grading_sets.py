@@ -127,8 +127,8 @@ def mistake(gid, old, new, count=1):
 
 
 def test_reading_a_run_names_a_late_backoff_and_each_window_mistake():
-    late = mistake("read_run_answer", "backoffs = [(r.step, r.reason) for r in records if r.next_scale < "
-                                      "r.scale]",
+    late = mistake("read_run_answer",
+                   "backoffs = [(r.step, r.reason) for r in records if r.next_scale < r.scale]",
                    "backoffs = [(b.step, b.reason) for a, b in zip(records, records[1:]) if b.scale < "
                    "a.scale]")
     assert "each backoff is found one step late" in visible(checks.check_read_run, late)
@@ -148,8 +148,8 @@ def test_fp16_range_names_each_mistake():
     assert "you counted gradients that were 0 already" in visible(checks.check_fp16_range, zeros)
     strict = mistake("fp16_range_answer", "torch.isinf(half)", "((g * scale).abs() > 65504)")
     assert "only from 65520 on do they become inf" in visible(checks.check_fp16_range, strict)
-    floor = mistake("fp16_range_answer", "((g != 0) & (half == "
-                                         "0))", "((g != 0) & ((g * scale).abs() < 2.0**-24))")
+    floor = mistake("fp16_range_answer", "((g != 0) & (half == 0))",
+                    "((g != 0) & ((g * scale).abs() < 2.0**-24))")
     assert "rounds up to 2**-24, it is not lost" in fails(checks.check_fp16_range, floor, seed=3)
     unscaled = mistake("fp16_range_answer", "half = (g * scale).half()", "half = g.half()")
     assert "multiplied by the loss scale before the cast" in visible(checks.check_fp16_range, unscaled)
@@ -161,8 +161,8 @@ def test_the_zscore_clipper_names_each_mistake_and_traps_a_host_sync():
     assert "ZClip feeds it the clipped value" in visible(checks.check_zscore_clipper, raw)
     old_mean = mistake("zclip_answer", "(value - ema_mean) ** 2", "(value - self.mean) ** 2")
     assert "updated around the new mean" in visible(checks.check_zscore_clipper, old_mean)
-    threshold = mistake("zclip_answer", "self.mean + self.z_thresh**2 / z * "
-                                        "std", "self.mean + self.z_thresh * std")
+    threshold = mistake("zclip_answer", "self.mean + self.z_thresh**2 / z * std",
+                        "self.mean + self.z_thresh * std")
     assert "not to the threshold mean + z_thresh * std" in visible(checks.check_zscore_clipper, threshold)
     counted = mistake("zclip_answer", "count = self.count + finite.long()", "count = self.count + 1")
     assert "your warm-up counted a NaN/inf step" in visible(checks.check_zscore_clipper, counted)
@@ -206,8 +206,8 @@ def test_clip_effect_names_each_mistake():
 
 
 def test_stale_updates_name_each_mistake():
-    zeros = mistake("stale_answer", "moving = update != "
-                                    "0", "moving = torch.ones_like(update, dtype=torch.bool)")
+    zeros = mistake("stale_answer", "moving = update != 0",
+                    "moving = torch.ones_like(update, dtype=torch.bool)")
     assert "a zero update has nothing to lose" in visible(checks.check_stale_fraction, zeros)
     upward = mistake("stale_answer", "toward = torch.where(update >= 0, math.inf, "
                                      "-math.inf).to(weight.dtype)",
@@ -244,14 +244,14 @@ def test_fp8_tiles_name_each_mistake():
     one = mistake("fp8_answer", "torch.where(amax > 0, amax / 448, previous_scale)",
                   "torch.where(amax > 0, amax / 448, torch.ones_like(amax))")
     assert "keeps the previous step's scale (previous_scale)" in visible(checks.check_fp8_tiles, one)
-    inverse = mistake("fp8_answer", "return data, scale, saturated, "
-                                    "flushed", "return data, 1 / scale, saturated, flushed")
+    inverse = mistake("fp8_answer", "return data, scale, saturated, flushed",
+                      "return data, 1 / scale, saturated, flushed")
     assert "that is the inverse" in visible(checks.check_fp8_tiles, inverse)
     at_448 = mistake("fp8_answer", "(tiles.abs() > "
                                    "amax.unsqueeze(-1))", "(tiles.abs() >= amax.unsqueeze(-1))")
     assert "that is the scale working, not saturating" in visible(checks.check_fp8_tiles, at_448)
-    columns = mistake("fp8_answer", "return data, scale, saturated, "
-                                    "flushed", "return data, scale.t(), saturated, flushed")
+    columns = mistake("fp8_answer", "return data, scale, saturated, flushed",
+                      "return data, scale.t(), saturated, flushed")
     assert "tiles are 1x128" in visible(checks.check_fp8_tiles, columns)
 
 
@@ -325,5 +325,5 @@ def test_the_release_scores_zero_and_every_part_says_it_is_not_implemented(path)
         if part.manual:
             assert part.message == "not answered"
         else:
-            assert part.message.endswith("is not implemented yet: replace `raise NotImplementedError()` with "
-                                         "your code."), part.message
+            assert part.message.endswith("is not implemented yet: replace `raise NotImplementedError()` "
+                                         "with your code."), part.message

@@ -435,8 +435,8 @@ def _zclip_cases(hidden: bool, seed: int) -> list[_ZCase]:
         bad[12], bad[19], bad[26] = bad[12] * 5, bad[19] * 3, bad[26] * 8
         return [_ZCase("steady norms with two spikes, warmup=8", spiky, warmup=8),
                 _ZCase("NaN in warm-up, NaN and inf after it, spikes, warmup=6", bad, warmup=6, seed=1),
-                _ZCase("resumed from state_dict() at step 20, "
-                       "warmup=8", spiky, warmup=8, resume_at=20, seed=2)]
+                _ZCase("resumed from state_dict() at step 20, warmup=8", spiky, warmup=8, resume_at=20,
+                       seed=2)]
     rnd = random.Random(seed)
     cases = []
     warm = rnd.randint(5, 12)
@@ -455,9 +455,8 @@ def _zclip_cases(hidden: bool, seed: int) -> list[_ZCase]:
     resume = _series(rnd, 40, rnd.uniform(0.5, 2.0))
     resume[rnd.randint(2, 5)] = math.nan
     resume[rnd.randint(warm + 3, 39)] *= 20
-    cases.append(_ZCase("resumed mid-warm-up at step "
-                        f"{warm - 2}", resume, 0.95, 2.5, warm, resume_at=warm - 2,
-                        seed=seed + 2))
+    cases.append(_ZCase(f"resumed mid-warm-up at step {warm - 2}", resume, 0.95, 2.5, warm,
+                        resume_at=warm - 2, seed=seed + 2))
     cases.append(_ZCase(f"resumed after the warm-up at step {warm + 4}", noisy, 0.95, 2.0, warm,
                         resume_at=warm + 4, seed=seed + 3))
     return cases
@@ -563,10 +562,10 @@ ZCLIP_MISTAKES = {
     "nonfinite": "your z-score statistics moved on a NaN/inf step: a non-finite norm must never enter the "
                  "mean, the variance or the warm-up buffer (one NaN turns the published ZClip off for good)",
     "count": "your warm-up counted a NaN/inf step: only finite norms fill the warm-up buffer",
-    "raw": "the EMA was fed the raw norm of a clipped step: ZClip feeds it the clipped value (min(norm, "
-           "limit))",
-    "old_mean": "the variance is updated around the new mean: var = alpha * var + (1 - alpha) * (value - "
-                "mean_new)**2",
+    "raw": "the EMA was fed the raw norm of a clipped step: ZClip feeds it the clipped value, "
+           "min(norm, limit)",
+    "old_mean": "the variance is updated around the new mean: "
+                "var = alpha * var + (1 - alpha) * (value - mean_new)**2",
     "threshold": "a clipped norm goes to mean + (z_thresh**2 / z) * std (ZClip's adaptive scaling), not to "
                  "the threshold mean + z_thresh * std",
 }
@@ -939,12 +938,12 @@ def _effect_cases(hidden: bool, seed: int) -> list[_EffectCase]:
     sgd_lr, momentum = rnd.choice([0.01, 0.05]), rnd.choice([0.5, 0.9])
     adam_lr, wd = rnd.choice([3e-4, 1e-3, 3e-3]), rnd.choice([0.01, 0.1])
     return [_EffectCase(f"SGD, lr {sgd_lr:g}", "sgd", sgd_lr, seed, spike, cut),
-            _EffectCase("SGD with momentum "
-                        f"{momentum:g}", "sgd", sgd_lr, seed + 1, spike, cut, momentum=momentum),
+            _EffectCase(f"SGD with momentum {momentum:g}", "sgd", sgd_lr, seed + 1, spike, cut,
+                        momentum=momentum),
             _EffectCase(f"Adam, betas (0.9, 0.95), lr {adam_lr:g}", "adam", adam_lr, seed + 2, spike, cut,
                         betas=(0.9, 0.95)),
-            _EffectCase("AdamW, weight_decay "
-                        f"{wd:g}", "adamw", adam_lr, seed + 3, spike, cut, weight_decay=wd)]
+            _EffectCase(f"AdamW, weight_decay {wd:g}", "adamw", adam_lr, seed + 3, spike, cut,
+                        weight_decay=wd)]
 
 
 def _run_effect(fn: Callable, case: _EffectCase) -> dict[str, Any]:

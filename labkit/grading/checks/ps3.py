@@ -143,8 +143,8 @@ def _lost(case: _StaleCase, mistake: str | None = None) -> float:
 
 
 STALE_MISTAKES = {
-    "zeros": "a zero update has nothing to lose: count only the entries whose update is nonzero, and divide "
-             "by them",
+    "zeros": "a zero update has nothing to lose: count only the entries whose update is nonzero, and "
+             "divide by them",
     "up": "the gap that matters is the one in the update's direction: below a power of two it is half the "
           "gap above (torch.nextafter(w, -inf) for a negative update)",
     "away": "the gap that matters is the one in the update's direction: below a power of two it is half the "
@@ -210,8 +210,8 @@ def _trajectory(name: str, weight: Tensor, updates: list[Tensor]) -> _KahanCase:
 def _kahan_cases(hidden: bool, seed: int) -> list[_KahanCase]:
     gen = torch.Generator().manual_seed(seed)
     if not hidden:
-        one = _trajectory("1000 updates of 1e-3 to w = "
-                          "1", torch.ones(1, dtype=BF16), [torch.tensor([1e-3])] * 1000)
+        one = _trajectory("300 updates of 1e-3 to w = 1", torch.ones(1, dtype=BF16),
+                          [torch.tensor([1e-3])] * 300)
         w = (torch.randn(64, generator=gen) * 0.1).to(BF16)
         mixed = _trajectory("64 weights ~ N(0, 0.1), 50 updates ~ 1e-3", w,
                             [torch.randn(64, generator=gen) * 1e-3 for _ in range(50)])
@@ -296,9 +296,9 @@ def _judge_kahan(name: str, case: _KahanCase, out: dict[str, Any], hidden: bool,
                  f"{c.view(-1)[bad].item():.6g} gave ({got_w.view(-1)[bad].item():.6g}, "
                  f"{got_c.view(-1)[bad].item():.6g}), expected ({want_w.view(-1)[bad].item():.6g}, "
                  f"{want_c.view(-1)[bad].item():.6g})")
-        return (f"{name} {at}: {shown}: " + (hint or "y = update + compensation; new = round(weight + y) to "
-                                              "bf16; compensation = round(y - (new - weight)) to bf16, in "
-                                              "float32") + ".")
+        hint = hint or ("y = update + compensation; new = round(weight + y) to bf16; compensation = "
+                        "round(y - (new - weight)) to bf16, in float32")
+        return f"{name} {at}: {shown}: {hint}."
     return None
 
 
@@ -489,8 +489,8 @@ DELAYED_MISTAKES = {
             "amax_compute_algo='max'), not their mean",
     "longer": "the history holds the last `history` amaxes, not one more",
     "shorter": "the history holds the last `history` amaxes, not one fewer",
-    "first": "with an empty history (the first step) there is nothing to be late about: use this step's own "
-             "amax",
+    "first": "with an empty history (the first step) there is nothing to be late about: use this step's "
+             "own amax",
 }
 
 
