@@ -26,9 +26,10 @@ from test_grading import nbgrader, nbgrader_env, sandboxed  # noqa: E402,F401 (n
 
 pytestmark = [pytest.mark.nbgrader, pytest.mark.timeout(600)]
 
-# each student starts from nbgrader's release; cy and di carry correct code in other forms wherever they carry no bug,
-# so every part's other form is graded by nbgrader too (a third student for them would cost a kernel per set). A bug
-# only the hidden cases show (cy's in read_run and in lost_fraction): nbgrader's 0 there proves it ran them
+# each student starts from nbgrader's release; cy and di carry correct code in other forms wherever they
+# carry no bug, so every part's other form is graded by nbgrader too (a third student for them would cost
+# a kernel per set). A bug only the hidden cases show (cy's in read_run and in lost_fraction): nbgrader's
+# 0 there proves it ran them
 SET_BUGS = {
     ga.PS2: {"cy": ("counts every skip as a backoff", "a NaN enters the z-score statistics"),
              "di": ("subnormals counted as flushed", "skipped spikes enter the window",
@@ -53,7 +54,7 @@ def set_students(path):
 
 @pytest.fixture
 def sets_autograded(request):
-    """nbgrader's and labkit's grades of ps2 and ps3 in one course: {set: {student: {grade_id: points, or Part}}}."""
+    """nbgrader's and labkit's grades of ps2 and ps3: {set: {student: {grade_id: points or Part}}}."""
     sandboxed()
     course, env = request.getfixturevalue("nbgrader_env")
     env["PYTHONPATH"] = str(Path(__file__).parents[1])
@@ -64,7 +65,7 @@ def sets_autograded(request):
         shutil.copy(path, course / "source" / name / path.name)
         nbgrader(["generate_assignment", name, "--force"], course, env)
         for student, (cells, _) in set_students(path).items():
-            nb = nbformat.read(course / "release" / name / path.name, as_version=4)  # what the student downloaded
+            nb = nbformat.read(course / "release" / name / path.name, as_version=4)  # what they downloaded
             for cell in nb.cells:
                 gid = cell.metadata.get("nbgrader", {}).get("grade_id")
                 if gid in cells:
@@ -87,7 +88,8 @@ def sets_autograded(request):
             if student == "ada":
                 continue
             submitted = gb.find_submission_notebook(path.stem, path.stem.split("_")[0], student)
-            theirs.setdefault(path, {})[student] = {g.name: g.score for g in submitted.grades if g.name in ga.PARTS[path]}
+            theirs.setdefault(path, {})[student] = {g.name: g.score for g in submitted.grades
+                                                    if g.name in ga.PARTS[path]}
     for (path, student), file in files.items():
         report = grade(read(path), read(file), student=student, timeout=60)
         assert report.tampering == [] and report.warnings == [], (student, report.format())
@@ -100,9 +102,11 @@ def test_labkit_and_nbgrader_agree_part_by_part_on_problem_sets_2_and_3(sets_aut
     for path in (ga.PS2, ga.PS3):
         for student, (_, points) in set_students(path).items():
             if student != "ada":
-                assert theirs[path][student] == points, ("nbgrader", path.stem, student, theirs[path][student])
+                assert theirs[path][student] == points, ("nbgrader", path.stem, student,
+                                                         theirs[path][student])
             assert {gid: p.points for gid, p in ours[path][student].items()} == points, \
-                ("labkit", path.stem, student, {g: (p.points, p.message) for g, p in ours[path][student].items()})
+                ("labkit", path.stem, student, {g: (p.points, p.message)
+                                                for g, p in ours[path][student].items()})
         for student, bugs in SET_BUGS[path].items():  # and labkit says why each lost part was lost
             for bug in bugs:
                 _, _, test, hint = ga.BUGS[bug]
