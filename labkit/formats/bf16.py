@@ -37,15 +37,22 @@ class StaleUpdateWarning(LabkitWarning):
 
 
 def _stale(update: Tensor, weight: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """Return where ``update`` is below half the gap from ``weight`` to its neighbour in the update's direction."""
+    """Return where ``weight + update``, rounded to nearest even in the weight's dtype, is ``weight`` again.
+
+    That is: ``update`` is below half the gap from ``weight`` to its neighbour in the update's
+    direction, or exactly half of it with the weight's last bit even (a tie rounds to even).
+    """
     w = weight.detach().to(dtype or weight.dtype)
     if not w.dtype.is_floating_point:
         raise TypeError(f"stale_fraction needs a floating-point weight dtype, got {w.dtype}.")
     u = update.detach().to(torch.float64)
     # The neighbour in the update's direction, in the weight's own dtype (real bits, no formula):
-    # at a power of two the gap below is half the gap above, so the direction matters.
+    # at a power of two the gap below is half the gap above, so the direction matters. Every
+    # gap is a power of two, so half of it is exact in float64, and so is |u| (a float32 or less).
     neighbour = torch.nextafter(w, torch.where(u >= 0, math.inf, -math.inf).to(w.dtype))
-    return u.abs() < (neighbour.double() - w.double()).abs() / 2
+    half = (neighbour.double() - w.double()).abs() / 2
+    even = w.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]) % 2 == 0
+    return (u.abs() < half) | ((u.abs() == half) & even)
 
 
 def stale_fraction(
@@ -54,7 +61,8 @@ def stale_fraction(
     """Return the fraction of entries whose ``update`` is below half an ulp of ``weight`` (a 0-dim fp32 tensor).
 
     Such an update rounds away: ``w + u`` is ``w`` again (the ulp is the gap to the next
-    representable value in the update's direction; below a power of two it is half as wide).
+    representable value in the update's direction; below a power of two it is half as wide;
+    an update of exactly half an ulp rounds away when the weight's last bit is even).
     ``dtype`` is the precision the weight is stored in (default: ``weight.dtype``): pass
     ``torch.bfloat16`` with fp32 weights to ask whether a bf16 copy would still train.
     ``mask`` (bool, like ``update``) limits the count to the entries meant to move, e.g.
