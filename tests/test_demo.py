@@ -133,12 +133,17 @@ def test_jsonl_lines_are_valid_python_json(tmp_path):
 
 
 def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed():
-    from labkit.lab.demo import describe
+    from labkit.lab import describe
     from labkit.records import StepRecord
 
-    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="0.weight")
+    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="4.weight",
+                       culprit_module="4")
+    tied = StepRecord(9, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad",
+                      first_nonfinite="wte.weight", culprit_module="lm_head")
     overflowed = StepRecord(8, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad")
-    assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first: 0.weight)"]
+    assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first in backward: 4.weight)"]
+    assert describe(tied, 1.0) == ["step    9  SKIP  nonfinite_grad: gradient not finite (first in backward: "
+                                   "wte.weight, as used by lm_head)"]
     assert describe(overflowed, 1.0) == ["step    8  SKIP  nonfinite_grad: gradient norm not finite, every gradient "
                                          "finite: their sum of squares overflowed float32"]
 

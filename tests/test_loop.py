@@ -117,7 +117,8 @@ def test_a_plain_loop_with_labkits_parts_is_trainstep_to_the_bit():
     assert records[SPIKE_AT].reason in ("spike_loss", "spike_grad") and sum(r.clipped for r in log_b) >= 3
     overflow = records[INF_AT]
     # every layer's gradient is inf (it spread to the input layer); backward order names where it started
-    assert overflow.next_scale == overflow.scale / 2 and not any(math.isfinite(v) for _, v in overflow.top_grads)
+    assert overflow.next_scale == overflow.scale / 2
+    assert not any(math.isfinite(v) for _, v in overflow.top_grads)
     assert overflow.first_nonfinite in ("4.weight", "4.bias") and overflow.culprit_module == "4"
     assert [repr(r.to_dict()) for r in log_a] == [repr(r.to_dict()) for r in log_b]
     assert repr(log_a.summary()) == repr(log_b.summary())
