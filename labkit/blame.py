@@ -13,21 +13,28 @@ Where a gradient is placed:
 - a parameter, when its gradient is complete (``register_post_accumulate_grad_hook``: FSDP2
   calls these hooks itself when it assigns a sharded gradient, where a ``Tensor.register_hook``
   on the sharded parameter would never fire);
-- a parameter used by several modules (a head tied to the token embedding), at its *first*
-  use's contribution: its gradient is complete only after the last use (the embedding, at the
-  very end of backward), so its own hook would place it last; a forward hook on each module
+- a parameter used by several modules (a head tied to the token embedding), at the use whose
+  share made it non-finite: its gradient is complete only after the last use (the embedding, at
+  the very end of backward), so its own hook would place it last. A forward hook on each module
   holding it marks when that module's output gradient arrives, right before the module's
-  backward computes its share. ``culprit_module`` names that module (``lm_head``, not ``wte``);
+  backward computes its share, and keeps that gradient's largest magnitude (one reduction, on
+  the device). The parameter is placed at its first use (``lm_head``: an fp16 head's share can
+  overflow from finite inputs, 04's sawtooth), unless that use's output gradient was finite and
+  a later use's was not: then the non-finite value came from upstream of the first use (a
+  block in between) and reached the later use's share (the embedding's), so it is placed there.
+  ``culprit_module`` names that module (``lm_head``, not ``wte``). An overflow of the first
+  share *and* a non-finite value further down in the same step reads as the latter;
 - inside a compiled region (``torch.compile``): the region is one node to autograd and hands
   all its gradients over at once, in an order that says nothing about its inside. Its
   parameters share the region's position, ties broken by registration order.
 
 With ``accumulation_steps > 1`` the first micro-batch's backward decides (each hook keeps its
 first firing of the step). Under DDP and FSDP2 every rank runs the same backward, so every rank
-records the same order; ``forensics`` agrees on the culprit with one all-reduce on skipped steps.
+records the same order; ``forensics`` agrees on the culprit with one all-reduce on skipped steps
+(two when a tied parameter is among the non-finite: its uses' output gradients are each rank's own).
 
-Cost: one Python call per parameter per backward (and one per tied use per forward), no
-tensor work; ``benchmarks/bench_step.py --parts d`` prints it per step next to a step without.
+Cost: one Python call per parameter per backward (and one per tied use per forward, with one
+reduction over that use's output gradient).
 
 >>> import torch
 >>> from torch import nn
@@ -42,14 +49,17 @@ tensor work; ``benchmarks/bench_step.py --parts d`` prints it per step next to a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from .distributed import all_reduce_, is_distributed
 from .hooks import Hook
 
-__all__ = ["BackwardOrder", "module_of"]
+__all__ = ["BackwardOrder", "module_of", "placed"]
 
 
 def module_of(name: str) -> str:
@@ -71,16 +81,19 @@ class BackwardOrder(Hook):
     """Record, per step, where each gradient came in backward: ``positions[name] = (rank, module)``.
 
     ``rank`` orders the gradients from the loss (0) towards the input; ``module`` is the path
-    of the module that produced the gradient (for a tied parameter, its first use in backward).
-    A parameter that got no gradient this step is missing. ``TrainStep`` keeps one and hands
-    its ``positions`` to the record; in a plain loop call ``attach(model)`` once and
-    ``pre_step(None, step)`` before each forward, then pass ``positions`` to ``forensics``
-    (after unfreezing parameters there, call ``attach`` again: a frozen parameter takes no hook).
+    of the module that produced the gradient (for a tied parameter, its first use in backward;
+    ``uses[name]`` holds each use's ``(rank, module, largest |output gradient|)``, from which
+    ``placed`` moves it to a later use). A parameter that got no gradient this step is missing.
+    ``TrainStep`` keeps one and hands ``positions`` and ``uses`` to the record; in a plain loop
+    call ``attach(model)`` once and ``pre_step(None, step)`` before each forward, then pass both
+    to ``forensics`` (after unfreezing parameters there, call ``attach`` again: a frozen
+    parameter takes no hook).
     """
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self.positions: dict[str, tuple[int, str]] = {}
+        self.uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [rank, amax]
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._regions: dict[str, str] = {}  # parameter -> the compiled region it is in
@@ -119,11 +132,11 @@ class BackwardOrder(Hook):
         """Remove every hook (the records fall back to registration order)."""
         for h in self._handles:
             h.remove()
-        self._handles, self._hooked, self.positions = [], set(), {}
+        self._handles, self._hooked, self.positions, self.uses = [], set(), {}, {}
 
     def pre_step(self, trainer: Any, step: int) -> None:
         """Start a new step's order (the last step's ``positions`` dict is left as it was, for its record)."""
-        self.positions, self._region_rank = {}, {}
+        self.positions, self.uses, self._region_rank = {}, {}, {}
         if trainer is not None and self.model is not None:
             key = self._optimizer_key(trainer)
             if key != self._key:  # a group added (progressive unfreezing): hook what trains now
@@ -156,8 +169,57 @@ class BackwardOrder(Hook):
 
     def _used(self, names: Sequence[str], path: str, out: Any) -> None:
         if isinstance(out, Tensor) and out.requires_grad:
-            out.register_hook(lambda g: self._first_use(names, path))
+            # on the node, not the tensor: a node's pre-hook sees the gradient after every tensor hook
+            # (another hook's change of it is what this module's backward multiplies)
+            node = out.grad_fn
+            if node is None:
+                out.register_hook(lambda g: self._use(names, path, g))
+            else:
+                node.register_prehook(lambda grads: self._use(names, path, grads[out.output_nr]))
 
-    def _first_use(self, names: Sequence[str], path: str) -> None:
+    def _use(self, names: Sequence[str], path: str, g: Tensor) -> None:
+        # NaN/inf in the gradient reaching this use's output is in its share of the weight too; the
+        # inf-norm is NaN/inf exactly then (one reduction on the device, read only on a skipped step)
+        amax = torch.linalg.vector_norm(g.detach(), math.inf)
         for name in names:
+            seen = self.uses.setdefault(name, {})
+            if path in seen:  # a later micro-batch: the order stays the first's, a NaN anywhere counts
+                seen[path][1] = torch.maximum(seen[path][1], amax)
+            else:
+                seen[path] = [len(self.positions), amax]
             self._fired(name, path)
+
+
+def placed(positions: Mapping[str, tuple[int, str]], uses: Mapping[str, Mapping[str, list[Any]]],
+           names: Sequence[str], group: Any = None) -> dict[str, tuple[int, str]]:
+    """Return ``positions`` with each tied parameter of ``names`` placed at the use that made it non-finite.
+
+    At its first use, unless that use's output gradient was finite and a later use's was not
+    (see the module docstring). Reads the uses' flags in one host read (call it on a skipped
+    step only); under ``torch.distributed`` the flags are all-reduced over ``group`` first
+    (each rank's activations are its own), so every rank places it alike.
+
+    >>> import torch
+    >>> positions = {"wte.weight": (0, "lm_head"), "h.1.w": (3, "h.1")}
+    >>> uses = {"wte.weight": {"lm_head": [0, torch.tensor(1.0)], "wte": [9, torch.tensor(float("nan"))]}}
+    >>> placed(positions, uses, ["wte.weight", "h.1.w"])["wte.weight"]
+    (9, 'wte')
+    """
+    tied = [n for n in names if len(uses.get(n, ())) > 1]
+    if not tied:
+        return dict(positions)
+    rows = [sorted(uses[n].items(), key=lambda kv: kv[1][0]) for n in tied]
+    amaxes = [amax for row in rows for _, (_, amax) in row]
+    device = amaxes[0].device
+    bad = torch.stack([~torch.isfinite(a.to(device)) for a in amaxes]).float()
+    if is_distributed():
+        bad = all_reduce_(bad, "sum", group)
+    flags = iter(bad.tolist())  # host sync: on a skipped step, and only with a tied parameter non-finite
+    out = dict(positions)
+    for name, row in zip(tied, rows):
+        seen = [(rank, path, next(flags) > 0) for path, (rank, _) in row]
+        if not seen[0][2]:  # the first use's share came from finite gradients
+            later = next(((rank, path) for rank, path, nonfinite in seen[1:] if nonfinite), None)
+            if later is not None:
+                out[name] = later
+    return out

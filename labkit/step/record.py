@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..blame import module_of
+from ..blame import module_of, placed
 from ..clip import first_nonfinite
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, all_reduce_, is_distributed
@@ -43,7 +43,7 @@ class Forensics(NamedTuple):
 
 def forensics(
     named: list[tuple[str, Tensor | None]], norms: Tensor | list[float], group: ProcessGroup | None,
-    order: Mapping[str, tuple[int, str]] | None = None,
+    order: Mapping[str, tuple[int, str]] | None = None, uses: Mapping[str, Mapping[str, list]] | None = None,
 ) -> Forensics:
     """Return the top-3 ``(name, norm)`` (non-finite first), the first non-finite gradient and its module.
 
@@ -51,7 +51,8 @@ def forensics(
     ``positions``: the gradient produced nearest the loss, where the ``inf`` started, since it
     spreads into every gradient upstream), else, and for parameters it did not place, in
     registration order. The module is the one that produced that gradient (a tied weight's
-    first use in backward), else the parameter's own. Read from the per-tensor norms already
+    use whose share was non-finite: ``uses``, ``labkit.blame.placed``), else the parameter's
+    own. Read from the per-tensor norms already
     computed, so there is no extra pass over the gradients unless a norm is non-finite (then
     those gradients themselves are asked, in that order, since an inf norm may be an fp32
     overflow of finite values). Gradients given as None (gone, with deferred records): the
@@ -72,6 +73,8 @@ def forensics(
         return Forensics(top, None, None)
     names = [n for n, _ in named]
     order = order or {}
+    if uses:  # a tied weight: placed at the use that made it non-finite (a read on this skipped step)
+        order = placed(order, uses, [names[i] for i, f in enumerate(finite) if not f], group)
     # the candidates, in backward order (a gradient with a finite norm holds no inf/NaN)
     bad = sorted((i for i, f in enumerate(finite) if not f),
                  key=lambda i: (order[names[i]][0] if names[i] in order else math.inf, i))
@@ -111,6 +114,7 @@ class Outcome:
     fields: dict[str, Any] = field(default_factory=dict)
     measures: tuple[str, ...] = ()
     order: Mapping[str, tuple[int, str]] | None = None  # where backward produced each gradient
+    uses: Mapping[str, Mapping[str, list]] | None = None  # a tied weight's uses (labkit.blame)
 
 
 def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessGroup | None) -> StepRecord:
@@ -130,7 +134,7 @@ def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessG
         record.threshold = float(o.threshold)
     if reason in (Reason.NONFINITE_GRAD, Reason.DEAD_SCALE) or record.clipped:  # a hook's skip too
         record.top_grads, record.first_nonfinite, record.culprit_module = forensics(
-            o.named, o.norms, group, o.order)  # type: ignore[arg-type]
+            o.named, o.norms, group, o.order, o.uses)  # type: ignore[arg-type]
     if record.clipped:
         record.clip_reason = o.clip_reason if o.hook_clip else type(o.clipper).__name__
         if o.clipper is not None:

@@ -282,7 +282,8 @@ class TrainStep:
                  found: Tensor | None, measures: dict[str, Tensor]) -> Outcome:
         """Return what the record is made of: its numbers (floats, or one device row) and the evidence."""
         o = Outcome(step, lrs, batch.label, [], d.norms, self._named_grads, d.threshold, self.clipper,
-                    d.reason, d.hook_clip, d.clip_reason, d.fields, order=self.backward_order.positions)
+                    d.reason, d.hook_clip, d.clip_reason, d.fields, order=self.backward_order.positions,
+                    uses=self.backward_order.uses)
         if loss.bad:
             o.values = [loss.value, 1.0, math.nan, 1.0, d.scale, d.scale, 1.0]
         elif not isinstance(d.norm, Tensor):  # decided on the host: the next scale is the one read left
