@@ -509,7 +509,7 @@ def test_demo_under_torchrun_reports_rank_1s_nan_once(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = StepLog.read_jsonl(out / "log.jsonl")
-    assert len(log) == 125 and log.skipped_steps == [120] and log[120].reason == "nonfinite_loss"
-    assert proc.stdout.count("step  120  SKIP  nonfinite_loss") == 1  # rank 0 speaks for both
+    assert len(log) == 125 and log.skipped_steps == [120] and log[120].reason == "nonfinite_input"
+    assert proc.stdout.count("step  120  SKIP  nonfinite_input") == 1  # rank 0 speaks for both
     assert "ranks       2 (ddp, gloo)" in proc.stdout
     assert (out / "log.csv").exists() and (out / "demo.png").exists()

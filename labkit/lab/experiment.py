@@ -206,11 +206,13 @@ def run_experiment(
     steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
     step (``TrainStep(observer=...)``, e.g. ``labkit.precision.StaleMonitor``); one with an
     ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
-    reads its optimizer). Where to show a run is not part of its config.
+    reads its optimizer). Where to show a run is not part of its config. A non-finite loss is
+    triaged (``TrainStep(triage=True)``): the record says ``nonfinite_input`` (bad data) or
+    ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
     >>> len(log), log.skipped_steps, log[5].reason
-    (20, [5], 'nonfinite_loss')
+    (20, [5], 'nonfinite_input')
     """
     device = config.resolved_device()
     world, me = (dist.get_world_size(), rank()) if is_distributed() else (1, 0)
@@ -237,7 +239,7 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, observer=observer, **extra)
+                     faults=faults, log_path=log_path, observer=observer, triage=True, **extra)
     if observer is not None and hasattr(observer, "attach"):
         observer.attach(step)
     rewind = extra.get("rewind")
