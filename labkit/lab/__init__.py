@@ -17,7 +17,7 @@ _LAZY = {
     ".gradients": ("GradHistogram", "GradientProbe", "Probed", "plot_layer_heatmap", "plot_sawtooth",
                    "plot_u_curve"),
     ".plots": ("LiveDashboard", "plot_log"),
-    ".text": ("describe", "format_scale", "title"),
+    ".text": ("culprit", "describe", "format_scale", "title"),
     ".widgets": ("ControlPanel", "episode", "event_rows"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -32,7 +32,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
         GradHistogram, GradientProbe, Probed, plot_layer_heatmap, plot_sawtooth, plot_u_curve,
     )
     from .plots import LiveDashboard, plot_log
-    from .text import describe, format_scale, title
+    from .text import culprit, describe, format_scale, title
     from .widgets import ControlPanel, episode, event_rows
 
 
@@ -50,8 +50,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ControlPanel", "Defenses", "ExperimentConfig", "GradHistogram", "GradientProbe", "GranularityExplorer",
-    "LiveDashboard", "Probed", "default_device", "describe", "episode", "event_rows", "format_scale",
-    "granularity_rows", "ledger", "number_line", "plot_defenses", "plot_layer_heatmap", "plot_log",
-    "plot_sawtooth", "plot_u_curve", "round_trip", "run_experiment", "scaling_figure", "stagnation_figure",
-    "title",
+    "LiveDashboard", "Probed", "culprit", "default_device", "describe", "episode", "event_rows",
+    "format_scale", "granularity_rows", "ledger", "number_line", "plot_defenses", "plot_layer_heatmap",
+    "plot_log", "plot_sawtooth", "plot_u_curve", "round_trip", "run_experiment", "scaling_figure",
+    "stagnation_figure", "title",
 ]
