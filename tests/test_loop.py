@@ -89,7 +89,7 @@ def plain_loop(task):
                 record.clip_reason = "NormClip" if record.clipped else None
             if record.skipped or record.clipped:  # which layers: from the norms already computed
                 record.top_grads, record.first_nonfinite, record.culprit_module = forensics(
-                    named, norms, None, order.positions)
+                    named, norms, None, order.positions, order.uses)
         for hook in (skips, clips, detector):  # each hook's moment, called by hand
             hook.on_record(None, record)
         log.append(record)
