@@ -16,6 +16,7 @@ from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
+from ..hooks import Hook
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
@@ -204,9 +205,9 @@ def run_experiment(
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
     steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
-    step (``TrainStep(observer=...)``, e.g. ``labkit.precision.StaleMonitor``); one with an
-    ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
-    reads its optimizer). Where to show a run is not part of its config. A non-finite loss is
+    step (``TrainStep(observer=...)``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
+    ``labkit.lab.moments.AdamWatch``: hooks, attached by the step); an observer of the older
+    protocol with an ``attach(trainer)`` method is first handed the ``TrainStep``. Where to show a run is not part of its config. A non-finite loss is
     triaged (``TrainStep(triage=True)``): the record says ``nonfinite_input`` (bad data) or
     ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
@@ -240,8 +241,8 @@ def run_experiment(
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
                      faults=faults, log_path=log_path, observer=observer, triage=True, **extra)
-    if observer is not None and hasattr(observer, "attach"):
-        observer.attach(step)
+    if observer is not None and not isinstance(observer, Hook) and hasattr(observer, "attach"):
+        observer.attach(step)  # an observer of the older protocol (a Hook is attached by the step)
     rewind = extra.get("rewind")
     telemetry = None
     try:
