@@ -242,7 +242,8 @@ class TrainStep:
 
     ``observer`` (e.g. ``labkit.precision.StaleMonitor``) is called with the named parameters
     right before the optimizer step (``before_step(params, step)``) and with the record right
-    after it (``after_step(params, record)``); it may add to the record, never change the order.
+    after it (``after_step(params, record)``, on every step, a skipped one too); it may add to
+    the record, never change the order.
 
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
@@ -471,7 +472,7 @@ class TrainStep:
                 self.scheduler.step()
             except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
                 late_error = e
-        if self.observer is not None and bad_loss is None:
+        if self.observer is not None:  # every step: a skipped one's forward is worth seeing too
             self.observer.after_step(self._named_params(), record)
         record.fault = fault.label if fault is not None else None
         self._observe(record, append=False)

@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,9 @@ from ..step import PRECISIONS, TrainStep
 from ..tasks import TASKS, Task, make_task
 from .defenses import Defenses, loss_fn_with_shift
 
-__all__ = ["ExperimentConfig", "default_device", "run_experiment"]
+__all__ = ["ExperimentConfig", "default_device", "make_optimizer", "make_scheduler", "run_experiment"]
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = (None, "cosine")
 PARALLEL = (None, "ddp", "fsdp2")
 
@@ -61,7 +62,12 @@ class ExperimentConfig:
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
     ``task`` names a built-in task (``"toy"``, ``"gpt"``: ``labkit.tasks.TASKS``, sized for the
-    device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``).
+    device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``); one
+    with ``monitor(model)`` (``GPTTask``) has that observer write its measurements on each record.
+    ``optimizer`` is ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"adamw"`` (torch's, with ``betas``);
+    ``weight_decay`` is torch's (AdamW's is decoupled and multiplied by the lr: Wortsman et al.'s
+    *independent* decay λ is ``weight_decay=λ / lr``). ``warmup`` steps raise the lr linearly
+    to ``lr`` (nanoGPT's ``lr * (t + 1) / (warmup + 1)``), then ``scheduler="cosine"`` decays it to 0.
 
     >>> c = ExperimentConfig(precision="fp32", faults=["60:spike:1000"])
     >>> c.faults, c.fault_schedule().get(60).label
@@ -89,6 +95,9 @@ class ExperimentConfig:
     fault_rank: int | None = None
     task: str | Task = "toy"
     defenses: Defenses | None = None  # issue 15: clipper, detector, rewind, spike and shift (lab/defenses.py)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -111,6 +120,17 @@ class ExperimentConfig:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}.")  # ToyTask's generator takes 64 bits
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
+        wd = self.weight_decay
+        if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not (math.isfinite(wd) and wd >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}.")
+        betas = self.betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"warmup must be an int in [0, steps={self.steps}] (steps of linear warm-up), "
+                             f"got {self.warmup!r}.")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
         if self.parallel not in PARALLEL:
@@ -179,6 +199,40 @@ def _one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
         torch.set_num_threads(before)
 
 
+def make_optimizer(config: ExperimentConfig, params: Any) -> torch.optim.Optimizer:
+    """Return the optimizer ``config`` names over ``params``, with its lr, betas and weight decay."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return adam(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def make_scheduler(config: ExperimentConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """Return the lr schedule ``config`` names (None for a constant lr); it resumes from its ``state_dict``.
+
+    Without warm-up, cosine is torch's ``CosineAnnealingLR`` over ``steps``. With ``warmup=w``
+    the factor of the lr at step ``t`` is ``(t + 1) / (w + 1)`` for ``t < w``, then 1, or with
+    cosine ``(1 + cos(pi * (t - w) / (steps - w))) / 2`` (nanoGPT's ``get_lr``, decaying to 0).
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    >>> s = make_scheduler(ExperimentConfig(steps=10, warmup=4, scheduler="cosine"), opt); lrs = []
+    >>> for _ in range(10): lrs.append(round(opt.param_groups[0]["lr"], 3)); opt.step(); s.step()
+    >>> lrs
+    [0.2, 0.4, 0.6, 0.8, 1.0, 0.933, 0.75, 0.5, 0.25, 0.067]
+    """
+    steps, warmup = config.steps, config.warmup
+    if not warmup:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if config.scheduler else None
+    cosine = config.scheduler == "cosine"
+
+    def factor(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / (warmup + 1)
+        return (1 + math.cos(math.pi * min(t - warmup, steps - warmup) / max(steps - warmup, 1))) / 2 if cosine else 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def run_experiment(
     config: ExperimentConfig,
     on_record: Callable[[StepRecord], None] | None = None,
@@ -207,13 +261,11 @@ def run_experiment(
     _positive_int("histogram_every", histogram_every)
     task = config.make_task()
     model = task.model(device)
+    monitor = task.monitor(model) if callable(getattr(task, "monitor", None)) else None
     if world > 1:
         model = _parallelize(model, config.parallel or "ddp", device)
-    if config.optimizer == "sgd":
-        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-    else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps) if config.scheduler else None
+    optimizer = make_optimizer(config, model.parameters())
+    scheduler = make_scheduler(config, optimizer)
     scaler = GradScaler(device.type, init_scale=config.init_scale, growth_interval=config.growth_interval,
                         enabled=config.precision == "fp16" and config.loss_scaling)
     mse, weight = task.loss_fn, config.loss_weight
@@ -225,7 +277,7 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, **extra)
+                     faults=faults, log_path=log_path, observer=monitor, **extra)
     rewind = extra.get("rewind")
     telemetry = None
     try:
