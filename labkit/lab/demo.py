@@ -133,6 +133,7 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
         what = "loss is not finite: backward skipped, scale untouched" if record.reason == "nonfinite_loss" else (
             f"gradient not finite (first: {record.first_nonfinite})" if record.first_nonfinite is not None else
             "gradient norm not finite, every gradient finite: their sum of squares overflowed float32")
+        what += _attention_note(record)
         lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{tag}")
     elif record.clipped and record.clip_reason not in (None, "NormClip"):  # issue 15: adaptive clippers
         level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
@@ -157,6 +158,21 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
         lines.append(f"step {record.step:4d}  SCALE {format_scale(record.scale)} -> {format_scale(record.next_scale)}"
                      f" ({verb})")
     return lines
+
+
+def _attention_note(record: StepRecord) -> str:
+    """Name the layers whose attention logits were not finite (a GPT's ``LogitMonitor`` measured them).
+
+    >>> from labkit.records import StepRecord
+    >>> _attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": 80.0}))
+    '; attention logits inf in h.0: the forward overflowed, no loss scale can help'
+    """
+    bad = {layer: v for layer, v in record.attn_logit_max.items() if not math.isfinite(v)}
+    if not bad:
+        return ""
+    if all(v == math.inf for v in bad.values()):
+        return f"; attention logits inf in {', '.join(bad)}: the forward overflowed, no loss scale can help"
+    return f"; attention logits not finite in {', '.join(bad)}"
 
 
 def init_distributed(device: torch.device) -> torch.device:

@@ -1,0 +1,383 @@
+"""Instabilities clipping cannot fix: the GPT's stability options, its logit measurements, the LR sweep.
+
+The phenomena of Wortsman et al. 2023 (arXiv 2309.14322) are checked on the smallest GPT where
+they show within a test's budget; notebooks/07_small_scale_instabilities.ipynb shows the same at
+the lesson's size, and ``python -m labkit sweep`` the full grid.
+"""
+
+import copy
+import csv
+import dataclasses
+import io
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import labkit
+from gpt_before_options import GPTTask as GPTTaskBefore
+from labkit.export.schema import row
+from labkit.lab.demo import describe
+from labkit.lab.experiment import ExperimentConfig, make_optimizer, make_scheduler, run_experiment
+from labkit.lab.sweep import Recipe, lr_grid, lr_sensitivity, main, run_point, stable_lrs, summarize, sweep
+from labkit.records import FIELDS, StepLog, StepRecord
+from labkit.tasks import GPTTask
+from labkit.tasks.gpt import LogitMonitor, cross_entropy, cross_entropy_with_z_loss
+
+TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
+# the CPU default's width, context and heads (head dim 16), as in lesson 07
+LESSON = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8)
+BEFORE = FIELDS[:FIELDS.index("attn_logit_max")]  # the record's fields before the logit measurements
+
+
+def bitwise(x):
+    return repr(x)  # repr: NaN equals NaN, -0.0 differs from 0.0, every digit of a float
+
+
+# --- off by default, and nothing changes when off ---------------------------------------------
+
+@pytest.mark.parametrize("precision, optimizer, lr", [("fp32", "adam", 3e-3), ("fp16", "sgd", 0.3), ("bf16", "adam", 3e-3)])
+def test_options_are_off_by_default_and_records_are_bitwise_those_of_the_gpt_before_them(precision, optimizer, lr):
+    task = GPTTask(**TINY)
+    assert (task.qk_norm, task.z_loss, task.logit_softcap, task.attn_softcap, task.attention) == \
+        (False, 0.0, None, None, "sdpa")
+    config = dict(precision=precision, optimizer=optimizer, lr=lr, steps=24, device="cpu", init_scale=2.0**16,
+                  growth_interval=2, scheduler="cosine")
+    before = run_experiment(ExperimentConfig(task=GPTTaskBefore(**TINY), **config))
+    now = run_experiment(ExperimentConfig(task=task, **config))
+    assert [bitwise({k: r.to_dict()[k] for k in BEFORE}) for r in now] == \
+        [bitwise({k: r.to_dict()[k] for k in BEFORE}) for r in before]
+    if precision == "fp16":
+        assert now.skipped_steps, "the fp16 run should include the sawtooth's overflow skips"
+    assert all(len(r.attn_logit_max) == 1 and math.isfinite(r.log_z) for r in now)  # and it measured
+    assert [r.ce_loss for r in now] == [r.loss for r in now]  # no z-loss: the loss is the cross-entropy
+    # the same initial weights as before, and qk_norm draws the same ones (a contrast on one seed)
+    old, new, qk = GPTTaskBefore(**TINY).model(), task.model(), GPTTask(**TINY, qk_norm=True).model()
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+    assert all(torch.equal(qk.state_dict()[k], v) for k, v in new.state_dict().items())
+
+
+# --- the measurements ------------------------------------------------------------------------
+
+def reference_measurements(model, idx):
+    """The attention logits and log Z formed by hand from the model's weights, in float64."""
+    model = copy.deepcopy(model).double()
+    x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))
+    maxes, entropies = [], []
+    for block in model.h:
+        a = block.attn
+        h = block.ln_1(x)
+        B, T, C = h.shape
+        q, k, v = (t.view(B, T, a.n_head, -1).transpose(1, 2) for t in a.c_attn(h).split(C, dim=2))
+        if a.q_norm is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        logits = q @ k.transpose(-2, -1) / math.sqrt(k.shape[-1])
+        if a.softcap is not None:
+            logits = a.softcap * torch.tanh(logits / a.softcap)
+        logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+        p = logits.softmax(-1)
+        maxes.append(logits.max().item())
+        entropies.append(min((-(p * p.log()).nan_to_num().sum(-1)).mean((0, 2)).tolist()))
+        x = x + a.c_proj((p @ v).transpose(1, 2).reshape(B, T, C))
+        x = x + block.mlp(block.ln_2(x))
+    out = model.lm_head(model.ln_f(x))
+    if model.logit_softcap is not None:
+        out = model.logit_softcap * torch.tanh(out / model.logit_softcap)
+    lse = out.logsumexp(-1)
+    return maxes, entropies, lse.mean().item(), lse.square().mean().item()
+
+
+@pytest.mark.parametrize("options", [{}, {"qk_norm": True}, {"attention": "explicit"},
+                                     {"attention": "explicit", "attn_softcap": 0.5, "logit_softcap": 2.0}],
+                         ids=["sdpa", "qk_norm", "explicit", "softcaps"])
+def test_measurements_are_the_attention_logits_entropy_and_log_z_formed_by_hand(options):
+    task = GPTTask(n_layer=2, n_head=2, n_embd=16, block_size=16, batch_size=4, **options)
+    model = task.model()
+    with torch.no_grad():  # weights that give logits far from 0, so a wrong scale or mask shows
+        for p in model.parameters():
+            p.mul_(8.0 if p.dim() >= 2 else 1.0)
+    x, _ = task.batch(0)
+    silent = task.model()
+    silent.load_state_dict(model.state_dict())
+    silent.measure = False
+    out = model(x)
+    assert torch.equal(out, silent(x)), "measuring must not change the forward"
+    assert silent.measurements().isnan().all(), "measure=False: nothing measured"
+    values = model.measurements().tolist()
+    maxes, entropies, log_z, log_z2 = reference_measurements(model, x)
+    assert values[:2] == pytest.approx(maxes, rel=1e-4) and values[2:4] == pytest.approx(entropies, rel=1e-4, abs=1e-6)
+    assert values[4:] == pytest.approx([log_z, log_z2], rel=1e-5)
+    if "attn_softcap" in options:
+        assert 0.4 < max(values[:2]) <= 0.5 and out.abs().max() <= 2.0
+    else:
+        assert max(maxes) > 1.0
+    assert model.measurements().isnan().all(), "a read resets them"
+    model.eval()
+    model(x)
+    assert model.measurements().isnan().all(), "eval forwards (validation) are not measured"
+
+
+def test_measurements_of_several_forwards_before_a_read_are_the_worst_and_the_mean():
+    task = GPTTask(**TINY)
+    model = task.model()
+    (xa, _), (xb, _) = task.batch(0), task.batch(1)
+    model(xa)
+    a = model.measurements()
+    model(xb)
+    b = model.measurements()
+    model(xa)
+    model(xb)
+    both = model.measurements()
+    assert both[0] == max(a[0], b[0]) and both[1] == min(a[1], b[1])
+    assert both[2:].tolist() == pytest.approx(((a[2:] + b[2:]) / 2).tolist())
+
+
+def test_z_loss_is_palms_and_the_record_carries_log_z_and_the_cross_entropy_apart():
+    logits, y = torch.randn(3, 5, 7) * 4, torch.randint(0, 7, (3, 5))
+    lse = torch.logsumexp(logits.double(), -1)
+    expected = F.cross_entropy(logits.double().flatten(0, 1), y.flatten()) + 1e-2 * lse.square().mean()
+    assert cross_entropy_with_z_loss(logits, y, 1e-2).item() == pytest.approx(expected.item(), rel=1e-6)
+    task = GPTTask(**TINY, z_loss=1e-2)
+    assert task.loss_fn(logits, y).item() == cross_entropy_with_z_loss(logits, y, 1e-2).item()
+    log = run_experiment(ExperimentConfig(task=task, precision="fp32", optimizer="adam", lr=1e-2, steps=3, device="cpu"))
+    for r in log:
+        term = r.loss - r.ce_loss
+        assert term == pytest.approx(1e-2 * r.log_z**2, rel=0.05)  # mean(log Z**2) is close to mean(log Z)**2 here
+        assert term > 0.1
+    model = task.model()
+    assert task.val_loss(model) == GPTTask(**TINY).val_loss(model), "validation reports the cross-entropy alone"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"z_loss": -1e-4}, "z_loss"), ({"z_loss": math.nan}, "z_loss"), ({"logit_softcap": 0}, "logit_softcap"),
+    ({"attn_softcap": 50.0}, "attention='explicit'"), ({"attention": "flash"}, "attention must be one of"),
+    ({"qk_norm": 1}, "qk_norm must be True or False"),
+])
+def test_bad_options_say_how_to_fix_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTTask(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"weight_decay": -0.1}, "weight_decay"), ({"betas": (0.9, 1.0)}, "betas"), ({"betas": 0.9}, "betas"),
+    ({"warmup": 200, "steps": 100}, "warmup"), ({"warmup": -1}, "warmup"), ({"optimizer": "lion"}, "optimizer"),
+])
+def test_bad_optimizer_settings_say_how_to_fix_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ExperimentConfig(**kwargs)
+
+
+def test_warmup_is_nanogpts_linear_ramp_then_cosine_and_adamw_is_torchs():
+    config = ExperimentConfig(steps=20, warmup=5, scheduler="cosine", lr=0.1, optimizer="adamw",
+                              betas=(0.9, 0.95), weight_decay=0.01)
+    w = torch.zeros(2, requires_grad=True)
+    opt = make_optimizer(config, [w])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+    assert opt.defaults["weight_decay"] == 0.01 and opt.defaults["eps"] == 1e-8
+    schedule, lrs = make_scheduler(config, opt), []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    # nanoGPT's get_lr: lr * (it + 1) / (warmup + 1), then 0.5 * (1 + cos(pi * ratio)) * lr, to min_lr = 0
+    expected = [0.1 * (t + 1) / 6 if t < 5 else 0.05 * (1 + math.cos(math.pi * (t - 5) / 15)) for t in range(20)]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert make_scheduler(ExperimentConfig(steps=20), opt) is None
+    assert isinstance(make_scheduler(ExperimentConfig(steps=20, scheduler="cosine"), opt),
+                      torch.optim.lr_scheduler.CosineAnnealingLR)  # no warm-up: the schedule of before
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+def _checkpoint(*objs):
+    buffer = io.BytesIO()
+    torch.save([o.state_dict() for o in objs], buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("options", [
+    {"qk_norm": True}, {"z_loss": 1e-2}, {"logit_softcap": 5.0}, {"attention": "explicit", "attn_softcap": 2.0},
+    {"qk_norm": True, "z_loss": 1e-4, "weight_decay": 0.1, "warmup": 4},
+], ids=["qk_norm", "z_loss", "logit_softcap", "attn_softcap", "all+adamw_wd_warmup"])
+def test_every_option_resumes_exactly_from_state_dict(options):
+    options = dict(options)
+    opt_options = {k: options.pop(k) for k in ("weight_decay", "warmup") if k in options}
+    task = GPTTask(**TINY, **options)
+    config = ExperimentConfig(task=task, precision="fp32", optimizer="adamw", lr=3e-2, betas=(0.9, 0.95), steps=12,
+                              scheduler="cosine", **opt_options)
+
+    def fresh():
+        model = task.model()
+        opt = make_optimizer(config, model.parameters())
+        return labkit.TrainStep(model, opt, task.loss_fn, scheduler=make_scheduler(config, opt), max_norm=1.0,
+                                observer=task.monitor(model))
+
+    def run(step, start, n):
+        return [step(*task.batch(i)) for i in range(start, start + n)]
+
+    full = fresh()
+    straight = run(full, 0, 12)
+    first = fresh()
+    run(first, 0, 6)
+    saved = _checkpoint(first, first.model, first.optimizer, first.scheduler)
+    resumed = fresh()
+    for obj, state in zip((resumed, resumed.model, resumed.optimizer, resumed.scheduler), saved):
+        obj.load_state_dict(state)
+    again = run(resumed, 6, 6)
+    assert [bitwise(r.to_dict()) for r in again] == [bitwise(r.to_dict()) for r in straight[6:]]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), full.model.state_dict().values()))
+    assert any(r.attn_logit_max for r in again)
+
+
+# --- the phenomena ---------------------------------------------------------------------------
+
+def test_attention_logits_grow_without_qk_norm_and_qk_norm_lowers_the_lr_sensitivity():
+    recipe = Recipe(**LESSON, steps=150, val_batches=8)
+    lrs = [3e-3, 0.1, 0.3]
+    points = sweep(recipe, lrs, ["baseline", "qk_norm"])
+    by = {(p.variant, p.lr): p for p in points}
+    top = lrs[-1]
+    assert by["baseline", top].attn_logit_max > 100 * by["qk_norm", top].attn_logit_max
+    assert by["baseline", top].attn_logit_max > 1e3
+    s = summarize(points)
+    assert s["qk_norm"]["sensitivity"] < s["baseline"]["sensitivity"]
+    assert by["qk_norm", top].final_loss < by["baseline", top].final_loss
+
+
+def test_z_loss_keeps_log_z_near_zero_where_the_baseline_drifts():
+    recipe = Recipe(**TINY, steps=100, val_batches=1)
+    base = run_point(recipe, "baseline", 3e-2)[1]
+    task = dataclasses.replace(recipe.task("baseline"), z_loss=1e-1)
+    pinned = run_experiment(dataclasses.replace(recipe.config("baseline", 3e-2), task=task))
+    late = slice(50, None)
+    assert all(abs(r.log_z) < 0.5 for r in pinned[late])
+    assert all(r.log_z > 3.0 for r in base[late])
+    assert abs(pinned[0].log_z - base[0].log_z) < 1e-6  # the same start: ln(vocabulary) with logits near 0
+
+
+def test_fp16_forward_overflow_skips_losses_that_the_fp32_forward_of_the_same_step_does_not_have():
+    recipe = Recipe(**LESSON, steps=100, precision="fp16", attention="explicit")
+    config = recipe.config("baseline", 1.0)
+    task = config.task
+    model = task.model()
+    opt = make_optimizer(config, model.parameters())
+    scaler = labkit.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
+    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
+                            scheduler=make_scheduler(config, opt), observer=task.monitor(model), skip_alarm=None)
+    for i in range(60):
+        x, y = task.batch(i)
+        record = step(x, y)
+        if record.reason == "nonfinite_loss":
+            break
+    else:
+        pytest.fail("no forward overflow in 60 steps at lr 1")
+    assert not math.isfinite(record.loss) and record.next_scale == record.scale  # the scale cannot help
+    assert math.inf in record.attn_logit_max.values()  # the measurement names the overflow
+    assert "attention logits inf" in describe(record, 1.0)[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the fp32 forward of the same step, same weights (the skip left them), same batch: finite
+    with torch.no_grad():
+        loss32 = task.loss_fn(model(x), y)
+        q_k = []
+        h = model.wte(x) + model.wpe(torch.arange(x.shape[1]))
+        for block in model.h:
+            q, k, _ = block.attn.c_attn(block.ln_1(h)).split(h.shape[-1], dim=2)
+            B, T, C = q.shape
+            q, k = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (q, k))
+            q_k.append((q @ k.transpose(-2, -1)).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0).max())
+            h = block(h)
+    assert torch.isfinite(loss32)
+    assert max(q_k) > 65504  # q.k before the 1/sqrt(d): past fp16's largest number
+    model.measurements()
+    # and it storms: the next steps skip too, the scale untouched
+    after = [step(*task.batch(j)) for j in range(i + 1, i + 9)]
+    assert sum(r.reason == "nonfinite_loss" for r in after) >= 6
+    assert {r.scale for r in after if r.reason == "nonfinite_loss"} == {record.scale}
+
+
+def test_qk_norm_keeps_the_same_fp16_steps_from_overflowing():
+    recipe = Recipe(**LESSON, steps=100, precision="fp16", attention="explicit")
+    log = run_point(recipe, "qk_norm", 0.3)[1]
+    assert not [r for r in log if r.reason == "nonfinite_loss"]
+    assert max(v for r in log for v in r.attn_logit_max.values()) < 100
+
+
+# --- records, trackers, events -----------------------------------------------------------------
+
+def test_the_measurements_round_trip_through_jsonl_and_csv_and_reach_the_trackers(tmp_path):
+    r = StepRecord(7, math.nan, skipped=True, reason="nonfinite_loss", attn_logit_max={"h.0": math.inf, "h.1": 80.5},
+                   attn_entropy={"h.0": math.nan, "h.1": 0.25}, log_z=5.5, ce_loss=math.nan)
+    log = StepLog([r, StepRecord(8, 2.0, attn_logit_max={"h.0": 3.0}, log_z=-0.25, ce_loss=1.75)])
+    log.to_jsonl(tmp_path / "log.jsonl")
+    back = StepLog.read_jsonl(tmp_path / "log.jsonl")
+    assert bitwise([x.to_dict() for x in back]) == bitwise([x.to_dict() for x in log])
+    assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["attn_logit_max"]["h.0"] == "Infinity"
+    log.to_csv(tmp_path / "log.csv")
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert rows[0]["attn_logit_max"] == "h.0=inf;h.1=80.5" and rows[1]["log_z"] == "-0.25"
+    metrics = row(r)
+    assert metrics.scalars["attn/logit_max/h.0"] == math.inf and metrics.scalars["attn/entropy_min/h.1"] == 0.25
+    assert metrics.scalars["logits/log_z"] == 5.5 and "train/ce_loss" in row(log[1]).scalars
+    assert describe(r, 1.0) == ["step    7  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched; "
+                                "attention logits inf in h.0: the forward overflowed, no loss scale can help"]
+
+
+def test_the_monitor_writes_what_the_forward_measured_and_refuses_other_models():
+    task = GPTTask(**TINY)
+    model = task.model()
+    model(task.batch(0)[0])
+    expected = model.measurements(reset=False).tolist()
+    record = StepRecord(0, 3.0)
+    LogitMonitor(model).after_step([], record)
+    assert record.attn_logit_max == {"h.0": expected[0]} and record.attn_entropy == {"h.0": expected[1]}
+    assert record.log_z == expected[2] and record.ce_loss == 3.0
+    with pytest.raises(TypeError, match="labkit GPT"):
+        LogitMonitor(torch.nn.Linear(2, 2))
+    assert GPTTask(measure=False).monitor(model) is None
+    log = run_experiment(ExperimentConfig(task=GPTTask(**TINY, measure=False), precision="fp32", steps=2, device="cpu"))
+    assert all(r.attn_logit_max == {} and math.isnan(r.log_z) for r in log)
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+
+def test_lr_sensitivity_is_the_papers_mean_gap_to_the_best_capped_at_the_initial_loss():
+    final = {1e-3: 3.0, 1e-2: 2.5, 1e-1: 6.0, 1.0: math.inf}
+    # min(loss, 5) - 2.5 for each: 0.5, 0, 2.5, 2.5
+    assert lr_sensitivity(final, init_loss=5.0) == pytest.approx(5.5 / 4)
+    assert lr_sensitivity({1e-3: 2.0, 1e-2: 2.0}, 5.0) == 0.0
+    assert stable_lrs(final, tolerance=0.5) == [1e-3, 1e-2]
+    assert lr_grid(1e-4, 1, 9) == [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0]
+    with pytest.raises(ValueError, match="count >= 2"):
+        lr_grid(1e-3, 1e-1, 1)
+
+
+def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_grid(tmp_path, capsys):
+    args = ["--lrs", "1e-2,1e-1", "--variants", "baseline,qk_norm", "--steps", "4", "--layers", "1", "--width", "16",
+            "--heads", "2", "--context", "8", "--batch", "2", "--device", "cpu", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("final loss") == 4 and "LR sensitivity" in out
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert [(r["variant"], float(r["lr"])) for r in rows] == [("baseline", 0.01), ("baseline", 0.1),
+                                                              ("qk_norm", 0.01), ("qk_norm", 0.1)]
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert len(StepLog.read_jsonl(tmp_path / "runs" / "qk_norm_lr0.1_seed0.jsonl")) == 4
+    # stop it half-way: the last row torn, the third gone
+    lines = (tmp_path / "sweep.csv").read_text().splitlines()
+    (tmp_path / "sweep.csv").write_text("\n".join(lines[:3]) + "\n" + lines[4][:9])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "resuming: 2 of 4 points" in out and out.count("final loss") == 2
+    again = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    point = lambda r: (r["variant"], r["lr"], r["final_loss"], r["attn_logit_max"])  # noqa: E731
+    assert [point(r) for r in again] == [point(r) for r in rows]  # the same numbers as the first time
+    # another recipe in the same folder is refused, with the way out
+    assert main([a if a != "4" else "5" for a in args]) == 2
+    assert "another recipe (differs in ['steps'])" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--variants", "adam"])
+    assert e.value.code == 2
