@@ -164,15 +164,15 @@ def _attention_note(record: StepRecord) -> str:
     """Name the layers whose attention logits were not finite (a GPT's ``LogitMonitor`` measured them).
 
     >>> from labkit.records import StepRecord
-    >>> _attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": 80.0}))
-    '; attention logits inf in h.0: the forward overflowed, no loss scale can help'
+    >>> _attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": math.nan}))
+    '; attention logits inf in h.0 (then NaN in h.1): the forward overflowed, no loss scale can help'
     """
-    bad = {layer: v for layer, v in record.attn_logit_max.items() if not math.isfinite(v)}
-    if not bad:
-        return ""
-    if all(v == math.inf for v in bad.values()):
-        return f"; attention logits inf in {', '.join(bad)}: the forward overflowed, no loss scale can help"
-    return f"; attention logits not finite in {', '.join(bad)}"
+    inf = [layer for layer, v in record.attn_logit_max.items() if v == math.inf]
+    nan = [layer for layer, v in record.attn_logit_max.items() if not math.isfinite(v) and v != math.inf]
+    if inf:
+        then = f" (then NaN in {', '.join(nan)})" if nan else ""
+        return f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed, no loss scale can help"
+    return f"; attention logits not finite in {', '.join(nan)}" if nan else ""
 
 
 def init_distributed(device: torch.device) -> torch.device:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,15 +38,15 @@ if TYPE_CHECKING:
     from ..tasks.gpt import GPTTask
     from .experiment import ExperimentConfig
 
-__all__ = ["VARIANTS", "Point", "Recipe", "SweepPanel", "lr_grid", "lr_sensitivity", "main", "plot_sweep",
-           "run_point", "stable_lrs", "sweep"]
+__all__ = ["VARIANTS", "Point", "Recipe", "Runs", "SweepPanel", "lr_grid", "lr_sensitivity", "main", "plot_runs",
+           "plot_sweep", "run_point", "stable_lrs", "summarize", "sweep"]
 
-# name -> GPTTask options; PaLM's and Wortsman et al.'s z-loss coefficient is 1e-4
-VARIANTS: dict[str, dict[str, Any]] = {
-    "baseline": {},
-    "qk_norm": {"qk_norm": True},
-    "z_loss": {"z_loss": 1e-4},
-    "qk_norm+z_loss": {"qk_norm": True, "z_loss": 1e-4},
+# name -> (qk_norm, z_loss): the mitigations each variant turns on (z-loss at the recipe's coefficient)
+VARIANTS: dict[str, tuple[bool, bool]] = {
+    "baseline": (False, False),
+    "qk_norm": (True, False),
+    "z_loss": (False, True),
+    "qk_norm+z_loss": (True, True),
 }
 FP16_MAX = 65504.0
 
@@ -72,9 +74,9 @@ def lr_sensitivity(final: Mapping[float, float], init_loss: float) -> float:
 
     ``final`` maps each learning rate to its run's final loss; a run that diverged (a loss above
     the loss at initialisation ``init``, or not finite) counts as ``init``, and ``best`` is the
-    lowest of them. 0 means every learning rate in the grid does as well as the best one; the
-    paper computes it over 3e-4 ... 3e-1 (their §2.2), so it depends on the grid: compare
-    variants on the same one.
+    lowest of them. 0 means every learning rate in the grid does as well as the best one. It
+    depends on the grid (a learning rate too low to train in the run's steps adds the same gap
+    to every variant): compare variants on the same grid.
 
     >>> lr_sensitivity({1e-3: 2.5, 1e-2: 2.4, 1e-1: float("nan")}, init_loss=5.0)
     0.9
@@ -106,9 +108,10 @@ class Recipe:
     The defaults are Wortsman et al.'s recipe (§2.1 and §3.2.2): AdamW with beta2 0.95 and eps
     1e-8, *independent* weight decay 1e-4 (not multiplied by the peak lr: torch's
     ``weight_decay`` is ``1e-4 / lr``), 10 % of the steps of linear warm-up then cosine decay,
-    the global gradient norm clipped at 1. The model is far smaller than theirs: 2 layers, width
-    64, 4 heads, a 64-byte context and batches of 16, 300 steps. ``attention="explicit"`` forms
-    the attention logits as a tensor (in fp16, where they can overflow).
+    the global gradient norm clipped at 1; the z-loss variants use PaLM's coefficient 1e-4. The
+    model is far smaller than theirs: 2 layers, width 64, 4 heads, a 64-byte context and batches
+    of 16, 300 steps. ``attention="explicit"`` forms the attention logits as a tensor (in fp16,
+    where they can overflow).
 
     >>> Recipe().config("qk_norm", lr=0.1, seed=1).task.qk_norm, Recipe().config("baseline", 0.1).weight_decay
     (True, 0.001)
@@ -126,6 +129,7 @@ class Recipe:
     beta2: float = 0.95
     weight_decay: float = 1e-4
     max_norm: float | None = 1.0
+    z_loss: float = 1e-4
     init_scale: float = 2.0**16
     val_batches: int = 16
     device: str | None = None
@@ -137,14 +141,38 @@ class Recipe:
         if isinstance(self.val_batches, bool) or not isinstance(self.val_batches, int) or self.val_batches < 1:
             raise ValueError(f"val_batches must be an int >= 1, got {self.val_batches!r}.")
 
+    @classmethod
+    def lesson(cls, device: str | None = None) -> Recipe:
+        """Return the recipe lesson 07 trains live: on a CPU the GPT of lesson 04 (2 layers, width 32, 2
+        heads of dimension 16, a 32-byte context, batches of 8), 300 steps; on a GPU this default size."""
+        import torch
+
+        if torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda":
+            return cls(device=device)
+        return cls(n_head=2, n_embd=32, block_size=32, batch_size=8, device=device)
+
+    @property
+    def fp16_logit_limit(self) -> float:
+        """The attention logit at which ``q.k`` passes fp16's 65504: ``65504 / sqrt(head dim)``.
+
+        nanoGPT's explicit attention scales after the matmul (``(q @ k.T) / sqrt(d)``), so the
+        product overflows first. SDPA's kernels scale before, and accumulate in fp32.
+
+        >>> Recipe.lesson("cpu").fp16_logit_limit
+        16376.0
+        """
+        return FP16_MAX / math.sqrt(self.n_embd // self.n_head)
+
     def task(self, variant: str, seed: int = 0) -> GPTTask:
         """Return the ``GPTTask`` of ``variant`` (a ``VARIANTS`` name) at this size and ``seed``."""
         from ..tasks import GPTTask
 
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}.")
+        qk_norm, z_loss = VARIANTS[variant]
         return GPTTask(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
-                       batch_size=self.batch_size, seed=seed, attention=self.attention, **VARIANTS[variant])
+                       batch_size=self.batch_size, seed=seed, attention=self.attention, qk_norm=qk_norm,
+                       z_loss=self.z_loss if z_loss else 0.0)
 
     def config(self, variant: str, lr: float, seed: int = 0) -> ExperimentConfig:
         """Return the ``ExperimentConfig`` of one point of the grid."""
@@ -227,9 +255,13 @@ def _peak(values: Iterable[float]) -> float:
 
 
 def run_point(recipe: Recipe, variant: str, lr: float, seed: int = 0, *,
-              on_record: Callable[[StepRecord], None] | None = None,
+              watch: Callable[[StepRecord, Any], None] | None = None,
               log_path: str | os.PathLike | None = None) -> tuple[Point, StepLog, Any]:
-    """Train one point of the grid; return its ``Point``, its log and the trained model."""
+    """Train one point of the grid; return its ``Point``, its log and the trained model.
+
+    ``watch(record, model)`` sees each record with the model as that step left it (a skipped
+    step leaves the weights its forward used: that forward can be run again, e.g. in fp32).
+    """
     from ..alarms import RepeatedClippingWarning
     from .experiment import run_experiment
 
@@ -240,6 +272,7 @@ def run_point(recipe: Recipe, variant: str, lr: float, seed: int = 0, *,
         # at a high lr every step is clipped, by design of the sweep: the point's clip_rate says
         # how often, instead of one RepeatedClippingWarning per run
         warnings.simplefilter("ignore", RepeatedClippingWarning)
+        on_record = (lambda record: watch(record, kept.built)) if watch is not None else None
         log = run_experiment(dataclasses.replace(config, task=kept), on_record, log_path=log_path)
     seconds = time.perf_counter() - start
     task, model = config.task, kept.built
@@ -256,6 +289,39 @@ def run_point(recipe: Recipe, variant: str, lr: float, seed: int = 0, *,
         clip_rate=log.summary()["clip_rate"], seconds=seconds,
     )
     return point, log, model
+
+
+class Runs:
+    """Points and logs kept in memory by ``(recipe, variant, lr, seed)``: each setting trains once.
+
+    The lesson shares one between its cells and its panel: a setting already run is at hand.
+
+    >>> runs = Runs(); recipe = Recipe(n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=2, steps=3,
+    ...                                val_batches=1)
+    >>> point, log = runs.get(recipe, "baseline", 1e-2); len(log), runs.get(recipe, "baseline", 1e-2)[1] is log
+    (3, True)
+    """
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[Recipe, str, float, int], tuple[Point, StepLog]] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._runs
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, recipe: Recipe, variant: str, lr: float, seed: int = 0) -> tuple[Point, StepLog]:
+        """Return the point and log of this setting, training it first if it has not run."""
+        key = (recipe, variant, float(lr), seed)
+        if key not in self._runs:
+            point, log, _ = run_point(recipe, variant, lr, seed)
+            self._runs[key] = point, log
+        return self._runs[key]
+
+    def put(self, recipe: Recipe, point: Point, log: StepLog) -> None:
+        """Keep a point run elsewhere (``sweep`` does)."""
+        self._runs[(recipe, point.variant, point.lr, point.seed)] = point, log
 
 
 def _run_name(variant: str, lr: float, seed: int) -> str:
@@ -295,7 +361,7 @@ def sweep(
     out: str | os.PathLike | None = None,
     echo: Callable[[str], None] | None = None,
     progress: bool = False,
-    cache: dict | None = None,
+    runs: Runs | None = None,
 ) -> list[Point]:
     """Run every (variant, lr, seed) of the grid and return the points, in grid order.
 
@@ -303,8 +369,8 @@ def sweep(
     to ``out/runs/<variant>_lr<lr>_seed<seed>.jsonl``; points already in the CSV are not run
     again (a grid stopped half-way resumes), and ``out/sweep.json`` holds the recipe: a folder
     of another recipe is refused. ``echo`` gets one line per point; ``progress`` shows a bar
-    (tqdm) instead, with the lines above it. ``cache`` (a dict) keeps points and logs in memory
-    by ``(recipe, variant, lr, seed)``: the lesson's panel shares it.
+    (tqdm) instead, with the lines above it. ``runs`` keeps points and logs in memory (and
+    takes those it already has from there): the lesson's cells and panel share one.
     """
     for v in variants:
         recipe.task(v)  # unknown variants fail before anything runs
@@ -338,7 +404,7 @@ def sweep(
         if not os.path.exists(csv_path) or os.path.getsize(csv_path) == 0:
             with open(csv_path, "w", encoding="utf-8", newline="") as f:
                 csv.writer(f).writerow(_COLUMNS)
-    todo = [key for key in grid if key not in done and (cache is None or (recipe, *key) not in cache)]
+    todo = [key for key in grid if key not in done and (runs is None or (recipe, *key) not in runs)]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -354,8 +420,8 @@ def sweep(
             if os.path.exists(log_path):
                 os.remove(log_path)  # a run stopped half-way: it starts again from step 0
         point, log, _ = run_point(recipe, variant, lr, seed, log_path=log_path)
-        if cache is not None:
-            cache[(recipe, variant, lr, seed)] = point, log
+        if runs is not None:
+            runs.put(recipe, point, log)
         done[(variant, lr, seed)] = point
         if csv_path is not None:
             with open(csv_path, "a", encoding="utf-8", newline="") as f:
@@ -367,8 +433,8 @@ def sweep(
             bar.update()
     if bar is not None:
         bar.close()
-    if cache is not None:
-        done.update({key: cache[(recipe, *key)][0] for key in grid if key not in done})
+    if runs is not None:
+        done.update({key: runs.get(recipe, *key)[0] for key in grid if key not in done})
     return [done[key] for key in grid]
 
 
@@ -406,31 +472,87 @@ def summarize(points: Sequence[Point], tolerance: float = 0.1) -> dict[str, dict
     return out
 
 
+def _figure(fig: Figure | None, size: tuple[float, float]) -> Figure:
+    if fig is None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=size)
+        FigureCanvasAgg(fig)
+    fig.clear()
+    return fig
+
+
+def _color(variant: str, i: int) -> str:
+    return f"C{list(VARIANTS).index(variant)}" if variant in VARIANTS else f"C{len(VARIANTS) + i}"
+
+
+def _overflow_line(ax: Any, overflow_at: float | None) -> None:
+    if overflow_at is not None:
+        label = "fp16 max 65504" if overflow_at == FP16_MAX else "q.k reaches fp16's 65504"
+        ax.axhline(overflow_at, color="C3", ls="--", lw=1, label=label)
+
+
+_RUN_PANELS = {  # name: (what a record gives, y-label, title, log y)
+    "logit": (lambda r: _peak(r.attn_logit_max.values()), "largest attention logit", "attention logit (any layer)", True),
+    "entropy": (lambda r: min(r.attn_entropy.values(), default=math.nan), "entropy (nats)",
+                "most peaked head's attention entropy", False),
+    "loss": (lambda r: r.loss, "training loss", "loss", False),
+    "log_z": (lambda r: r.log_z, "mean log Z", "output logits' log Z", False),
+}
+
+
+def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "entropy", "loss"), *,
+              overflow_at: float | None = FP16_MAX, title: str = "", fig: Figure | None = None) -> Figure:
+    """Draw each run's measurements by step, one panel each: ``"logit"``, ``"entropy"``, ``"loss"``, ``"log_z"``.
+
+    ``overflow_at`` marks on the logit panel where the logits overflow fp16 (``Recipe.fp16_logit_limit``).
+    """
+    unknown = [p for p in panels if p not in _RUN_PANELS]
+    if unknown or not panels:
+        raise ValueError(f"panels must be some of {list(_RUN_PANELS)}, got {list(panels)}.")
+    fig = _figure(fig, (4.2 * len(panels), 3.4))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels):
+        value, ylabel, name, log_y = _RUN_PANELS[panel]
+        for i, (run, log) in enumerate(logs.items()):
+            ys = [value(r) for r in log]
+            ax.plot([r.step for r in log], [y if math.isfinite(y) else math.nan for y in ys], color=_color(run, i),
+                    lw=0.8 if panel == "loss" else 1.2, label=run)
+        if panel == "logit":
+            _overflow_line(ax, overflow_at)
+        ax.set(xlabel="step", ylabel=ylabel, title=name, yscale="log" if log_y else "linear")
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = None, *, trace_lr: float | None = None,
-               highlight: tuple[str, float] | None = None, fig: Figure | None = None) -> Figure:
+               highlight: tuple[str, float] | None = None, overflow_at: float | None = FP16_MAX,
+               fig: Figure | None = None) -> Figure:
     """Draw the paper's Fig. 1 (final loss against lr, per variant) and the largest attention logit against lr.
 
     With ``traces`` ({variant: log} of one lr, ``trace_lr``) a third panel draws each one's
-    largest attention logit against the step. ``highlight=(variant, lr)`` rings one point.
+    largest attention logit against the step. ``highlight=(variant, lr)`` rings one point;
+    ``overflow_at`` marks where the logits overflow fp16 (``Recipe.fp16_logit_limit``).
     """
-    import matplotlib.pyplot as plt
-
     panels = 3 if traces else 2
-    if fig is None:
-        fig = plt.figure(figsize=(4.2 * panels, 3.6))
-    fig.clear()
+    fig = _figure(fig, (4.2 * panels, 3.6))
     axes = fig.subplots(1, panels)
     loss_ax, logit_ax = axes[0], axes[1]
     summary = summarize(points)
     init = [p.init_loss for p in points]
     for i, (variant, by_lr) in enumerate(_by_variant(points).items()):
-        color = f"C{list(VARIANTS).index(variant) if variant in VARIANTS else i}"
+        color = _color(variant, i)
         lrs = sorted(by_lr)
         loss = [sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr]) for lr in lrs]
         logit = [max(p.attn_logit_max for p in by_lr[lr]) for lr in lrs]
         label = f"{variant} (LR sensitivity {summary[variant]['sensitivity']:.2f})"
         loss_ax.plot(lrs, loss, "o-", color=color, label=label)
-        logit_ax.plot(lrs, [v if math.isfinite(v) else FP16_MAX * 10 for v in logit], "o-", color=color, label=variant)
+        logit_ax.plot(lrs, [v if math.isfinite(v) else math.nan for v in logit], "o-", color=color, label=variant)
         if highlight is not None and highlight[0] == variant and highlight[1] in by_lr:
             lr = highlight[1]
             y = sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr])
@@ -439,18 +561,18 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         loss_ax.axhline(min(init), color="0.5", ls=":", lw=1, label="loss at initialisation")
     loss_ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss", title="final loss vs learning rate")
     loss_ax.legend(fontsize=7)
-    logit_ax.axhline(FP16_MAX, color="C3", ls="--", lw=1, label="fp16 max 65504")
+    _overflow_line(logit_ax, overflow_at)
     logit_ax.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="largest attention logit",
                  title="attention logit growth")
     logit_ax.legend(fontsize=7)
     if traces:
         ax = axes[2]
         for i, (variant, log) in enumerate(traces.items()):
-            color = f"C{list(VARIANTS).index(variant) if variant in VARIANTS else i}"
+            color = _color(variant, i)
             values = [_peak(r.attn_logit_max.values()) for r in log]
             ax.plot([r.step for r in log], [v if math.isfinite(v) else math.nan for v in values], color=color,
                     label=variant)
-        ax.axhline(FP16_MAX, color="C3", ls="--", lw=1, label="fp16 max 65504")
+        _overflow_line(ax, overflow_at)
         ax.set(yscale="log", xlabel="step", ylabel="largest attention logit",
                title=f"lr {trace_lr:g}: attention logit by step" if trace_lr is not None else "by step")
         ax.legend(fontsize=7)
@@ -467,32 +589,40 @@ class SweepPanel:
 
     >>> panel = SweepPanel(Recipe(n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=2, steps=4,
     ...                           val_batches=1), [1e-3, 1e-2])
-    >>> panel.controls["qk_norm"].value = True; panel.variant, len(panel.cache)
+    >>> panel.controls["qk_norm"].value = True; panel.variant, len(panel.runs)
     ('qk_norm', 2)
     """
 
     def __init__(self, recipe: Recipe, lrs: Sequence[float], points: Sequence[Point] = (), *,
-                 lr: float | None = None, cache: dict | None = None) -> None:
+                 lr: float | None = None, runs: Runs | None = None) -> None:
         import ipywidgets as W
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
         self.recipe, self.lrs = recipe, [float(x) for x in lrs]
-        self.cache = cache if cache is not None else {}
+        self.runs = runs if runs is not None else Runs()
         self.points = list(points)
         self.controls = {
             "lr": W.SelectionSlider(options=[(f"{x:g}", x) for x in self.lrs], value=lr if lr is not None else self.lrs[-1],
                                     description="learning rate", continuous_update=False),
             "qk_norm": W.ToggleButton(value=False, description="qk_norm"),
-            "z_loss": W.ToggleButton(value=False, description="z_loss 1e-4"),
+            "z_loss": W.ToggleButton(value=False, description=f"z_loss {recipe.z_loss:g}"),
         }
         self.status = W.HTML()
         self.seconds = math.nan
-        with plt.ioff():
-            self.fig = plt.figure(figsize=(12.6, 3.6))
-        for widget in self.controls.values():
+        self.error: Exception | None = None
+        self.shown: tuple[str, float] | None = None  # (variant, lr) of the figure on screen
+        self._lock, self._running, self._pending = threading.Lock(), False, False
+        # a PNG in an Image widget: swapping its bytes is safe from a slider callback's thread
+        # (see LiveDashboard), and the figure is redrawn whole (a new run changes every panel)
+        self.fig = Figure(figsize=(12.6, 3.6))
+        FigureCanvasAgg(self.fig)
+        self.image = W.Image(format="png")
+        for name, widget in self.controls.items():
             widget.observe(lambda _: self.run(), names="value")
-        self.output = W.Output()
-        self.widget = W.VBox([W.HBox(list(self.controls.values())), self.status, self.output])
+            widget.add_class(f"labkit-control-{name}")
+        self.widget = W.VBox([W.HBox(list(self.controls.values())), self.status, self.image])
+        self.widget.add_class("labkit-panel")
         self.run()
 
     @property
@@ -500,31 +630,50 @@ class SweepPanel:
         qk, z = self.controls["qk_norm"].value, self.controls["z_loss"].value
         return "qk_norm+z_loss" if qk and z else "qk_norm" if qk else "z_loss" if z else "baseline"
 
-    def _point(self, variant: str, lr: float) -> tuple[Point, StepLog]:
-        key = (self.recipe, variant, lr, 0)
-        if key not in self.cache:
-            point, log, _ = run_point(self.recipe, variant, lr)
-            self.cache[key] = point, log
-        return self.cache[key]
-
     def run(self) -> None:
-        """Run (or fetch) the chosen point and the baseline at its lr, and redraw."""
+        """Run (or fetch) the chosen point and the baseline at its lr, and redraw.
+
+        As ``ControlPanel.run``: a change during a run (a callback on another thread) makes it
+        run once more with the latest settings when it ends, never two runs at once.
+        """
+        with self._lock:
+            if self._running:
+                self._pending = True
+                return
+            self._running = True
+        try:
+            while True:
+                self._run_once()
+                with self._lock:
+                    if not self._pending:
+                        break
+                    self._pending = False
+        finally:
+            with self._lock:
+                self._running = self._pending = False
+
+    def _run_once(self) -> None:
         start = time.perf_counter()
         lr, variant = self.controls["lr"].value, self.variant
-        point, log = self._point(variant, lr)
-        traces = {"baseline": self._point("baseline", lr)[1]}
-        traces[variant] = log
+        try:
+            point, log = self.runs.get(self.recipe, variant, lr)
+            traces = {"baseline": self.runs.get(self.recipe, "baseline", lr)[1], variant: log}
+        except Exception as e:  # shown in the panel: a callback's traceback would go unseen
+            self.error = e
+            self.status.value = f"<span style='color:#b00'>{type(e).__name__}: {e}</span>"
+            return
+        self.error = None
+        self.shown = (variant, lr)
         points = [p for p in self.points if (p.variant, p.lr) != (variant, lr)] + [point]
-        plot_sweep(points, traces, trace_lr=lr, highlight=(variant, lr), fig=self.fig)
+        plot_sweep(points, traces, trace_lr=lr, highlight=(variant, lr), overflow_at=self.recipe.fp16_logit_limit,
+                   fig=self.fig)
+        buffer = io.BytesIO()
+        self.fig.savefig(buffer, format="png", dpi=80)
+        self.image.value = buffer.getvalue()
         self.seconds = time.perf_counter() - start
         self.status.value = (f"<b>{variant}</b>, lr {lr:g}: final loss {point.final_loss:.3f}, largest attention "
                              f"logit {point.attn_logit_max:.3g}, log Z at the end {point.log_z_final:.2f} "
                              f"&middot; {self.seconds:.2f} s")
-        self.output.clear_output(wait=True)
-        with self.output:
-            from IPython.display import display
-
-            display(self.fig)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -604,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['sensitivity']:.3f}, within 0.1 of best for lr {stable[0]:g} .. {stable[-1]:g}, "
               f"largest attention logit at lr {max(args.lrs):g}: {s['attn_logit_max_top_lr']:.3g}")
     traces, trace_lr = _traces(out, points, seeds[0])
-    fig = plot_sweep(points, traces, trace_lr=trace_lr)
+    fig = plot_sweep(points, traces, trace_lr=trace_lr, overflow_at=recipe.fp16_logit_limit)
     fig.savefig(os.path.join(out, "sweep.png"), dpi=100)
     print(f"files: {os.path.join(out, 'sweep.csv')}, sweep.png, runs/*.jsonl")
     return 0
