@@ -1,4 +1,4 @@
-"""``python -m labkit demo|grading|export|sweep ...``: the headless demo, the grader, replaying a log into trackers, the LR sweep."""
+"""``python -m labkit demo|grading|export|sweep ...``: demo, grader, log into trackers, LR sweep."""
 
 from __future__ import annotations
 

@@ -430,7 +430,8 @@ class StepLog(Sequence[StepRecord]):
                 row = r.to_dict()
                 row["top_grads"] = ";".join(f"{name}={norm:.6g}" for name, norm in r.top_grads)
                 for column in PER_LAYER:
-                    row[column] = ";".join(f"{name}={value:.6g}" for name, value in getattr(r, column).items())
+                    values = getattr(r, column).items()
+                    row[column] = ";".join(f"{name}={value:.6g}" for name, value in values)
                 row["lrs"] = ";".join(f"{lr:.6g}" for lr in r.lrs)
                 writer.writerow(row)
 

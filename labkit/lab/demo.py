@@ -171,7 +171,8 @@ def _attention_note(record: StepRecord) -> str:
     nan = [layer for layer, v in record.attn_logit_max.items() if not math.isfinite(v) and v != math.inf]
     if inf:
         then = f" (then NaN in {', '.join(nan)})" if nan else ""
-        return f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed, no loss scale can help"
+        return (f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed, "
+                "no loss scale can help")
     return f"; attention logits not finite in {', '.join(nan)}" if nan else ""
 
 

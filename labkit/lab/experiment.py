@@ -128,7 +128,8 @@ class ExperimentConfig:
                 isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
+        warmup = self.warmup
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= self.steps:
             raise ValueError(f"warmup must be an int in [0, steps={self.steps}] (steps of linear warm-up), "
                              f"got {self.warmup!r}.")
         if self.scheduler not in SCHEDULERS:
@@ -228,7 +229,9 @@ def make_scheduler(config: ExperimentConfig, optimizer: torch.optim.Optimizer) -
     def factor(t: int) -> float:
         if t < warmup:
             return (t + 1) / (warmup + 1)
-        return (1 + math.cos(math.pi * min(t - warmup, steps - warmup) / max(steps - warmup, 1))) / 2 if cosine else 1.0
+        if not cosine:
+            return 1.0
+        return (1 + math.cos(math.pi * min(t - warmup, steps - warmup) / max(steps - warmup, 1))) / 2
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

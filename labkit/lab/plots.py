@@ -357,7 +357,8 @@ def plot_scale_and_skips(logs: Mapping[str, StepLog], title: str = "") -> Figure
     the scale is left alone, and every later batch that overflows skips again at the same scale.
 
     >>> from labkit.records import StepRecord
-    >>> log = StepLog([StepRecord(0, math.nan, scale=4.0, next_scale=4.0, skipped=True, reason="nonfinite_loss")])
+    >>> log = StepLog([StepRecord(0, math.nan, scale=4.0, next_scale=4.0, skipped=True,
+    ...                           reason="nonfinite_loss")])
     >>> fig = plot_scale_and_skips({"storm": log}); [line.get_label() for line in fig.axes[0].get_lines()][:2]
     ['loss scale', 'skipped: loss not finite (forward): 1']
     """
@@ -377,9 +378,12 @@ def plot_scale_and_skips(logs: Mapping[str, StepLog], title: str = "") -> Figure
                 ax.plot([r.step for r in hit], [r.scale for r in hit], marker, color=color, ms=5, ls="none",
                         label=f"{label}: {len(hit)}")
         ax.set_yscale("log", base=2)
+        finite = [x for x in scales if math.isfinite(x) and x > 0]
+        if finite:  # a binade of room above and below, so marks on the edge and the legend stay clear
+            ax.set_ylim(min(finite) / 2, max(finite) * 4)
         ax.set(xlabel="step", ylabel="loss scale", title=name)
         ax.title.set_fontsize(9)
-        ax.legend(fontsize=7, loc="lower left")
+        ax.legend(fontsize=7, loc="upper right")
     if title:
         fig.suptitle(title, fontsize=9)
     return fig

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from ..tasks.gpt import GPTTask
     from .experiment import ExperimentConfig
 
-__all__ = ["VARIANTS", "Point", "Recipe", "Runs", "SweepPanel", "lr_grid", "lr_sensitivity", "main", "plot_runs",
-           "plot_sweep", "run_point", "stable_lrs", "summarize", "sweep"]
+__all__ = ["VARIANTS", "Point", "Recipe", "Runs", "SweepPanel", "lr_grid", "lr_sensitivity", "main",
+           "plot_runs", "plot_sweep", "run_point", "stable_lrs", "summarize", "sweep"]
 
 # name -> (qk_norm, z_loss): the mitigations each variant turns on (z-loss at the recipe's coefficient)
 VARIANTS: dict[str, tuple[bool, bool]] = {
@@ -57,8 +57,10 @@ def lr_grid(low: float, high: float, count: int) -> list[float]:
     >>> lr_grid(1e-4, 1, 9)
     [0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0]
     """
-    if not (0 < low < high and math.isfinite(high)) or isinstance(count, bool) or not isinstance(count, int) or count < 2:
-        raise ValueError(f"need 0 < low < high and count >= 2, got low={low!r}, high={high!r}, count={count!r}.")
+    good_count = isinstance(count, int) and not isinstance(count, bool) and count >= 2
+    if not (0 < low < high and math.isfinite(high)) or not good_count:
+        raise ValueError(f"need 0 < low < high and count >= 2, got low={low!r}, high={high!r}, "
+                         f"count={count!r}.")
     step = math.log10(high / low) / (count - 1)
     # 10**(k/2) is 3.16: a grid of two points a decade reads as 1, 3, 10 (the paper's plots do too)
     return [float(f"{_round3(low * 10 ** (i * step)):.3g}") for i in range(count)]
@@ -135,10 +137,11 @@ class Recipe:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        self.config("baseline", 1e-3)  # every bad setting raises here, with ExperimentConfig's and GPTTask's words
+        self.config("baseline", 1e-3)  # a bad setting raises here, in ExperimentConfig's and GPTTask's words
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup!r}.")
-        if isinstance(self.val_batches, bool) or not isinstance(self.val_batches, int) or self.val_batches < 1:
+        n = self.val_batches
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"val_batches must be an int >= 1, got {self.val_batches!r}.")
 
     @classmethod
@@ -170,9 +173,9 @@ class Recipe:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}.")
         qk_norm, z_loss = VARIANTS[variant]
-        return GPTTask(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
-                       batch_size=self.batch_size, seed=seed, attention=self.attention, qk_norm=qk_norm,
-                       z_loss=self.z_loss if z_loss else 0.0)
+        return GPTTask(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                       block_size=self.block_size, batch_size=self.batch_size, seed=seed,
+                       attention=self.attention, qk_norm=qk_norm, z_loss=self.z_loss if z_loss else 0.0)
 
     def config(self, variant: str, lr: float, seed: int = 0) -> ExperimentConfig:
         """Return the ``ExperimentConfig`` of one point of the grid."""
@@ -182,7 +185,8 @@ class Recipe:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}.")
         return ExperimentConfig(
             task=self.task(variant, seed), precision=self.precision, optimizer="adamw", lr=lr,
-            betas=(0.9, self.beta2), weight_decay=self.weight_decay / lr, warmup=int(self.warmup * self.steps),
+            betas=(0.9, self.beta2), weight_decay=self.weight_decay / lr,
+            warmup=int(self.warmup * self.steps),
             scheduler="cosine", max_norm=self.max_norm, steps=self.steps, seed=seed, device=self.device,
             init_scale=self.init_scale, growth_interval=2000,
         )
@@ -216,8 +220,10 @@ class Point:
     def from_row(cls, row: Mapping[str, str]) -> Point:
         """Read a point back from its ``sweep.csv`` row (strings)."""
         kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-        return cls(**{name: (row[name] if kind == "str" else int(row[name]) if kind == "int" else float(row[name]))
-                      for name, kind in kinds.items()})
+        def read(name: str, kind: str) -> Any:
+            return row[name] if kind == "str" else int(row[name]) if kind == "int" else float(row[name])
+
+        return cls(**{name: read(name, kind) for name, kind in kinds.items()})
 
 
 _COLUMNS = [f.name for f in dataclasses.fields(Point)]
@@ -298,7 +304,8 @@ class Runs:
 
     >>> runs = Runs(); recipe = Recipe(n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=2, steps=3,
     ...                                val_batches=1)
-    >>> point, log = runs.get(recipe, "baseline", 1e-2); len(log), runs.get(recipe, "baseline", 1e-2)[1] is log
+    >>> point, log = runs.get(recipe, "baseline", 1e-2)
+    >>> len(log), runs.get(recipe, "baseline", 1e-2)[1] is log
     (3, True)
     """
 
@@ -387,8 +394,8 @@ def sweep(
                 theirs = json.load(f)
             if theirs != mine:
                 changed = sorted(k for k in mine if theirs.get(k) != mine[k])
-                raise ValueError(f"{out} holds a sweep of another recipe (differs in {changed}): give another "
-                                 "--out, or delete the folder to start over.")
+                raise ValueError(f"{out} holds a sweep of another recipe (differs in {changed}): give "
+                                 "another --out, or delete the folder to start over.")
         else:
             with open(meta, "w", encoding="utf-8") as f:
                 json.dump(mine, f, indent=1)
@@ -397,8 +404,8 @@ def sweep(
             with open(csv_path, encoding="utf-8", newline="") as f:
                 header = next(csv.reader(f), [])
             if header != _COLUMNS:
-                raise ValueError(f"{csv_path} has the columns {header}, not this labkit's {_COLUMNS}: give another "
-                                 "--out, or delete the folder to start over.")
+                raise ValueError(f"{csv_path} has the columns {header}, not this labkit's {_COLUMNS}: give "
+                                 "another --out, or delete the folder to start over.")
         done = {(p.variant, p.lr, p.seed): p for p in _read_points(csv_path)}
         _cut_torn_row(csv_path)
         if not os.path.exists(csv_path) or os.path.getsize(csv_path) == 0:
@@ -410,7 +417,12 @@ def sweep(
         from tqdm import tqdm
 
         bar = tqdm(total=len(grid), initial=len(grid) - len(todo), unit="run", file=sys.stderr)
-    say = (lambda line: bar.write(line, file=sys.stdout)) if bar is not None else (echo or (lambda line: None))
+    def say(line: str) -> None:
+        if bar is not None:
+            bar.write(line, file=sys.stdout)
+        elif echo is not None:
+            echo(line)
+
     if out is not None and len(todo) < len(grid):
         say(f"resuming: {len(grid) - len(todo)} of {len(grid)} points already in {csv_path}")
     for n, (variant, lr, seed) in enumerate(todo, start=len(grid) - len(todo) + 1):
@@ -494,7 +506,8 @@ def _overflow_line(ax: Any, overflow_at: float | None) -> None:
 
 
 _RUN_PANELS = {  # name: (what a record gives, y-label, title, log y)
-    "logit": (lambda r: _peak(r.attn_logit_max.values()), "largest attention logit", "attention logit (any layer)", True),
+    "logit": (lambda r: _peak(r.attn_logit_max.values()), "largest attention logit",
+              "attention logit (any layer)", True),
     "entropy": (lambda r: min(r.attn_entropy.values(), default=math.nan), "entropy (nats)",
                 "most peaked head's attention entropy", False),
     "loss": (lambda r: r.loss, "training loss", "loss", False),
@@ -504,7 +517,10 @@ _RUN_PANELS = {  # name: (what a record gives, y-label, title, log y)
 
 def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "entropy", "loss"), *,
               overflow_at: float | None = FP16_MAX, title: str = "", fig: Figure | None = None) -> Figure:
-    """Draw each run's measurements by step, one panel each: ``"logit"``, ``"entropy"``, ``"loss"``, ``"log_z"``.
+    """Draw each run's measurements by step, one panel for each of ``panels``.
+
+    The panels: ``"logit"`` (largest attention logit), ``"entropy"`` (most peaked head's),
+    ``"loss"`` and ``"log_z"``.
 
     ``overflow_at`` marks on the logit panel where the logits overflow fp16 (``Recipe.fp16_logit_limit``).
     """
@@ -517,8 +533,9 @@ def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "en
         value, ylabel, name, log_y = _RUN_PANELS[panel]
         for i, (run, log) in enumerate(logs.items()):
             ys = [value(r) for r in log]
-            ax.plot([r.step for r in log], [y if math.isfinite(y) else math.nan for y in ys], color=_color(run, i),
-                    lw=0.8 if panel == "loss" else 1.2, label=run)
+            ys = [y if math.isfinite(y) else math.nan for y in ys]
+            width = 0.8 if panel == "loss" else 1.2
+            ax.plot([r.step for r in log], ys, color=_color(run, i), lw=width, label=run)
         if panel == "logit":
             _overflow_line(ax, overflow_at)
         ax.set(xlabel="step", ylabel=ylabel, title=name, yscale="log" if log_y else "linear")
@@ -530,10 +547,10 @@ def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "en
     return fig
 
 
-def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = None, *, trace_lr: float | None = None,
-               highlight: tuple[str, float] | None = None, overflow_at: float | None = FP16_MAX,
-               fig: Figure | None = None) -> Figure:
-    """Draw the paper's Fig. 1 (final loss against lr, per variant) and the largest attention logit against lr.
+def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = None, *,
+               trace_lr: float | None = None, highlight: tuple[str, float] | None = None,
+               overflow_at: float | None = FP16_MAX, fig: Figure | None = None) -> Figure:
+    """Draw the paper's Fig. 1 (final loss against lr, per variant) and the largest attention logit by lr.
 
     With ``traces`` ({variant: log} of one lr, ``trace_lr``) a third panel draws each one's
     largest attention logit against the step. ``highlight=(variant, lr)`` rings one point;
@@ -552,14 +569,16 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         logit = [max(p.attn_logit_max for p in by_lr[lr]) for lr in lrs]
         label = f"{variant} (LR sensitivity {summary[variant]['sensitivity']:.2f})"
         loss_ax.plot(lrs, loss, "o-", color=color, label=label)
-        logit_ax.plot(lrs, [v if math.isfinite(v) else math.nan for v in logit], "o-", color=color, label=variant)
+        logit = [v if math.isfinite(v) else math.nan for v in logit]
+        logit_ax.plot(lrs, logit, "o-", color=color, label=variant)
         if highlight is not None and highlight[0] == variant and highlight[1] in by_lr:
             lr = highlight[1]
             y = sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr])
             loss_ax.plot([lr], [y], "o", ms=14, mfc="none", mec="k", mew=1.5)
     if init:
         loss_ax.axhline(min(init), color="0.5", ls=":", lw=1, label="loss at initialisation")
-    loss_ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss", title="final loss vs learning rate")
+    loss_ax.set(xscale="log", xlabel="learning rate", ylabel="final validation loss",
+                title="final loss vs learning rate")
     loss_ax.legend(fontsize=7)
     _overflow_line(logit_ax, overflow_at)
     logit_ax.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="largest attention logit",
@@ -603,8 +622,9 @@ class SweepPanel:
         self.runs = runs if runs is not None else Runs()
         self.points = list(points)
         self.controls = {
-            "lr": W.SelectionSlider(options=[(f"{x:g}", x) for x in self.lrs], value=lr if lr is not None else self.lrs[-1],
-                                    description="learning rate", continuous_update=False),
+            "lr": W.SelectionSlider(options=[(f"{x:g}", x) for x in self.lrs],
+                                    value=lr if lr is not None else self.lrs[-1], description="learning rate",
+                                    continuous_update=False),
             "qk_norm": W.ToggleButton(value=False, description="qk_norm"),
             "z_loss": W.ToggleButton(value=False, description=f"z_loss {recipe.z_loss:g}"),
         }
@@ -665,15 +685,15 @@ class SweepPanel:
         self.error = None
         self.shown = (variant, lr)
         points = [p for p in self.points if (p.variant, p.lr) != (variant, lr)] + [point]
-        plot_sweep(points, traces, trace_lr=lr, highlight=(variant, lr), overflow_at=self.recipe.fp16_logit_limit,
-                   fig=self.fig)
+        plot_sweep(points, traces, trace_lr=lr, highlight=(variant, lr),
+                   overflow_at=self.recipe.fp16_logit_limit, fig=self.fig)
         buffer = io.BytesIO()
         self.fig.savefig(buffer, format="png", dpi=80)
         self.image.value = buffer.getvalue()
         self.seconds = time.perf_counter() - start
-        self.status.value = (f"<b>{variant}</b>, lr {lr:g}: final loss {point.final_loss:.3f}, largest attention "
-                             f"logit {point.attn_logit_max:.3g}, log Z at the end {point.log_z_final:.2f} "
-                             f"&middot; {self.seconds:.2f} s")
+        self.status.value = (f"<b>{variant}</b>, lr {lr:g}: final loss {point.final_loss:.3f}, largest "
+                             f"attention logit {point.attn_logit_max:.3g}, log Z at the end "
+                             f"{point.log_z_final:.2f} &middot; {self.seconds:.2f} s")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -686,7 +706,8 @@ def _floats(text: str) -> list[float]:
             return lr_grid(float(low), float(high), int(count))
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"give a comma list (1e-3,1e-2) or low:high:count (1e-4:1:9): {e}") from None
+        raise argparse.ArgumentTypeError(f"give a comma list (1e-3,1e-2) or low:high:count (1e-4:1:9): "
+                                         f"{e}") from None
     if not values or not all(0 < v < math.inf for v in values):
         raise argparse.ArgumentTypeError(f"learning rates must be finite numbers > 0, got {text!r}")
     return values
@@ -695,26 +716,30 @@ def _floats(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m labkit sweep",
-        description="Final loss against learning rate on the GPT task, with and without qk-layernorm and z-loss "
-                    "(Wortsman et al. 2023, Fig. 1): writes sweep.csv, sweep.png and each run's log.jsonl; "
-                    "run it again to resume a grid stopped half-way.",
+        description="Final loss against learning rate on the GPT task, with and without qk-layernorm and "
+                    "z-loss (Wortsman et al. 2023, Fig. 1): writes sweep.csv, sweep.png and each run's "
+                    "log.jsonl; run it again to resume a grid stopped half-way.",
     )
     d = Recipe()
     p.add_argument("--lrs", type=_floats, default=lr_grid(1e-4, 1.0, 9),
                    help="learning rates: 1e-3,1e-2 or low:high:count, log-spaced (default 1e-4:1:9)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} (default all)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)} (default all)")
     p.add_argument("--seeds", default="0", help="comma list of seeds (default 0)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"steps per run (default {d.steps})")
-    for name, flag in (("n_layer", "layers"), ("n_head", "heads"), ("n_embd", "width"), ("block_size", "context"),
-                       ("batch_size", "batch")):
-        p.add_argument(f"--{flag}", type=int, default=getattr(d, name), help=f"{name} (default {getattr(d, name)})")
+    sizes = (("n_layer", "layers"), ("n_head", "heads"), ("n_embd", "width"), ("block_size", "context"),
+             ("batch_size", "batch"))
+    for name, flag in sizes:
+        default = getattr(d, name)
+        p.add_argument(f"--{flag}", type=int, default=default, help=f"{name} (default {default})")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision,
                    help="fp16 runs with the dynamic loss scaler (slow on a CPU without native fp16)")
     p.add_argument("--attention", choices=["sdpa", "explicit"], default=d.attention,
                    help="explicit forms q @ k.T as a tensor, which overflows in fp16 (default sdpa)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default=os.path.join("runs", "sweep"), help="folder (default runs/sweep)")
-    p.add_argument("--no-progress", action="store_true", help="plain lines, no progress bar (the default without a tty)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="plain lines, no progress bar (the default without a tty)")
     return p
 
 
@@ -731,8 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--seeds: give a comma list of ints, got {args.seeds!r}")
     try:
         recipe = Recipe(n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.context,
-                        batch_size=args.batch, steps=args.steps, precision=args.precision, attention=args.attention,
-                        device=args.device)
+                        batch_size=args.batch, steps=args.steps, precision=args.precision,
+                        attention=args.attention, device=args.device)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     out = args.out
@@ -760,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _traces(out: str, points: Sequence[Point], seed: int) -> tuple[dict[str, StepLog], float | None]:
-    """The per-step logs at the smallest lr where the baseline is out of its stable range (or the largest lr)."""
+    """The per-step logs at the lowest lr where the baseline is out of its stable range (or the largest)."""
     from ..records import StepLog
 
     summary = summarize(points)

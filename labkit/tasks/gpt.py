@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from ..distributed import all_reduce_, is_distributed
 from .text import TextCorpus
 
-__all__ = ["ATTENTION", "GPT", "GPTTask", "LogitMonitor", "cross_entropy", "cross_entropy_with_z_loss", "softcap"]
+__all__ = ["ATTENTION", "GPT", "GPTTask", "LogitMonitor", "cross_entropy", "cross_entropy_with_z_loss",
+           "softcap"]
 
 ATTENTION = ("sdpa", "explicit")
 
@@ -111,7 +112,8 @@ class CausalSelfAttention(nn.Module):
         if self.stats is None:
             self.stats = now
         else:  # several forwards between two reads (gradient accumulation): the worst of them
-            self.stats = torch.stack([torch.maximum(self.stats[0], now[0]), torch.minimum(self.stats[1], now[1])])
+            before = self.stats
+            self.stats = torch.stack([torch.maximum(before[0], now[0]), torch.minimum(before[1], now[1])])
 
 
 class MLP(nn.Module):
@@ -143,13 +145,14 @@ class GPT(nn.Module):
     >>> m = GPT(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)
     >>> m(torch.zeros(3, 5, dtype=torch.long)).shape
     torch.Size([3, 5, 10])
-    >>> m.measurements().shape  # per layer: largest attention logit, worst head's entropy; then log Z, log Z**2
+    >>> m.measurements().shape  # per layer: largest logit, worst head's entropy; then log Z, log Z**2
     torch.Size([4])
     """
 
     def __init__(
-        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, *, qk_norm: bool = False,
-        attn_softcap: float | None = None, logit_softcap: float | None = None, attention: str = "sdpa",
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, *,
+        qk_norm: bool = False, attn_softcap: float | None = None, logit_softcap: float | None = None,
+        attention: str = "sdpa",
     ) -> None:
         super().__init__()
         if n_embd % n_head:
@@ -170,7 +173,8 @@ class GPT(nn.Module):
             elif p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
                 nn.init.normal_(p, 0.0, std)
-        self.log_z: Tensor | None = None  # [sum of mean log Z, sum of mean log Z**2, forwards] since the last read
+        # [sum of mean log Z, sum of mean log Z**2, forwards] since the last read
+        self.log_z: Tensor | None = None
         self._measure = True
 
     @property
@@ -241,7 +245,8 @@ def cross_entropy_with_z_loss(logits: Tensor, targets: Tensor, coef: float) -> T
 
     >>> logits, targets = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
     >>> z = logits.float().logsumexp(-1).square().mean()
-    >>> torch.allclose(cross_entropy_with_z_loss(logits, targets, 1e-4), cross_entropy(logits, targets) + 1e-4 * z)
+    >>> with_z = cross_entropy_with_z_loss(logits, targets, 1e-4)
+    >>> torch.allclose(with_z, cross_entropy(logits, targets) + 1e-4 * z)
     True
     """
     flat = logits.flatten(0, 1).float()
@@ -268,7 +273,8 @@ class LogitMonitor:
 
     def __init__(self, model: GPT, z_loss: float = 0.0, process_group: Any = None) -> None:
         if not isinstance(model, GPT):
-            raise TypeError(f"LogitMonitor measures a labkit GPT (GPTTask.model()), got {type(model).__name__}.")
+            raise TypeError(f"LogitMonitor measures a labkit GPT (GPTTask.model()), got "
+                            f"{type(model).__name__}.")
         self.model, self.z_loss, self.process_group = model, z_loss, process_group
 
     def before_step(self, params: Any, step: int) -> None:
@@ -332,14 +338,14 @@ class GPTTask:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         z = self.z_loss
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not (math.isfinite(z) and z >= 0):
-            raise ValueError(f"z_loss is the coefficient of PaLM's z-loss, a finite number >= 0 (1e-4 in PaLM; "
-                             f"0 turns it off), got {z!r}.")
+            raise ValueError(f"z_loss is the coefficient of PaLM's z-loss, a finite number >= 0 (1e-4 in "
+                             f"PaLM; 0 turns it off), got {z!r}.")
         for name in ("logit_softcap", "attn_softcap"):
             cap = getattr(self, name)
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
                                     or not (math.isfinite(cap) and cap > 0)):
-                raise ValueError(f"{name} must be None (off) or a finite number > 0 (Gemma 2: 30 for the output "
-                                 f"logits, 50 for attention), got {cap!r}.")
+                raise ValueError(f"{name} must be None (off) or a finite number > 0 (Gemma 2: 30 for the "
+                                 f"output logits, 50 for attention), got {cap!r}.")
         _check_attention(self.attention, self.attn_softcap)
 
     @classmethod
@@ -355,7 +361,7 @@ class GPTTask:
         return self.corpus.sha256
 
     def model(self, device: str | torch.device = "cpu") -> GPT:
-        """Return a freshly initialised GPT; the same seed gives the same weights (with or without qk_norm)."""
+        """Return a freshly initialised GPT; the same seed gives the same weights (qk_norm or not)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             net = GPT(self.corpus.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd,
@@ -370,7 +376,9 @@ class GPTTask:
 
     @property
     def loss_fn(self):  # type: ignore[no-untyped-def]
-        return functools.partial(cross_entropy_with_z_loss, coef=self.z_loss) if self.z_loss else cross_entropy
+        if not self.z_loss:
+            return cross_entropy
+        return functools.partial(cross_entropy_with_z_loss, coef=self.z_loss)
 
     def batch(self, step: int, device: str | torch.device = "cpu", split: str = "train") -> tuple[Tensor, Tensor]:
         """Return ``(inputs, targets)``: ``batch_size`` windows of ``block_size`` bytes, targets shifted by one."""
@@ -392,6 +400,7 @@ class GPTTask:
         device = device if device is not None else next(model.parameters()).device
         was_training = model.training
         model.eval()
-        total = sum(cross_entropy(model(x), y) for x, y in (self.batch(i, device, "val") for i in range(batches)))
+        batches_ = (self.batch(i, device, "val") for i in range(batches))
+        total = sum(cross_entropy(model(x), y) for x, y in batches_)
         model.train(was_training)
         return float(total) / batches
