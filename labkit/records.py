@@ -101,13 +101,13 @@ class StepRecord:
     lockin: bool = False
     rewound: bool = False
     rewind_to: int | None = None
-    # the GPT's logits (``labkit.tasks.gpt.LogitMonitor``; empty or NaN without it): per layer the
-    # largest attention logit and the entropy of the most peaked head, the output logits' mean
-    # log Z, and the cross-entropy (the loss less its z-loss term)
+    # the GPT's logits (``labkit.tasks.gpt.LogitMonitor``; empty or None when not measured): per
+    # layer the largest attention logit and the entropy of the most peaked head, the output
+    # logits' mean log Z, and the cross-entropy (the loss less its z-loss term)
     attn_logit_max: dict[str, float] = field(default_factory=dict)
     attn_entropy: dict[str, float] = field(default_factory=dict)
-    log_z: float = math.nan
-    ce_loss: float = math.nan
+    log_z: float | None = None
+    ce_loss: float | None = None
 
     @property
     def post_clip_norm(self) -> float:
@@ -147,7 +147,7 @@ class StepRecord:
 
 FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 PER_LAYER = ("stale", "attn_logit_max", "attn_entropy")  # {layer: number}
-FLOATS = {f.name for f in dataclasses.fields(StepRecord) if f.type == "float"}
+FLOATS = {f.name for f in dataclasses.fields(StepRecord) if f.type in ("float", "float | None")}
 
 
 class _Totals:

@@ -347,7 +347,8 @@ def test_the_monitor_writes_what_the_forward_measured_and_refuses_other_models()
         LogitMonitor(torch.nn.Linear(2, 2))
     assert GPTTask(measure=False).monitor(model) is None
     log = run_experiment(ExperimentConfig(task=GPTTask(**TINY, measure=False), precision="fp32", steps=2, device="cpu"))
-    assert all(r.attn_logit_max == {} and math.isnan(r.log_z) for r in log)
+    assert all(r.attn_logit_max == {} and r.log_z is None and r.ce_loss is None for r in log)
+    assert "logits/log_z" not in row(log[0]).scalars  # not measured: nothing in the trackers
 
 
 # --- the sweep ---------------------------------------------------------------------------------

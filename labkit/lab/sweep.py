@@ -290,7 +290,8 @@ def run_point(recipe: Recipe, variant: str, lr: float, seed: int = 0, *,
         variant=variant, lr=float(lr), seed=seed, final_loss=final, init_loss=init,
         train_loss=sum(tail) / len(tail) if tail else math.nan,
         attn_logit_max=_peak(v for r in log for v in r.attn_logit_max.values()),
-        attn_logit_final=_peak(log[-1].attn_logit_max.values()), log_z_final=log[-1].log_z,
+        attn_logit_final=_peak(log[-1].attn_logit_max.values()),
+        log_z_final=log[-1].log_z if log[-1].log_z is not None else math.nan,
         skipped=len(log.skipped_steps), first_skip=log.skipped_steps[0] if log.skipped_steps else -1,
         clip_rate=log.summary()["clip_rate"], seconds=seconds,
     )
@@ -511,7 +512,7 @@ _RUN_PANELS = {  # name: (what a record gives, y-label, title, log y)
     "entropy": (lambda r: min(r.attn_entropy.values(), default=math.nan), "entropy (nats)",
                 "most peaked head's attention entropy", False),
     "loss": (lambda r: r.loss, "training loss", "loss", False),
-    "log_z": (lambda r: r.log_z, "mean log Z", "output logits' log Z", False),
+    "log_z": (lambda r: r.log_z if r.log_z is not None else math.nan, "mean log Z", "output logits' log Z", False),
 }
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -261,8 +262,9 @@ class LogitMonitor:
     per layer), ``log_z`` and ``ce_loss`` (the record's loss less the z-loss term ``z_loss *
     mean(log Z**2)``; the loss itself without z-loss). It sees every step, a skipped one too:
     an attention logit of ``inf`` on a step whose loss is not finite is an fp16 forward overflow.
-    Under ``torch.distributed`` the values are reduced over the ranks (max, min, mean), so every
-    rank records the same. With ``TrainStep(sync_every=N)`` reading the record copies it over.
+    Under ``torch.distributed`` the values are reduced over the ranks, so every rank records the
+    same: the largest logit (that of the global batch), the lowest entropy (the most peaked head
+    of any rank's shard) and the mean log Z. With ``TrainStep(sync_every=N)`` reading the record copies it over.
 
     >>> task = GPTTask(n_layer=1, n_embd=16, block_size=8, batch_size=2); model = task.model()
     >>> from labkit.records import StepRecord
@@ -284,13 +286,12 @@ class LogitMonitor:
         """Set the record's ``attn_logit_max``, ``attn_entropy``, ``log_z`` and ``ce_loss``."""
         values = self.model.measurements()
         n = len(self.model.h)
-        if is_distributed():  # the worst over the ranks, and the mean log Z: one vector, three collectives
-            values = values.clone()
-            all_reduce_(values[:n], "max", self.process_group)
-            values[n:2 * n].neg_()
-            all_reduce_(values[n:2 * n], "max", self.process_group)
-            values[n:2 * n].neg_()
-            all_reduce_(values[2 * n:], "avg", self.process_group)
+        if is_distributed():  # the worst over the ranks and the mean log Z: three small collectives
+            parts = [values[:n].clone(), values[n:2 * n].clone(), values[2 * n:].clone()]
+            all_reduce_(parts[0], "max", self.process_group)
+            all_reduce_(parts[1], "min", self.process_group)
+            all_reduce_(parts[2], "sum", self.process_group)
+            values = torch.cat([parts[0], parts[1], parts[2] / dist.get_world_size(self.process_group)])
         v = values.tolist()  # host read of 2 * n_layer + 2 numbers
         record.attn_logit_max = {f"h.{i}": v[i] for i in range(n)}
         record.attn_entropy = {f"h.{i}": v[n + i] for i in range(n)}
