@@ -512,6 +512,8 @@ _RUN_PANELS = {  # name: (what a record gives, y-label, title, log y)
     "entropy": (lambda r: min(r.attn_entropy.values(), default=math.nan), "entropy (nats)",
                 "most peaked head's attention entropy", False),
     "loss": (lambda r: r.loss, "training loss", "loss", False),
+    "ce_loss": (lambda r: r.ce_loss if r.ce_loss is not None else r.loss, "cross-entropy",
+                "training cross-entropy (no z-loss term)", False),
     "log_z": (lambda r: r.log_z if r.log_z is not None else math.nan, "mean log Z", "output logits' log Z", False),
 }
 
@@ -521,7 +523,7 @@ def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "en
     """Draw each run's measurements by step, one panel for each of ``panels``.
 
     The panels: ``"logit"`` (largest attention logit), ``"entropy"`` (most peaked head's),
-    ``"loss"`` and ``"log_z"``.
+    ``"loss"``, ``"ce_loss"`` (the loss without its z-loss term) and ``"log_z"``.
 
     ``overflow_at`` marks on the logit panel where the logits overflow fp16 (``Recipe.fp16_logit_limit``).
     """
