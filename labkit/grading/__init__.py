@@ -1,7 +1,7 @@
 """Graded exercises: checks for autograder test cells, and nbgrader-format release and grading.
 
 Test cells call the checks (``check_grad_norm(student_fn)``); instructors run
-``python -m labkit.grading release|grade`` (see ``python -m labkit.grading --help``). The
+``python -m labkit.grading release|grade|feedback`` (see ``python -m labkit.grading --help``). The
 checks are imported on first use: they need torch, the command line does not.
 
 >>> from labkit.grading import check_update_scale

@@ -1,4 +1,4 @@
-"""``python -m labkit.grading release|grade`` (or ``python -m labkit grading ...``): the instructor's side.
+"""``python -m labkit.grading release|grade|feedback`` (or ``python -m labkit grading ...``): for instructors.
 
 Exit codes: 0 when the command did its job (whatever the score), 1 when it could not
 (an unreadable or malformed source, no sandbox tool), 2 for bad arguments. Starts in well
@@ -16,13 +16,15 @@ USAGE = """examples:
   python -m labkit.grading release notebooks/exercises/ps1_clipping_and_scaling.ipynb -o release/
   python -m labkit.grading grade notebooks/exercises/ps1_clipping_and_scaling.ipynb alice.ipynb --json alice.json
   python -m labkit.grading grade SOURCE.ipynb course/submitted/ --out grades/ --jobs 2 --manual written.csv
+  python -m labkit.grading feedback SOURCE.ipynb course/submitted/ --grades grades/ -o course/feedback/
 
 A folder is graded as a class: nbgrader's submitted/<student>/<assignment>/<notebook>.ipynb or a flat folder
 of <student>.ipynb, into OUT/gradebook.csv, gradebook.json, summary.txt and results/<student>.json (kept:
 run the same command again after a crash and only what is missing is graded). --manual is a CSV
 student,grade_id,points[,comment] of hand-graded points. Every submission runs in a bubblewrap sandbox
 (apt-get install bubblewrap); its hidden cases are seeded from the source and the student's name, and the
-seed is in the JSON: --seed replays it.
+seed is in the JSON: --seed replays it. feedback writes each student's page from the gradebook into nbgrader's
+feedback/<student>/<assignment>/<notebook>.html, for `nbgrader release_feedback`.
 """
 
 
@@ -51,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     gra.add_argument("--seed", type=int, help="replay the hidden cases of this seed (from a report's JSON)")
     gra.add_argument("--no-sandbox", action="store_true",
                      help="run without bubblewrap: only for notebooks you trust (your own solutions)")
+    fee = commands.add_parser("feedback", help="write each student's feedback page from a graded class, for "
+                              "nbgrader release_feedback")
+    fee.add_argument("source", type=Path, help="the instructor's notebook the class was graded against")
+    fee.add_argument("submitted", type=Path, help="nbgrader's submitted/ folder that was graded")
+    fee.add_argument("--grades", type=Path, required=True, help="grade's --out folder (gradebook.json)")
+    fee.add_argument("-o", "--output", type=Path, required=True, help="nbgrader's feedback/ folder, to write")
+    fee.add_argument("--assignment", help="the assignment folder name, if students have several")
     return parser
 
 
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.command == "release":
         return _release(args, source)
+    if args.command == "feedback":
+        return _feedback(args)
     for name, value in (("--timeout", args.timeout), ("--wall", args.wall)):
         if value is not None and value <= 0:
             print(f"labkit.grading: {name} must be > 0 seconds, got {value:g}.", file=sys.stderr)
@@ -100,6 +111,23 @@ def _release(args: argparse.Namespace, source: dict) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(student, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {out}")
+    return 0
+
+
+def _feedback(args: argparse.Namespace) -> int:
+    from .feedback import write_feedback
+
+    try:
+        done = write_feedback(args.source, args.submitted, args.grades, args.output, args.assignment)
+    except ValueError as e:
+        print(f"labkit.grading: {e}", file=sys.stderr)
+        return 1
+    for student, why in done.skipped.items():
+        print(f"labkit.grading: no feedback for {student}: {why}", file=sys.stderr)
+    for student, parts in done.awaiting.items():
+        print(f"labkit.grading: {student}'s {', '.join(parts)} not graded by hand yet: the page says so "
+              "(add it to --manual and grade again)", file=sys.stderr)
+    print(f"wrote {len(done.written)} feedback pages under {args.output}")
     return 0
 
 

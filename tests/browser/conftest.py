@@ -14,14 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from lab_driver import NOTEBOOKS, RELEASE, LabServer, Notebook
+from lab_driver import CHROMIUM, CHROMIUM_ARGS, NOTEBOOKS, RELEASE, LabServer, Notebook
 
 HERE = Path(__file__).parent
-CHROMIUM = Path(os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium"))
-# As root Chromium needs --no-sandbox; the rest keep it off this machine's closed network
-# (background, component-update and sync requests are refused, many at a time, and slow it).
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]

@@ -30,6 +30,11 @@ import numpy as np
 from PIL import Image
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
+CHROMIUM = Path(os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium"))
+# As root Chromium needs --no-sandbox; the rest keep it off this machine's closed network
+# (background, component-update and sync requests are refused, many at a time, and slow it).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 RELEASE = "exercises/release"  # where the lab's copy holds the student version of each exercise
 
 # The news pop-up and the update check would otherwise cover the page in screenshots (and
