@@ -3,6 +3,7 @@
 tests/test_instabilities.py runs it next to today's GPTTask: with every option off, the records must be
 bitwise the same. Only the import of TextCorpus is absolute. Do not edit.
 """
+# ruff: noqa: E501
 
 
 from __future__ import annotations

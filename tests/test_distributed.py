@@ -196,7 +196,8 @@ def scenario_gpt(rank, out):
     task = GPTTask(**GPT_SIZE)
     raw = task.model()
     model = DDP(raw)
-    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), task.loss_fn, observer=task.monitor(raw))
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), task.loss_fn,
+                     observer=task.monitor(raw))
     return [step(*shard(task.batch(i), rank)).to_dict() for i in range(3)]
 
 
@@ -394,7 +395,7 @@ def test_a_spike_on_one_rank_rewinds_every_rank_together(ranks):
 # ---------------------------------------------------------------- single process: nothing changes
 
 
-def test_the_gpts_logit_measurements_are_the_same_on_every_rank_and_the_largest_logit_is_the_global_one(ranks):
+def test_the_gpts_logit_measurements_agree_on_every_rank_and_the_largest_logit_is_the_global_one(ranks):
     from labkit.tasks import GPTTask
 
     run0, run1 = (r["gpt"] for r in ranks[0])
@@ -405,7 +406,8 @@ def test_the_gpts_logit_measurements_are_the_same_on_every_rank_and_the_largest_
     whole = model.measurements().tolist()
     assert run0[0]["attn_logit_max"] == {"h.0": whole[0]}  # a max over the halves is the max over the batch
     assert run0[0]["log_z"] == pytest.approx(whole[2], rel=1e-6)  # the mean of two equal halves' means
-    assert run0[0]["ce_loss"] == run0[0]["loss"] == pytest.approx(task.loss_fn(logits, task.batch(0)[1]).item())
+    whole_loss = task.loss_fn(logits, task.batch(0)[1]).item()
+    assert run0[0]["ce_loss"] == run0[0]["loss"] == pytest.approx(whole_loss)
 
 
 def test_empty_gradients_have_norm_0_for_every_norm_type():

@@ -11,7 +11,6 @@ import dataclasses
 import io
 import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from labkit.lab.experiment import ExperimentConfig, make_optimizer, make_schedul
 from labkit.lab.sweep import Recipe, lr_grid, lr_sensitivity, main, run_point, stable_lrs, summarize, sweep
 from labkit.records import FIELDS, StepLog, StepRecord
 from labkit.tasks import GPTTask
-from labkit.tasks.gpt import LogitMonitor, cross_entropy, cross_entropy_with_z_loss
+from labkit.tasks.gpt import LogitMonitor, cross_entropy_with_z_loss
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
 # the CPU default's width, context and heads (head dim 16), as in lesson 07
@@ -39,8 +38,10 @@ def bitwise(x):
 
 # --- off by default, and nothing changes when off ---------------------------------------------
 
-@pytest.mark.parametrize("precision, optimizer, lr", [("fp32", "adam", 3e-3), ("fp16", "sgd", 0.3), ("bf16", "adam", 3e-3)])
-def test_options_are_off_by_default_and_records_are_bitwise_those_of_the_gpt_before_them(precision, optimizer, lr):
+@pytest.mark.parametrize("precision, optimizer, lr",
+                         [("fp32", "adam", 3e-3), ("fp16", "sgd", 0.3), ("bf16", "adam", 3e-3)])
+def test_options_are_off_by_default_and_records_are_bitwise_those_of_the_gpt_before_them(precision, optimizer,
+                                                                                        lr):
     task = GPTTask(**TINY)
     assert (task.qk_norm, task.z_loss, task.logit_softcap, task.attn_softcap, task.attention) == \
         (False, 0.0, None, None, "sdpa")
@@ -108,7 +109,8 @@ def test_measurements_are_the_attention_logits_entropy_and_log_z_formed_by_hand(
     assert silent.measurements().isnan().all(), "measure=False: nothing measured"
     values = model.measurements().tolist()
     maxes, entropies, log_z, log_z2 = reference_measurements(model, x)
-    assert values[:2] == pytest.approx(maxes, rel=1e-4) and values[2:4] == pytest.approx(entropies, rel=1e-4, abs=1e-6)
+    assert values[:2] == pytest.approx(maxes, rel=1e-4)
+    assert values[2:4] == pytest.approx(entropies, rel=1e-4, abs=1e-6)
     assert values[4:] == pytest.approx([log_z, log_z2], rel=1e-5)
     if "attn_softcap" in options:
         assert 0.4 < max(values[:2]) <= 0.5 and out.abs().max() <= 2.0
@@ -142,13 +144,14 @@ def test_z_loss_is_palms_and_the_record_carries_log_z_and_the_cross_entropy_apar
     assert cross_entropy_with_z_loss(logits, y, 1e-2).item() == pytest.approx(expected.item(), rel=1e-6)
     task = GPTTask(**TINY, z_loss=1e-2)
     assert task.loss_fn(logits, y).item() == cross_entropy_with_z_loss(logits, y, 1e-2).item()
-    log = run_experiment(ExperimentConfig(task=task, precision="fp32", optimizer="adam", lr=1e-2, steps=3, device="cpu"))
+    config = ExperimentConfig(task=task, precision="fp32", optimizer="adam", lr=1e-2, steps=3, device="cpu")
+    log = run_experiment(config)
     for r in log:
         term = r.loss - r.ce_loss
-        assert term == pytest.approx(1e-2 * r.log_z**2, rel=0.05)  # mean(log Z**2) is close to mean(log Z)**2 here
+        assert term == pytest.approx(1e-2 * r.log_z**2, rel=0.05)  # mean(log Z**2) ~ mean(log Z)**2 here
         assert term > 0.1
     model = task.model()
-    assert task.val_loss(model) == GPTTask(**TINY).val_loss(model), "validation reports the cross-entropy alone"
+    assert task.val_loss(model) == GPTTask(**TINY).val_loss(model), "validation: the cross-entropy alone"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -163,7 +166,8 @@ def test_bad_options_say_how_to_fix_them(kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"weight_decay": -0.1}, "weight_decay"), ({"betas": (0.9, 1.0)}, "betas"), ({"betas": 0.9}, "betas"),
-    ({"warmup": 200, "steps": 100}, "warmup"), ({"warmup": -1}, "warmup"), ({"optimizer": "lion"}, "optimizer"),
+    ({"warmup": 200, "steps": 100}, "warmup"), ({"warmup": -1}, "warmup"),
+    ({"optimizer": "lion"}, "optimizer"),
 ])
 def test_bad_optimizer_settings_say_how_to_fix_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -183,7 +187,8 @@ def test_warmup_is_nanogpts_linear_ramp_then_cosine_and_adamw_is_torchs():
         opt.step()
         schedule.step()
     # nanoGPT's get_lr: lr * (it + 1) / (warmup + 1), then 0.5 * (1 + cos(pi * ratio)) * lr, to min_lr = 0
-    expected = [0.1 * (t + 1) / 6 if t < 5 else 0.05 * (1 + math.cos(math.pi * (t - 5) / 15)) for t in range(20)]
+    expected = [0.1 * (t + 1) / 6 if t < 5 else 0.05 * (1 + math.cos(math.pi * (t - 5) / 15))
+                for t in range(20)]
     assert lrs == pytest.approx(expected, rel=1e-12)
     assert make_scheduler(ExperimentConfig(steps=20), opt) is None
     assert isinstance(make_scheduler(ExperimentConfig(steps=20, scheduler="cosine"), opt),
@@ -200,15 +205,16 @@ def _checkpoint(*objs):
 
 
 @pytest.mark.parametrize("options", [
-    {"qk_norm": True}, {"z_loss": 1e-2}, {"logit_softcap": 5.0}, {"attention": "explicit", "attn_softcap": 2.0},
+    {"qk_norm": True}, {"z_loss": 1e-2}, {"logit_softcap": 5.0},
+    {"attention": "explicit", "attn_softcap": 2.0},
     {"qk_norm": True, "z_loss": 1e-4, "weight_decay": 0.1, "warmup": 4},
 ], ids=["qk_norm", "z_loss", "logit_softcap", "attn_softcap", "all+adamw_wd_warmup"])
 def test_every_option_resumes_exactly_from_state_dict(options):
     options = dict(options)
     opt_options = {k: options.pop(k) for k in ("weight_decay", "warmup") if k in options}
     task = GPTTask(**TINY, **options)
-    config = ExperimentConfig(task=task, precision="fp32", optimizer="adamw", lr=3e-2, betas=(0.9, 0.95), steps=12,
-                              scheduler="cosine", **opt_options)
+    config = ExperimentConfig(task=task, precision="fp32", optimizer="adamw", lr=3e-2, betas=(0.9, 0.95),
+                              steps=12, scheduler="cosine", **opt_options)
 
     def fresh():
         model = task.model()
@@ -229,7 +235,8 @@ def test_every_option_resumes_exactly_from_state_dict(options):
         obj.load_state_dict(state)
     again = run(resumed, 6, 6)
     assert [bitwise(r.to_dict()) for r in again] == [bitwise(r.to_dict()) for r in straight[6:]]
-    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), full.model.state_dict().values()))
+    weights = zip(resumed.model.state_dict().values(), full.model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in weights)
     assert any(r.attn_logit_max for r in again)
 
 
@@ -260,14 +267,15 @@ def test_z_loss_keeps_log_z_near_zero_where_the_baseline_drifts():
 
 
 def _fp16_steps(variant, lr, steps, until=None):
-    """Train the lesson's GPT in fp16 with explicit attention, on the 100-step schedule, for ``steps`` steps."""
+    """Train the lesson's GPT in fp16, explicit attention, on the 100-step schedule, for ``steps`` steps."""
     config = Recipe(**LESSON, steps=100, precision="fp16", attention="explicit").config(variant, lr)
     task = config.task
     model = task.model()
     opt = make_optimizer(config, model.parameters())
     scaler = labkit.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
-                            scheduler=make_scheduler(config, opt), observer=task.monitor(model), skip_alarm=None)
+                            scheduler=make_scheduler(config, opt), observer=task.monitor(model),
+                            skip_alarm=None)
     records = []
     for i in range(steps):
         records.append(step(*task.batch(i)))
@@ -277,7 +285,8 @@ def _fp16_steps(variant, lr, steps, until=None):
 
 
 def test_fp16_forward_overflow_skips_losses_that_the_fp32_forward_of_the_same_step_does_not_have():
-    task, model, step, records = _fp16_steps("baseline", 1.0, 60, until=lambda r: r.reason == "nonfinite_loss")
+    overflowed = lambda r: r.reason == "nonfinite_loss"  # noqa: E731
+    task, model, step, records = _fp16_steps("baseline", 1.0, 60, until=overflowed)
     record = records[-1]
     assert record.reason == "nonfinite_loss", "no forward overflow in 60 steps at lr 1"
     assert not math.isfinite(record.loss) and record.next_scale == record.scale  # the scale cannot help
@@ -317,21 +326,25 @@ def test_qk_norm_keeps_the_steps_where_the_baseline_overflows_in_fp16_finite():
 # --- records, trackers, events -----------------------------------------------------------------
 
 def test_the_measurements_round_trip_through_jsonl_and_csv_and_reach_the_trackers(tmp_path):
-    r = StepRecord(7, math.nan, skipped=True, reason="nonfinite_loss", attn_logit_max={"h.0": math.inf, "h.1": 80.5},
+    r = StepRecord(7, math.nan, skipped=True, reason="nonfinite_loss",
+                   attn_logit_max={"h.0": math.inf, "h.1": 80.5},
                    attn_entropy={"h.0": math.nan, "h.1": 0.25}, log_z=5.5, ce_loss=math.nan)
     log = StepLog([r, StepRecord(8, 2.0, attn_logit_max={"h.0": 3.0}, log_z=-0.25, ce_loss=1.75)])
     log.to_jsonl(tmp_path / "log.jsonl")
     back = StepLog.read_jsonl(tmp_path / "log.jsonl")
     assert bitwise([x.to_dict() for x in back]) == bitwise([x.to_dict() for x in log])
-    assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["attn_logit_max"]["h.0"] == "Infinity"
+    first = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert first["attn_logit_max"]["h.0"] == "Infinity"
     log.to_csv(tmp_path / "log.csv")
     rows = list(csv.DictReader(open(tmp_path / "log.csv")))
     assert rows[0]["attn_logit_max"] == "h.0=inf;h.1=80.5" and rows[1]["log_z"] == "-0.25"
     metrics = row(r)
-    assert metrics.scalars["attn/logit_max/h.0"] == math.inf and metrics.scalars["attn/entropy_min/h.1"] == 0.25
+    assert metrics.scalars["attn/logit_max/h.0"] == math.inf
+    assert metrics.scalars["attn/entropy_min/h.1"] == 0.25
     assert metrics.scalars["logits/log_z"] == 5.5 and "train/ce_loss" in row(log[1]).scalars
-    assert describe(r, 1.0) == ["step    7  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched; "
-                                "attention logits inf in h.0: the forward overflowed, no loss scale can help"]
+    assert describe(r, 1.0) == [
+        "step    7  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched; "
+        "attention logits inf in h.0: the forward overflowed, no loss scale can help"]
 
 
 def test_the_monitor_writes_what_the_forward_measured_and_refuses_other_models():
@@ -346,7 +359,8 @@ def test_the_monitor_writes_what_the_forward_measured_and_refuses_other_models()
     with pytest.raises(TypeError, match="labkit GPT"):
         LogitMonitor(torch.nn.Linear(2, 2))
     assert GPTTask(measure=False).monitor(model) is None
-    log = run_experiment(ExperimentConfig(task=GPTTask(**TINY, measure=False), precision="fp32", steps=2, device="cpu"))
+    config = ExperimentConfig(task=GPTTask(**TINY, measure=False), precision="fp32", steps=2, device="cpu")
+    log = run_experiment(config)
     assert all(r.attn_logit_max == {} and r.log_z is None and r.ce_loss is None for r in log)
     assert "logits/log_z" not in row(log[0]).scalars  # not measured: nothing in the trackers
 
@@ -365,8 +379,9 @@ def test_lr_sensitivity_is_the_papers_mean_gap_to_the_best_capped_at_the_initial
 
 
 def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_grid(tmp_path, capsys):
-    args = ["--lrs", "1e-2,1e-1", "--variants", "baseline,qk_norm", "--steps", "4", "--layers", "1", "--width", "16",
-            "--heads", "2", "--context", "8", "--batch", "2", "--device", "cpu", "--out", str(tmp_path), "--no-progress"]
+    args = ["--lrs", "1e-2,1e-1", "--variants", "baseline,qk_norm", "--steps", "4", "--layers", "1",
+            "--width", "16", "--heads", "2", "--context", "8", "--batch", "2", "--device", "cpu",
+            "--out", str(tmp_path), "--no-progress"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("final loss") == 4 and "LR sensitivity" in out

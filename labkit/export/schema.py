@@ -29,7 +29,7 @@ tag                        record field
 ``precision/stale_fraction``  ``stale_fraction`` (a number, or ``<tag>/<layer>`` per layer)
 ``attn/logit_max/<layer>``  ``attn_logit_max`` (the GPT's largest ``q.k / sqrt(d)``; inf: fp16 overflow)
 ``attn/entropy_min/<layer>``  ``attn_entropy`` (the most peaked head's entropy, nats)
-``logits/log_z``           ``log_z`` (mean log Z of the output logits; z-loss pulls it to 0; None: not measured)
+``logits/log_z``           ``log_z`` (the output logits' mean log Z, pulled to 0 by z-loss; None: unmeasured)
 ``train/ce_loss``          ``ce_loss`` (the cross-entropy: ``loss`` less the z-loss term)
 ``record/<field>``         any other field a record carries (numbers and text)
 =========================  =======================================================

@@ -514,7 +514,8 @@ _RUN_PANELS = {  # name: (what a record gives, y-label, title, log y)
     "loss": (lambda r: r.loss, "training loss", "loss", False),
     "ce_loss": (lambda r: r.ce_loss if r.ce_loss is not None else r.loss, "cross-entropy",
                 "training cross-entropy (no z-loss term)", False),
-    "log_z": (lambda r: r.log_z if r.log_z is not None else math.nan, "mean log Z", "output logits' log Z", False),
+    "log_z": (lambda r: r.log_z if r.log_z is not None else math.nan, "mean log Z", "output logits' log Z",
+              False),
 }
 
 

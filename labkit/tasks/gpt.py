@@ -264,7 +264,8 @@ class LogitMonitor:
     an attention logit of ``inf`` on a step whose loss is not finite is an fp16 forward overflow.
     Under ``torch.distributed`` the values are reduced over the ranks, so every rank records the
     same: the largest logit (that of the global batch), the lowest entropy (the most peaked head
-    of any rank's shard) and the mean log Z. With ``TrainStep(sync_every=N)`` reading the record copies it over.
+    of any rank's shard) and the mean log Z. With ``TrainStep(sync_every=N)`` reading the record
+    copies it over.
 
     >>> task = GPTTask(n_layer=1, n_embd=16, block_size=8, batch_size=2); model = task.model()
     >>> from labkit.records import StepRecord
@@ -381,12 +382,14 @@ class GPTTask:
             return cross_entropy
         return functools.partial(cross_entropy_with_z_loss, coef=self.z_loss)
 
-    def batch(self, step: int, device: str | torch.device = "cpu", split: str = "train") -> tuple[Tensor, Tensor]:
-        """Return ``(inputs, targets)``: ``batch_size`` windows of ``block_size`` bytes, targets shifted by one."""
+    def batch(self, step: int, device: str | torch.device = "cpu",
+              split: str = "train") -> tuple[Tensor, Tensor]:
+        """Return ``(inputs, targets)``: ``batch_size`` windows of ``block_size`` bytes, targets one later."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}.")
         data = self.corpus.train if split == "train" else self.corpus.val
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + (0 if split == "train" else 500_000_009))
+        offset = 0 if split == "train" else 500_000_009
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + offset)
         starts = torch.randint(0, len(data) - self.block_size - 1, (self.batch_size,), generator=g)
         offsets = starts[:, None] + torch.arange(self.block_size + 1)
         windows = data[offsets]
