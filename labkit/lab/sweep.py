@@ -599,7 +599,9 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         ax.set(yscale="log", xlabel="step", ylabel="largest attention logit",
                title=f"lr {trace_lr:g}: attention logit by step" if trace_lr is not None else "by step")
         ax.legend(fontsize=7)
-    fig.tight_layout()
+    # fixed margins, not a layout engine: tight_layout draws the figure once more on every redraw
+    width = fig.get_figwidth()  # margins in inches: room for the y-labels, whatever the panel count
+    fig.subplots_adjust(left=0.75 / width, right=1 - 0.1 / width, bottom=0.14, top=0.9, wspace=0.3)
     return fig
 
 
