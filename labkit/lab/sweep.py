@@ -632,7 +632,7 @@ class SweepPanel:
                                     value=lr if lr is not None else self.lrs[-1], description="learning rate",
                                     continuous_update=False),
             "qk_norm": W.ToggleButton(value=False, description="qk_norm"),
-            "z_loss": W.ToggleButton(value=False, description=f"z_loss {recipe.z_loss:g}"),
+            "z_loss": W.ToggleButton(value=False, description=f"z_loss {recipe.z_loss:.0e}".replace("e-0", "e-")),
         }
         self.status = W.HTML()
         self.seconds = math.nan
@@ -644,6 +644,7 @@ class SweepPanel:
         self.fig = Figure(figsize=(12.6, 3.6))
         FigureCanvasAgg(self.fig)
         self.image = W.Image(format="png")
+        self.controls["lr"].style.description_width = "120px"  # the default cuts "learning rate" short
         for name, widget in self.controls.items():
             widget.observe(lambda _: self.run(), names="value")
             widget.add_class(f"labkit-control-{name}")
