@@ -147,12 +147,12 @@ class Recipe:
     @classmethod
     def lesson(cls, device: str | None = None) -> Recipe:
         """Return the recipe lesson 07 trains live: on a CPU the GPT of lesson 04 (2 layers, width 32, 2
-        heads of dimension 16, a 32-byte context, batches of 8), 300 steps; on a GPU this default size."""
+        heads of dimension 16, a 32-byte context, batches of 8), 250 steps; on a GPU this default size."""
         import torch
 
         if torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda":
             return cls(device=device)
-        return cls(n_head=2, n_embd=32, block_size=32, batch_size=8, device=device)
+        return cls(n_head=2, n_embd=32, block_size=32, batch_size=8, steps=250, device=device)
 
     @property
     def fp16_logit_limit(self) -> float:
