@@ -1,8 +1,11 @@
 """Warnings for runs that are going wrong slowly: skip streaks and habitual clipping.
 
 A skipped step now and then is the scaler doing its job; many in a row means the data or
-the model is broken. Clipping now and then catches a spike; clipping most steps means the
-threshold is fighting the learning rate or the data, and is a symptom to investigate.
+the model is broken. Clipping now and then catches a spike. Clipping most steps is a symptom to
+investigate when it is not the design: a fixed threshold that used to clip rarely is now fighting
+the learning rate or the data (under SGD it also cuts the learning rate by a factor nobody chose).
+Some setups clip most steps on purpose: a percentile clipper such as AutoClip at p=10 (about 90 %
+of steps on a steady norm), or the first steps of a pretraining run at max_norm=1.
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ class SkipAlarm:
             kinds = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
             warnings.warn(
                 f"{self.streak} steps skipped in a row (steps {step - self.streak + 1}-{step}: {kinds}). "
-                "nonfinite_loss means bad batches: check the data pipeline for NaN/Inf inputs and labels. "
+                "nonfinite_loss means the loss itself was NaN/inf, which no loss scale can fix: bad "
+                "batches (check the data pipeline for NaN/Inf inputs and labels) or, under fp16, a forward "
+                "pass that overflowed (activations beyond 65504, e.g. attention logits): if the batch is "
+                "finite and its forward in fp32 gives a finite loss, train in bf16 or find what grew. "
                 "nonfinite_grad means gradients overflow at every scale tried: lower the learning rate, "
                 "check for an fp16 overflow in the forward, or train in bf16.",
                 SkipStreakWarning,
@@ -124,8 +130,10 @@ class ClipAlarm:
         self.fired = True
         warnings.warn(
             f"repeated clipping: {frac:.0%} of the last {self.window} steps (up to step {step}) were clipped. "
-            "Clipping is a seat belt, not a steering wheel: investigate the learning rate (too high?), the data "
-            "(outliers, unnormalised inputs) or max_norm (too low for this model's usual norm).",
+            "If that is the design (a percentile clipper such as AutoClip at p=10, the first steps of a "
+            "run at max_norm=1), raise clip_alarm or pass clip_alarm=None. If not, investigate: the "
+            "learning rate (too high?), the data (outliers, unnormalised inputs) or max_norm (too low for "
+            "this model's usual norm; under SGD a constant clip cuts the learning rate).",
             RepeatedClippingWarning,
             stacklevel=3,
         )

@@ -20,8 +20,8 @@ import os
 import struct
 import types
 import warnings
-from collections.abc import Iterable
-from typing import Union
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -52,6 +52,28 @@ def check_norm_type(norm_type: float | str) -> float:
     return p
 
 
+# With a loss scaler TrainStep reads the norm of the *scaled* gradients (no unscale pass). A finite
+# order p sums |g * scale|**p: fp16 holds scaled values below 65504, and 65504**4 < 2**64, so at p <= 4
+# a sum over fewer than 2**64 of them stays finite; at p = 16 one value above 256 overflows float32.
+MAX_SCALED_NORM_TYPE = 4.0
+
+
+def check_scaled_norm_type(norm_type: float) -> float:
+    """Return ``norm_type`` if a norm of scaled gradients of this order overflows only with them, or raise.
+
+    >>> check_scaled_norm_type(2.0), check_scaled_norm_type(math.inf)
+    (2.0, inf)
+    """
+    if MAX_SCALED_NORM_TYPE < norm_type < math.inf:
+        raise ValueError(
+            f"norm_type {norm_type!r} with a loss scaler: the norm is taken of the scaled gradients, and "
+            f"their {norm_type:g}-th powers overflow float32 while every gradient is finite (at 16, any "
+            f"above 256), so steps would skip for nothing. Use norm_type <= {MAX_SCALED_NORM_TYPE:g} or "
+            "float('inf') (the largest |g|, a p-norm's limit), or precision='bf16' (no scaler)."
+        )
+    return norm_type
+
+
 def check_max_norm(max_norm: float) -> float:
     """Return ``max_norm`` as a float > 0, or raise ``ValueError`` saying how to fix it."""
     try:
@@ -66,13 +88,53 @@ def check_max_norm(max_norm: float) -> float:
     return m
 
 
+WHAT_TO_PASS = "tensors (model.parameters()), (name, tensor) pairs (model.named_parameters()) or one tensor"
+
+
+def _describe(x: Any) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, Tensor):
+        return f"a {x.dtype} tensor"
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)} ({', '.join(type(v).__name__ for v in x)})"
+    if isinstance(x, str):
+        return f"the str {x[:40]!r}"
+    name = type(x).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def named_tensors(parameters: Parameters) -> list[tuple[str, Tensor]]:
+    """Return ``parameters`` as ``(name, tensor)`` pairs (an unnamed tensor is named by its index).
+
+    Anything else, a ``None`` among them, a pair the wrong way round, a dict, raises ``TypeError``
+    saying what was passed and what to pass.
+
+    >>> named_tensors([torch.ones(1)]), named_tensors([("w", torch.ones(1))])[0][0]
+    ([('0', tensor([1.]))], 'w')
+    """
+    if isinstance(parameters, Tensor):
+        return [("0", parameters)]
+    if isinstance(parameters, (str, bytes, Mapping)) or not isinstance(parameters, Iterable):
+        hint = " (pass its .values() or .items())" if isinstance(parameters, Mapping) else ""
+        raise TypeError(f"parameters must be {WHAT_TO_PASS}; got {_describe(parameters)}{hint}.")
+    out = []
+    for i, item in enumerate(parameters):
+        if isinstance(item, Tensor):
+            out.append((str(i), item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and \
+                isinstance(item[1], Tensor):
+            out.append((item[0], item[1]))
+        else:
+            hint = " (the keys of a dict? pass its .values() or .items())" if isinstance(item, str) else ""
+            raise TypeError(f"parameters must be {WHAT_TO_PASS}; item {i} is {_describe(item)}{hint}.")
+    return out
+
+
 def named_grads(parameters: Parameters) -> tuple[list[Tensor], list[str]]:
     """Return the gradients that exist and a name for each (the given name, or the index)."""
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
     grads, names = [], []
-    for i, item in enumerate(parameters):
-        name, p = item if isinstance(item, tuple) else (str(i), item)
+    for name, p in named_tensors(parameters):
         if p.grad is not None:
             grads.append(p.grad)
             names.append(name)
@@ -209,7 +271,11 @@ def get_total_norm(
     tensor(5.)
     """
     p = check_norm_type(norm_type)
-    tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    tensors = [t for _, t in named_tensors(tensors)]
+    for i, t in enumerate(tensors):
+        if not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"get_total_norm takes floating-point tensors (gradients); item {i} is "
+                            f"{_describe(t)}. Convert it with .float(), or pass the parameters to grad_norm.")
     norm = total_norm(per_tensor_norms(tensors, p, foreach), p)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
@@ -235,12 +301,9 @@ def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | No
     tensor(5.)
     """
     p = check_norm_type(norm_type)
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    parameters = list(parameters)
+    parameters = named_tensors(parameters)
     grads, _ = named_grads(parameters)
-    tensors = [item[1] if isinstance(item, tuple) else item for item in parameters]
-    if not grads and any(not t.requires_grad for t in tensors):
+    if not grads and any(not t.requires_grad for _, t in parameters):
         raise ValueError(
             "grad_norm reads the .grad of parameters, but none of these tensors has a .grad and some do not "
             "require grad: they look like the gradients themselves. Pass the parameters (model.parameters()), "
@@ -391,13 +454,10 @@ def clip_grad_norm_(
     """
     max_norm = check_max_norm(max_norm)
     p = check_norm_type(norm_type)
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    else:
-        is_generator = isinstance(parameters, types.GeneratorType)
-        parameters = list(parameters)  # a generator would be exhausted by the first half
-        if is_generator and not parameters:  # torch's warning: a spent model.parameters() is a common bug
-            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    is_generator = isinstance(parameters, types.GeneratorType)
+    parameters = named_tensors(parameters)  # a list: a generator would be exhausted by the first half
+    if is_generator and not parameters:  # torch's warning: a spent model.parameters() is a common bug
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     grads, names = named_grads(parameters)
     norm = total_norm(per_tensor_norms(grads, p, foreach), p)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):

@@ -38,6 +38,7 @@ __all__ = [
 
 FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 GRANULARITIES = ("tensor", "row", "tile128", "block128", "mx32")
+SMALLEST_SCALE = 2.0**-149  # float32's smallest subnormal number
 REASONS = {
     "nonfinite_amax": "amax is inf or NaN: the cast would hide it (e4m3 turns inf into 448); skip this step",
     "zero_amax": "amax is 0: fmt_max / amax is inf and 0 * inf is NaN; labkit casts it with scale 1 instead",
@@ -142,7 +143,8 @@ def _check_granularity(granularity: str) -> None:
 
 
 def quantize(
-    x: Tensor, fmt: str = "e4m3", granularity: str = "tensor", amax_history: Tensor | None = None
+    x: Tensor, fmt: str = "e4m3", granularity: str = "tensor", amax_history: Tensor | None = None,
+    *, round_scales_to_power_of_2: bool = False,
 ) -> Quantized:
     """Cast ``x`` to float8 with one scale per block of ``granularity``: ``scale = amax / fmt_max``.
 
@@ -153,6 +155,10 @@ def quantize(
     32-element blocks, power-of-two e8m0 scales rounded up (``RCEIL``, as the Blackwell cast
     does), so no element saturates. Values beyond the scaled range are clamped to fmt_max
     before the cast, as every recipe does (e5m2 would make them inf); ``saturated`` counts them.
+    ``round_scales_to_power_of_2=True`` rounds each scale up to a power of two (torchao's
+    option of that name, on by default in its rowwise recipes; MX scales always are): then
+    multiplying and dividing by it is exact, so products of the data are the same bits on
+    every CPU and GPU, and amax still fits (up to half the format's range goes unused).
     Costs: a few elementwise passes and two host syncs (the fractions and amax are numbers).
 
     >>> q = quantize(torch.tensor([[0.5, -3.0, 7.0, 1e-5]]))
@@ -174,7 +180,13 @@ def quantize(
         limit = _block_amax(magnitude, granularity)
         if amax_history is not None and amax_history.numel():
             limit = amax_history.detach().float().amax().to(x32.device)
-        scale = torch.where(limit > 0, limit / fmt_max, torch.ones_like(limit))
+        # at least float32's smallest subnormal: an amax below fmt_max * 2**-149 would give a scale of 0
+        scale = torch.where(limit > 0, (limit / fmt_max).clamp(min=SMALLEST_SCALE), torch.ones_like(limit))
+        if round_scales_to_power_of_2:
+            # scale = m * 2**e with m in [0.5, 1): scale / m is 2**e exactly (no pow kernel's rounding
+            # to trust), the power of two at or above it; torchao rounds its fmt_max / amax down, the same
+            mantissa, _ = torch.frexp(scale)
+            scale = torch.where(torch.isfinite(scale) & (mantissa != 0.5), scale / mantissa, scale)
         data = (x32 / _expand(scale, granularity, x32.shape)).clamp(-fmt_max, fmt_max).to(dtype)
     # saturated: above the amax the scale was made for (not x / scale > fmt_max, which the
     # division's rounding can make true for amax itself)
@@ -237,8 +249,15 @@ def linear(x: Quantized, weight: Quantized, out_dtype: torch.dtype = torch.float
     the CPU too). Any other pairing: dequantise, then matmul (the CPU's ``_scaled_mm`` refuses
     block scales), the simulation every FP8 paper uses for its error studies.
 
-    >>> a = quantize(torch.eye(16)); linear(a, a).diagonal().tolist() == [1.0] * 16
-    True
+    Exact only where the arithmetic is: with power-of-two scales (``round_scales_to_power_of_2``)
+    and sums that fit float32's 24 bits, the result is the same on every machine. Other scales
+    (``amax / 448``) are applied in a different order by each CPU's ``_scaled_mm`` (oneDNN on
+    one with AVX-512 FP16, a dequantising fallback on another), so results differ by a few
+    float32 ulps: compare them with ``rtol=1e-6`` (``torch.testing.assert_close``'s float32 default).
+
+    >>> a = quantize(torch.eye(16), round_scales_to_power_of_2=True)  # scale 2**-8, not 1/448
+    >>> a.scale.item() == 2**-8, linear(a, a).diagonal().tolist() == [1.0] * 16
+    (True, True)
     """
     if x.data.dim() != 2 or weight.data.dim() != 2 or x.data.shape[1] != weight.data.shape[1]:
         raise ValueError(f"linear needs x (M, K) and weight (N, K), got {tuple(x.data.shape)} and {tuple(weight.data.shape)}.")
@@ -317,6 +336,7 @@ class Fp8Guard:
     a delayed scale clamps a value now and then as amax wanders; TE adds a margin for that),
     then ``flushed`` (more than ``flush_limit`` of the values flushed to 0). ``faults`` maps steps to ``Fp8Fault``\\ s.
     On ``nonfinite_amax`` the history is left alone: one bad tensor must not poison the scale.
+    ``round_scales_to_power_of_2`` is ``quantize``'s.
 
     ``sharded=True`` (per tensor) says ``x`` is this rank's shard of one tensor: under
     torch.distributed the amax and the non-finite verdict are then reduced (max) over
@@ -338,6 +358,7 @@ class Fp8Guard:
     faults: Mapping[int, Fp8Fault] | None = None
     sharded: bool = False
     process_group: Any = None
+    round_scales_to_power_of_2: bool = False
     records: list[CastRecord] = field(default_factory=list)
     amax_history: Tensor = field(default_factory=lambda: torch.zeros(0))
 
@@ -369,7 +390,8 @@ class Fp8Guard:
                 history = torch.tensor([amax])
         else:
             reason = check_amax(x, self.granularity)
-        q = quantize(x, self.fmt, self.granularity, amax_history=history)
+        q = quantize(x, self.fmt, self.granularity, amax_history=history,
+                     round_scales_to_power_of_2=self.round_scales_to_power_of_2)
         amax = q.amax if amax is None else amax
         if reason is None and q.saturated > self.saturate_limit:
             reason = "saturated"

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
+import hashlib
 import json
 import math
 import os
+import stat
+import sys
 import warnings
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -223,8 +227,13 @@ class StepLog(Sequence[StepRecord]):
 
     With ``stream=path`` each record is also appended to a JSONL file (strict JSON, one line
     per record) as it arrives, so a crash loses nothing already recorded; a line torn by a
-    crash or a full disk is cut off before a restart appends. Under ``torch.distributed``
-    files are written by rank 0 only, unless the path holds ``{rank}`` (see ``rank_path``).
+    crash or a full disk is cut off before a restart appends, and ``load_state_dict`` of a
+    checkpoint cuts the records written after it (they are about to be redone; TensorBoard's
+    ``purge_step`` does the same). ``path`` may also be a stream: a pipe or FIFO (with its
+    reader already started), a terminal, ``/dev/null``, or ``/dev/stdout`` and ``/dev/stderr``
+    (written through this process's own descriptor, in order with ``print``); nothing is cut
+    from a stream. Under ``torch.distributed`` files are written by rank 0 only, unless the
+    path holds ``{rank}`` (see ``rank_path``).
 
     Memory: every record is kept (0.4-0.8 KB per step, the more when it carries ``top_grads``: up
     to 0.8 GB per million steps; measured with tracemalloc, Python 3.11). For
@@ -261,12 +270,14 @@ class StepLog(Sequence[StepRecord]):
                 )
         self._records: list[StepRecord] | deque[StepRecord] = deque(maxlen=window) if window else []
         self._totals = _Totals()
-        self._pending: list[str] = []  # lines not yet on disk (after a failed write), oldest first
-        self._path, self._fd, self._good_size = path, None, 0
+        self._pending: list[bytes] = []  # lines not yet written (after a failed write), oldest first
+        self._sent = 0  # bytes of the first pending line already in a stream, which cannot be cut back
+        self._last = b""  # the last line appended: a checkpoint names it (state_dict's "stream")
+        self._path, self._fd, self._good_size, self._kind = path, None, 0, None
+        self._where = os.path.abspath(path) if path is not None else None  # the same file after a chdir
         if path is not None:
-            _cut_torn_tail(path)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            self._good_size = os.fstat(self._fd).st_size
+            self._fd, self._kind = _open_stream(path)
+            self._good_size = os.fstat(self._fd).st_size if self._kind == "file" else 0
         self.torn_tail: str | None = None  # set by read_jsonl: the incomplete last line, if any
         for r in records:  # kept, not streamed: they come from a file or another log
             self._records.append(r)
@@ -297,7 +308,8 @@ class StepLog(Sequence[StepRecord]):
         self._records.append(record)
         self._totals.add(record)
         if self._fd is not None:
-            self._pending.append(record.to_json() + "\n")
+            self._last = (record.to_json() + "\n").encode("utf-8")
+            self._pending.append(self._last)
         for sink in self.sinks:
             sink.write(record)
         self.flush()
@@ -306,15 +318,20 @@ class StepLog(Sequence[StepRecord]):
         """Write the lines a failed write left behind (see ``append``); raise ``LogWriteError`` if it fails again."""
         if self._fd is None or not self._pending:
             return
+        data, written = b"".join(self._pending)[self._sent:], 0
         try:
-            # a failed write may leave part of a line: cut back to the last whole one first
-            if os.fstat(self._fd).st_size != self._good_size:
+            # a failed write may leave part of a line in a file: cut back to the last whole one first
+            if self._kind == "file" and os.fstat(self._fd).st_size != self._good_size:
                 os.ftruncate(self._fd, self._good_size)
-            data = "".join(self._pending).encode("utf-8")
-            written = 0
+            if self._kind in ("stdout", "stderr"):  # print()'s buffered lines first: they stay in order
+                _flush_quietly(getattr(sys, self._kind))
             while written < len(data):
                 written += os.write(self._fd, data[written:])
         except OSError as e:
+            if self._kind != "file":  # a stream keeps what reached it: drop what was written, resend the rest
+                self._sent += written
+                while self._sent >= len(self._pending[0]):
+                    self._sent -= len(self._pending.pop(0))
             first = json.loads(self._pending[0])["step"]
             raise LogWriteError(
                 e.errno,
@@ -324,7 +341,7 @@ class StepLog(Sequence[StepRecord]):
                 "instead, save them with log.to_jsonl(other_path).",
             ) from e
         self._good_size += len(data)
-        self._pending = []
+        self._pending, self._sent = [], 0
 
     def close(self) -> None:
         """Write what is pending and close the JSONL stream, if any, and the sinks."""
@@ -369,12 +386,71 @@ class StepLog(Sequence[StepRecord]):
         return summary
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the summary's running totals (not the records: those are in the JSONL file)."""
-        return self._totals.state_dict()
+        """Return the summary's running totals (not the records: those are in the JSONL file).
+
+        With a stream to a file, also where the file ends at this point (``"stream"``: its size
+        once every pending line is written, and the sha256 of its last line), so that a resume
+        from this state can cut what was written after it.
+        """
+        state = self._totals.state_dict()
+        if self._kind == "file" and self._last:
+            size = self._good_size + sum(map(len, self._pending)) - self._sent
+            state["stream"] = {"size": size, "last_line_sha256": hashlib.sha256(self._last).hexdigest()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the summary of a resumed run from ``state_dict()``."""
-        self._totals = _Totals.from_state(state)
+        """Continue the summary of a resumed run from ``state_dict()``.
+
+        On a log that streams to the same file and holds no record yet (a resumed run), the
+        lines the file gained after that state was taken are cut off, with a ``LabkitWarning``:
+        their steps are redone from the checkpoint, and without the cut they would appear twice.
+        The file is cut only where its line at the saved size is the saved last line; any other
+        file is left as it is (with a warning if it is longer).
+        """
+        if not isinstance(state, dict):
+            raise TypeError("a StepLog state must be a dict from StepLog.state_dict(), "
+                            f"got {type(state).__name__}.")
+        state = dict(state)
+        mark = state.pop("stream", None)
+        if mark is not None and not (
+            isinstance(mark, dict) and mark.keys() == {"size", "last_line_sha256"}
+            and type(mark["size"]) is int and mark["size"] > 0 and isinstance(mark["last_line_sha256"], str)
+        ):
+            raise ValueError("a StepLog state's 'stream' must be {'size': int > 0, 'last_line_sha256': str}, "
+                             f"got {mark!r}.")
+        totals = _Totals.from_state(state)
+        if mark is not None and self._kind == "file" and not self._records and not self._pending:
+            self._cut_after(mark["size"], mark["last_line_sha256"])
+        self._totals = totals
+
+    def _cut_after(self, size: int, last_line_sha256: str) -> None:
+        """Truncate the stream's file to ``size`` if the line ending there is the checkpoint's last line."""
+        assert self._fd is not None and self._where is not None
+        ours = os.fstat(self._fd)
+        if ours.st_size <= size:
+            return
+        now = ours.st_size
+        with open(self._where, "rb") as f:
+            there = os.fstat(f.fileno())
+            if (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):  # the path names another file now
+                return
+            start = _line_start(f, size - 1)
+            f.seek(start)
+            line = f.read(size - start) if size - start <= MAX_LINE else b""
+            f.seek(size)
+            extra = f.read(now - size) if now - size <= MAX_LINE else None
+        if not line.endswith(b"\n") or hashlib.sha256(line).hexdigest() != last_line_sha256:
+            warnings.warn(f"{self._path}: it is longer than at the checkpoint, but its line there is not the "
+                          "checkpoint's last record; it was left as it is (was it written by another run?).",
+                          LabkitWarning, stacklevel=4)
+            return
+        os.ftruncate(self._fd, size)
+        self._good_size = size
+        steps = [] if extra is None else [_step_of(x) for x in extra.split(b"\n") if x.strip()]
+        what = f"{len(steps)} records (steps {steps[0]}-{steps[-1]})" if steps and None not in steps else \
+            f"{now - size} bytes"
+        warnings.warn(f"{self._path}: cut {what} written after the checkpoint; the resumed run redoes those "
+                      "steps.", LabkitWarning, stacklevel=4)
 
     def to_jsonl(self, path: str | os.PathLike) -> None:
         """Write one strict-JSON object per record (non-finite floats as the strings ``"NaN"``, ``"Infinity"``)."""
@@ -436,6 +512,82 @@ class StepLog(Sequence[StepRecord]):
                 writer.writerow(row)
 
 
+# A record is a few KB; a "line" longer than this is no record and is not read into memory.
+MAX_LINE = 1 << 24
+
+
+def _open_stream(path: str) -> tuple[int, str]:
+    """Open ``path`` for appending records; return the descriptor and its kind.
+
+    ``"file"``: a regular file labkit alone appends to (a torn last line is cut off first, and a
+    failed write is cut back). ``"stdout"``/``"stderr"``: this process's own, by whatever path
+    (``/dev/stdout``, a file the shell redirected to): written through a copy of that descriptor,
+    so the lines interleave with ``print`` instead of overwriting it. ``"stream"``: a pipe, FIFO,
+    terminal or character device, never read, sought or cut (``/dev/full`` gives a
+    ``LogWriteError`` at the first record). A FIFO nobody reads is refused rather than waited on.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        for fd in (1, 2):
+            try:
+                std = os.fstat(fd)
+            except OSError:
+                continue
+            if (std.st_dev, std.st_ino) == (st.st_dev, st.st_ino):
+                return os.dup(fd), ("stdout", "stderr")[fd - 1]
+    if st is None or stat.S_ISREG(st.st_mode):
+        _cut_torn_tail(path)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "file"
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, f"cannot write the log to {path!r}: it is a folder; give a "
+                                f"file in it, e.g. {os.path.join(path, 'log.jsonl')!r}.")
+    if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        raise OSError(errno.EINVAL, f"cannot write the log to {path!r}: it is neither a file, a pipe nor a "
+                      "character device (a socket or a disk?); give a file path.")
+    try:  # O_NONBLOCK: opening a FIFO for writing would wait forever for a reader
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, f"cannot write the log to the FIFO {path!r}: nothing is reading it. "
+                          f"Start its reader first (e.g. `cat {path} &`), then the run.") from None
+        raise
+    os.set_blocking(fd, True)  # a slow reader slows the run, as with print(); it loses nothing
+    return fd, "stream"
+
+
+def _flush_quietly(stream: Any) -> None:
+    try:
+        stream.flush()
+    except (AttributeError, OSError, ValueError):  # replaced, closed or gone: nothing to order against
+        pass
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _line_start(f: Any, end: int) -> int:
+    """Return the offset just past the last newline in the first ``end`` bytes of ``f`` (0 if none).
+
+    Read backwards in 64 KiB blocks: memory stays bounded however long the line.
+    """
+    pos = end
+    while pos > 0:
+        n = min(1 << 16, pos)
+        pos -= n
+        f.seek(pos)
+        i = f.read(n).rfind(b"\n")
+        if i >= 0:
+            return pos + i + 1
+    return 0
+
+
 def _cut_torn_tail(path: str) -> None:
     """Cut an incomplete last line off ``path`` (a crash mid-write), so appending starts on a fresh line."""
     try:
@@ -444,25 +596,19 @@ def _cut_torn_tail(path: str) -> None:
         return
     with f:
         size = f.seek(0, os.SEEK_END)
-        block = 1 << 16
-        start = max(0, size - block)
+        start = _line_start(f, size)
         f.seek(start)
-        tail = f.read()
-        while start > 0 and b"\n" not in tail:  # a line longer than the block: read further back
-            start = max(0, start - block)
-            f.seek(start)
-            tail = f.read()
-        cut = tail.rfind(b"\n") + 1
-        rest = tail[cut:]
+        rest = f.read() if size - start <= MAX_LINE else b"\0"  # longer than any record: torn
         if not rest.strip():
             return
         try:
             json.loads(rest)
             f.write(b"\n")  # complete but for its newline: keep it
         except ValueError:
-            f.truncate(start + cut)
+            f.truncate(start)
             warnings.warn(
-                f"{path}: cut off a torn last line ({len(rest)} bytes, e.g. from a crash) before appending.",
+                f"{path}: cut off a torn last line ({size - start} bytes, e.g. from a crash) before "
+                "appending.",
                 LabkitWarning,
-                stacklevel=4,
+                stacklevel=5,
             )

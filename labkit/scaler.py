@@ -507,7 +507,14 @@ class GradScaler:
 
         ``keep_if`` (labkit's): a 0-dim device bool; where true the state is left exactly as
         it was, without a host sync (``TrainStep`` passes "the loss was NaN/inf": a bad
-        batch is no scaling problem).
+        batch is no scaling problem). ``new_scale`` sets the scale instead; a deliberate
+        difference from torch, which takes any value: it must be a number > 0 that is finite in
+        float32, else ``ScalerValueError`` (a scale <= 0 zeroes or flips the sign of every
+        gradient, an inf or NaN one skips every step). Checking a tensor costs one host read.
+
+        >>> s = GradScaler("cpu"); _ = s.scale(torch.ones(())); s.update(new_scale=-1.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        labkit.scaler.ScalerValueError: new_scale must be a number > 0 that is finite in float32, got -1.0 ...
         """
         if not self._enabled:
             self._per_optimizer = {}
@@ -517,6 +524,13 @@ class GradScaler:
             value = torch.as_tensor(new_scale, dtype=torch.float32).to(state["scale"].device)
             if value.numel() != 1 or value.requires_grad:
                 raise ScalerValueError("new_scale must be a float or a 1-element tensor that does not require grad.")
+            checked = float(value.reshape(()))  # host read: a reset is rare, and a bad one must fail here
+            if not 0.0 < checked < math.inf:
+                raise ScalerValueError(
+                    f"new_scale must be a number > 0 that is finite in float32, got {new_scale!r} (torch "
+                    "takes any value, but a scale <= 0 zeroes or flips every gradient and inf or NaN skips "
+                    "every step). To restart the scale pass a power of two such as 2.0**16."
+                )
             state["scale"].copy_(value.reshape(()))
         else:
             found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None and s["has_grads"]]
@@ -679,7 +693,10 @@ class GradScaler:
             state_dict.get("max_scale"),
         )
         scale = check_init_scale(check_real("state_dict['scale']", state_dict["scale"]), "state_dict['scale']")
-        tracker = check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, config.growth_interval - 1)
+        # torch keeps (and saves) a tracker >= growth_interval after set_growth_interval lowers the interval;
+        # the rule grows at the next clean step either way, so it is clamped, as update() clamps it
+        tracker = min(check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0),
+                      config.growth_interval - 1)
         # a hysteresis_left above hysteresis would postpone the back-off (10**9: never back off)
         left = check_int("state_dict['_hysteresis_left']", state_dict.get("_hysteresis_left", hysteresis), 0, hysteresis)
         count = check_int("state_dict['skip_count']", state_dict.get("skip_count", 0), 0, 2**63 - 1)

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from .alarms import ClipAlarm, LabkitWarning, SkipAlarm
 from .clip import (
-    check_max_norm, check_norm_type, clip_coef, first_nonfinite, host_clip_coef, per_tensor_norms, round_to,
-    scale_grads_, total_norm,
+    check_max_norm, check_norm_type, check_scaled_norm_type, clip_coef, first_nonfinite, host_clip_coef,
+    per_tensor_norms, round_to, scale_grads_, total_norm,
 )
 from .distributed import ProcessGroup, all_reduce_, is_distributed, mean_across, rank
 from .faults import FaultSchedule
@@ -326,6 +326,8 @@ class TrainStep:
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         self.scaler = scaler
+        if scaler.is_enabled():
+            check_scaled_norm_type(self.norm_type)
         self.faults = FaultSchedule.coerce(faults)
         self.skip_alarm = SkipAlarm(skip_alarm)
         self.clip_alarm = ClipAlarm(clip_alarm, clip_window)

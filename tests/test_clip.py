@@ -488,6 +488,61 @@ def test_grad_norm_of_tensors_without_grad_says_use_get_total_norm():
     assert torch.equal(labkit.get_total_norm(grads), torch.nn.utils.get_total_norm(grads))
 
 
+
+def _w():
+    w = torch.zeros(2, requires_grad=True)
+    w.grad = torch.tensor([3.0, 4.0])
+    return w
+
+
+WRONG_ITERABLES = {  # what was passed -> what the message says it was
+    "a None among them": (lambda w: [w, None], "item 1 is None"),
+    "a pair the wrong way round": (lambda w: [(w, "w")], r"item 0 is a tuple of 2 \(Tensor, str\)"),
+    "a triple": (lambda w: [("w", w, 1)], r"item 0 is a tuple of 3 \(str, Tensor, int\)"),
+    "a 1-tuple": (lambda w: [(w,)], r"item 0 is a tuple of 1 \(Tensor\)"),
+    "a nested list": (lambda w: [[w]], "item 0 is a list"),
+    "a dict": (lambda w: {"w": w}, r"got a dict \(pass its .values\(\) or .items\(\)\)"),
+    "a dict's keys": (lambda w: list({"w": w}), r"item 0 is the str 'w' \(the keys of a dict\?"),
+    "a number": (lambda w: 5, "got an int"),
+}
+CLIP_FUNCTIONS = {
+    "clip_grad_norm_": lambda p: labkit.clip_grad_norm_(p, 1.0),
+    "clip_grads_with_norm_": lambda p: labkit.clip_grads_with_norm_(p, 1.0, torch.tensor(5.0)),
+    "grad_norm": labkit.grad_norm,
+    "get_total_norm": labkit.get_total_norm,
+    "clip_grad_value_": lambda p: labkit.clip_grad_value_(p, 1.0),
+    "ZClip.clip_": lambda p: labkit.clippers.ZClip().clip_(p),
+    "UpdateNormClip.begin_": lambda p: labkit.clippers.UpdateNormClip().begin_(p),
+}
+
+
+@pytest.mark.parametrize("fn", CLIP_FUNCTIONS)
+@pytest.mark.parametrize("wrong", WRONG_ITERABLES)
+def test_the_wrong_kind_of_iterable_says_what_was_passed_and_what_to_pass(fn, wrong):
+    w = _w()
+    make, what = WRONG_ITERABLES[wrong]
+    with pytest.raises(TypeError, match=what) as info:
+        CLIP_FUNCTIONS[fn](make(w))
+    assert "tensors (model.parameters()), (name, tensor) pairs (model.named_parameters())" in str(info.value)
+    assert torch.equal(w.grad, torch.tensor([3.0, 4.0]))  # nothing clipped before the error
+
+
+def test_get_total_norm_of_integer_tensors_says_to_convert_them():
+    with pytest.raises(TypeError, match=r"floating-point tensors \(gradients\); item 1 is a torch.int64"):
+        labkit.get_total_norm([torch.tensor([3.0]), torch.tensor([4])])
+    assert labkit.get_total_norm([torch.tensor([3.0]), torch.tensor([4]).float()]).item() == 5.0
+
+
+@pytest.mark.parametrize("total", [True, False, "5", None, [5.0]],
+                         ids=["True", "False", "str", "None", "list"])
+def test_clip_grads_with_norm_refuses_a_total_norm_that_is_no_number_or_tensor(total):
+    """A bool is an int to Python: True would clip with a norm of 1.0 (a coefficient of 1 / (1 + 1e-6))."""
+    w = _w()
+    with pytest.raises(TypeError, match="total_norm must be a tensor or a number"):
+        labkit.clip_grads_with_norm_([w], 0.5, total)
+    assert torch.equal(w.grad, torch.tensor([3.0, 4.0]))
+
+
 # ---------------------------------------------------------------- 6. reads only, generators
 
 

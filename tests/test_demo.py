@@ -18,9 +18,18 @@ def run_cli(*args, cwd=None):
 
 
 def test_demo_cli_writes_logs_and_figure_and_reports_every_event(tmp_path):
+    """Through real pipes (as ``> run.log``): the event lines and a plain progress line every 10%, no bar."""
     out = tmp_path / "run"
-    proc = run_cli("demo", "--out", str(out), "--steps", "220", "--no-progress")
+    proc = run_cli("demo", "--out", str(out), "--steps", "220")
     assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stdout + proc.stderr and "step/s" not in proc.stderr  # no bar, not even once
+    lines = proc.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("progress")]
+    assert [line.split()[1] for line in progress] == [f"{22 * k}/220" for k in range(1, 11)]
+    assert progress[1].startswith("progress  44/220 steps (20%), loss ") and ", scale 1024" in progress[1]
+    clip = lines.index(next(line for line in lines if line.startswith("step   50  CLIP")))
+    assert lines[clip - 2:clip] == [progress[1], "step   49  SCALE 1024 -> 2048 (growth)"]  # in order
+    assert lines[clip + 1] == progress[2]
     log = StepLog.read_jsonl(out / "log.jsonl")
     assert len(log) == 220
     # the default schedule: a spike that is clipped, a NaN batch that is skipped without
@@ -42,6 +51,21 @@ def test_demo_cli_writes_logs_and_figure_and_reports_every_event(tmp_path):
     assert png.startswith(PNG_MAGIC) and len(png) > 20_000
     assert not (out / "log.jsonl.partial").exists()
 
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "file"])
+def test_the_progress_bar_draws_on_a_terminal_only(tmp_path, capsys, monkeypatch, terminal):
+    for stream in (sys.stdout, sys.stderr):  # capsys's streams, standing in for a terminal or a file
+        monkeypatch.setattr(stream, "isatty", lambda: terminal)
+    assert main(["--out", str(tmp_path), "--steps", "20", "--inject", "5:nan"]) == 0
+    out, err = capsys.readouterr()
+    assert "step    5  SKIP  nonfinite_loss" in out
+    assert ("\r" in err and "20/20" in err) is terminal  # tqdm's bar, redrawn in place
+    assert ("\nprogress 20/20 steps (100%), loss " in out) is not terminal
+    if terminal:
+        assert main(["--out", str(tmp_path), "--steps", "20", "--no-progress"]) == 0
+        out, err = capsys.readouterr()
+        assert "\nprogress " not in out and "\r" not in err  # neither, on a terminal or not
 
 def test_demo_flags_change_the_run(tmp_path, capsys):
     out = tmp_path / "clean"

@@ -73,15 +73,14 @@ def need(name):
 
 @pytest.fixture(scope="module")
 def tracker_env(tmp_path_factory):
-    """trackio's folder (read once, when trackio is imported) and MLflow's store, in tmp for this module."""
+    """trackio's folder (read once, when trackio is imported) in tmp for this module, and MLflow's default
+    store: no MLFLOW_TRACKING_URI, so each run goes to SQLite under its ``out`` folder, as a user's does."""
     for name in TRACKERS:
         need(name)
     root = tmp_path_factory.mktemp("trackers")
     mp = pytest.MonkeyPatch()
     mp.setenv("TRACKIO_DIR", str(root / "trackio"))
-    # MLflow's file store: what its SQLite store holds, without ~10 s of schema migrations per test
-    mp.setenv("MLFLOW_TRACKING_URI", "file:" + str(root / "mlruns"))
-    mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.setenv("WANDB_SILENT", "true")
     if "trackio" in sys.modules:
         import trackio.utils
@@ -93,12 +92,19 @@ def tracker_env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live_run(tracker_env):
-    """One fp16 run streamed into all four trackers: a NaN batch, an overflow streak (skip alarm), clips."""
-    out = tracker_env / "live"
+    """One fp16 run streamed into all four trackers: a NaN batch, an overflow streak (skip alarm), clips.
+
+    Its MLflow store is the default one, created here through labkit's own path: ``out/mlflow.db``
+    (SQLite: MLflow's schema migrations run once for the module; the tests that follow reuse it)."""
+    out, elsewhere = tracker_env / "live", tracker_env / "cwd"
     out.mkdir()
+    elsewhere.mkdir()
     config = ExperimentConfig(precision="fp16", steps=24, max_norm=0.5, faults=["3:nan", "8-16:overflow", "20:spike:50"])
-    with pytest.warns(SkipStreakWarning):
+    with pytest.warns(SkipStreakWarning), pytest.MonkeyPatch.context() as mp:
+        mp.chdir(elsewhere)  # the process's folder: a default store must not land there (./mlruns)
         log = run_experiment(config, log_path=out / "log.jsonl", log_to=",".join(TRACKERS), histogram_every=10)
+    assert (out / "mlflow.db").is_file() and (out / "mlflow-artifacts").is_dir()
+    assert list(elsewhere.iterdir()) == []
     return out, read_records(out / "log.jsonl"), log
 
 
@@ -147,10 +153,11 @@ def read_trackio(project, run):
     return scalars, texts, hists, SQLiteStorage.get_alerts(project, run_name=run)
 
 
-def read_mlflow(run_name):
+def read_mlflow(out, run_name):
+    """MLflow's own client on the default store under ``out`` (``sqlite:///out/mlflow.db``)."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient()
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     exp = client.get_experiment_by_name("labkit")
     (run,) = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run_name}'")
     scalars = {(m.step, key): m.value for key in run.data.metrics
@@ -250,10 +257,15 @@ def test_trackio_store_reads_back_every_value_bit_for_bit_and_holds_the_alert(li
     assert h["bins"] == [float(e) for e in LOG2_EDGES] and len(h["values"]) == len(LOG2_EDGES) - 1
 
 
+def sqlite_clamped(want):
+    """What MLflow's SQLite store keeps: +-inf as +-max float, else the bits."""
+    return {k: math.copysign(sys.float_info.max, v) if math.isinf(v) else v for k, v in want.items()}
+
+
 def test_mlflow_client_reads_back_every_value_bit_for_bit(live_run):
-    _, records, _ = live_run
-    scalars, files, tags = read_mlflow("live")
-    assert_same_bits(scalars, want_all(records), "mlflow")
+    out, records, _ = live_run
+    scalars, files, tags = read_mlflow(out, "live")
+    assert_same_bits(scalars, sqlite_clamped(want_all(records)), "mlflow")  # NaN norms and losses as NaN
     assert "step 3  amp/skip_reason: nonfinite_loss" in files["events.txt"]
     assert "step 15  SkipStreakWarning: 8 steps skipped in a row" in files["alerts.txt"]
     assert tags["labkit.alerts"] == "1"
@@ -397,26 +409,20 @@ def test_demo_log_to_writes_the_run_into_the_tracker_under_out(tracker_env, tmp_
     assert {s for s, _ in hists} == {0}  # every 10 steps, from step 0
 
 
-@pytest.mark.skipif(os.environ.get("LABKIT_MLFLOW_SQLITE") != "1",
-                    reason="MLflow's SQLite schema migrations take ~10 s (50 s under load): LABKIT_MLFLOW_SQLITE=1 runs it")
-def test_mlflow_default_store_is_sqlite_under_out(tracker_env, tmp_path, monkeypatch):
-    """The default store users get (no MLFLOW_TRACKING_URI): SQLite, MLflow's recommended local backend,
-    artifacts beside it (not in ./mlruns). The other tests use MLflow's file store, which keeps the same
-    values without the migrations."""
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    monkeypatch.chdir(tmp_path / "..")
+def test_mlflow_default_store_is_sqlite_under_out_and_a_second_run_joins_it(live_run, tmp_path, monkeypatch):
+    """The store users get without MLFLOW_TRACKING_URI: SQLite, MLflow's recommended local backend, artifacts
+    beside it (not in ./mlruns). The live run made it in its out; an export to that out adds a run."""
+    out, _, _ = live_run
+    monkeypatch.chdir(tmp_path)
     recs = [StepRecord(0, 0.1, grad_norm=1 / 3, lr=0.05).to_dict(),
             StepRecord(1, math.inf, skipped=True, reason="nonfinite_loss").to_dict()]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert labkit_main(["export", str(tmp_path / "log.jsonl"), "--to", "mlflow"]) == 0
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("labkit").experiment_id])
-    got = {(m.step, k): m.value for k in run.data.metrics for m in client.get_metric_history(run.info.run_id, k)}
+    assert labkit_main(["export", str(tmp_path / "log.jsonl"), "--to", "mlflow", "--out", str(out),
+                        "--name", "exported"]) == 0
+    got, files, _ = read_mlflow(out, "exported")
     want = want_all(recs)
     assert want[(1, "train/loss")] == math.inf and got[(1, "train/loss")] == sys.float_info.max  # SQLite's clamp
-    want[(1, "train/loss")] = sys.float_info.max
-    assert_same_bits(got, want, "mlflow sqlite")
-    assert "nonfinite_loss" in open(client.download_artifacts(run.info.run_id, "events.txt")).read()
-    assert (tmp_path / "mlflow-artifacts").is_dir() and not (tmp_path / ".." / "mlruns").exists()
+    assert_same_bits(got, sqlite_clamped(want), "mlflow sqlite")
+    assert "nonfinite_loss" in files["events.txt"]
+    assert sorted(p.name for p in out.glob("mlflow*")) == ["mlflow-artifacts", "mlflow.db"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "log.jsonl"]  # no ./mlruns where the command ran

@@ -133,6 +133,38 @@ def test_scaled_mm_on_the_cpu_matches_dequantise_then_matmul(granularity):
     assert ((y - a @ w.t()).norm() / (a @ w.t()).norm()).item() < 0.06  # 0.040 / 0.036 measured
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("granularity", ["tensor", "row", "tile128", "block128"])
+def test_power_of_two_scales_are_the_power_of_two_at_or_above_amax_over_fmt_max(fmt, granularity):
+    g = torch.Generator().manual_seed(0)
+    rows = 2.0 ** torch.arange(-140, 116, 2.0).unsqueeze(1)  # per-row ranges from subnormal scales to 2**115
+    x = torch.randn(128, 256, generator=g) * rows
+    plain = quantize(x, fmt, granularity)
+    q = quantize(x, fmt, granularity, round_scales_to_power_of_2=True)
+    mantissa, _ = torch.frexp(q.scale)
+    assert bool((mantissa == 0.5).all())  # each scale a power of two
+    assert bool((plain.scale > 0).all())  # 2**-140 / 57344 is no float32: the scale stops at 2**-149, not 0
+    ratio = q.scale / plain.scale
+    assert bool((ratio >= 1).all() and (ratio < 2).all())  # the nearest one upward: amax still fits
+    assert q.saturated == 0.0
+    guard = Fp8Guard(fmt, granularity, round_scales_to_power_of_2=True)
+    assert torch.equal(guard(x).scale, q.scale)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_scaled_mm_with_power_of_two_scales_is_exact_on_any_cpu(granularity):
+    """Integers up to 8 times a power of two are e4m3 values and their sums fit float32: nothing rounds
+    anywhere. With amax / 448 (8 / 448 here) the data are 56 x, which e4m3 cannot hold (392 becomes 384)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 9, (16, 32), generator=g).float()
+    w = torch.randint(-8, 9, (24, 32), generator=g).float()
+    exact = a @ w.t()
+    pow2 = [quantize(t, granularity=granularity, round_scales_to_power_of_2=True) for t in (a, w)]
+    assert torch.equal(linear(*pow2), exact)
+    plain = [quantize(t, granularity=granularity) for t in (a, w)]
+    assert not torch.equal(linear(*plain), exact)
+
+
 def test_block_scales_are_simulated_by_dequantising():
     torch.manual_seed(0)
     a, w = torch.randn(128, 256), torch.randn(128, 256)

@@ -7,6 +7,7 @@ that reading run for real, grouped so one sandboxed run shows several.
 import hashlib
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -139,11 +140,12 @@ for path in (LABKIT_FILE, "/labkit/labkit/clip.py"):  # the grader's path, and t
         found["labkit_writable"] = True
     except OSError:
         pass
-try:
-    socket.create_connection(("1.1.1.1", 53), timeout=2)
+try:  # a server the test listens with on the host's loopback: reachable unless the network is unshared
+    socket.create_connection(("127.0.0.1", PORT), timeout=2).close()
     found["network"] = True
-except OSError:
+except OSError as e:
     found["network"] = False
+    found["network_error"] = e.strerror
 found["limits"] = [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)]
 try:
     hog = bytearray(8 << 30)
@@ -173,7 +175,28 @@ def _sleepers() -> list[int]:
     return out
 
 
-def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path):
+@pytest.fixture
+def listener():
+    """A TCP server on 127.0.0.1 (any free port) that nobody is meant to reach; yields the socket."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.setblocking(False)
+        yield server
+
+
+def connections(server):
+    """How many connections reached ``server`` (accepted here and closed)."""
+    n = 0
+    while True:
+        try:
+            server.accept()[0].close()
+        except BlockingIOError:
+            return n
+        n += 1
+
+
+def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path, listener):
     """No instructor file, other submission, gradebook, network or writable labkit; limits; nothing survives."""
     sandboxed()
     other = tmp_path / "submitted" / "bob" / "ps1" / "ps1.ipynb"
@@ -185,7 +208,8 @@ def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path):
     job, out = tmp_path / "job", tmp_path / "out"
     job.mkdir()
     out.mkdir()
-    code = f"PATHS = {paths!r}\nLABKIT_FILE = {str(LABKIT_FILE)!r}\n" + HOSTILE
+    port = listener.getsockname()[1]
+    code = f"PATHS = {paths!r}\nLABKIT_FILE = {str(LABKIT_FILE)!r}\nPORT = {port}\n" + HOSTILE
     (job / "job.json").write_text(json.dumps({"timeout": 2, "cells": [{"label": "cell 3", "source": code}],
                                               "parts": []}))
     limits = sandbox.Limits(wall=8)
@@ -194,7 +218,8 @@ def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path):
     assert outcome.timed_out and 8 <= outcome.seconds < 16
     assert (out / "status").read_text() == "cell cell 3"  # the cell that was running is the one blamed
     found = json.loads(outcome.output.split("FOUND ", 1)[1].split("\n", 1)[0])
-    assert found["seen"] == [] and found["labkit_writable"] is False and found["network"] is False
+    assert found["seen"] == [] and found["labkit_writable"] is False
+    assert found["network"] is False and connections(listener) == 0, found.get("network_error")
     assert found["uid"] == (sandbox.NOBODY if os.geteuid() == 0 else os.geteuid())
     assert max(found["pids"]) < 50  # its own PID namespace: the grader's processes are not there
     assert found["limits"] == [limits.memory, limits.processes, int(limits.wall) + 5] and found["8 GiB"] is False
@@ -215,15 +240,19 @@ def test_without_bubblewrap_grading_refuses_and_says_how_to_fix_it(monkeypatch, 
     assert "pass --no-sandbox to grade notebooks you trust" in capsys.readouterr().err
 
 
-def test_no_sandbox_runs_the_same_harness_in_its_own_session(tmp_path):
+def test_no_sandbox_runs_the_same_harness_in_its_own_session(tmp_path, listener):
+    """Unsandboxed, the same harness reaches the test's server: the sandbox test's probe can succeed."""
     job, out = tmp_path / "job", tmp_path / "out"
     job.mkdir()
     out.mkdir()
-    (job / "job.json").write_text(json.dumps({"timeout": 5, "cells": [{"label": "a", "source": "print(6 * 7)"}],
-                                              "parts": []}))
+    port = listener.getsockname()[1]
+    probe = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5).close()\nprint(6 * 7)"
+    job_spec = {"timeout": 5, "cells": [{"label": "a", "source": probe}], "parts": []}
+    (job / "job.json").write_text(json.dumps(job_spec))
     limits = sandbox.Limits(wall=60)
     outcome = sandbox.run(sandbox.unsandboxed(job, out, limits), limits)
     assert outcome.returncode == 0 and not outcome.timed_out and "42" in outcome.output
+    assert connections(listener) == 1
     assert (out / "status").read_text() == "done"
     assert json.loads((out / "cells.json").read_text())["cells"][0]["error"] is None
 

@@ -206,7 +206,7 @@ def test_legends_list_only_what_is_drawn():
     dash = LiveDashboard(max_norm=None, panels=("norm", "loss", "scale"))
     dash.show(records(6, skip=(), clip=()))
     norm, loss, scale = dash.figure.axes
-    assert legend_labels(norm) == ["pre-clip (logged)", "post-clip (stepped)"]  # no threshold, no skip
+    assert legend_labels(norm) == ["pre-clip (logged)"]  # no threshold, no skip, no clip (post = pre)
     assert legend_labels(loss) == [] and legend_labels(scale) == []
     dash.reset(max_norm=1.0)
     dash.show(records())

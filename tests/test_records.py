@@ -178,6 +178,22 @@ def test_summary_final_loss_is_the_last_real_step():
     assert s["final_loss"] == 0.3 and s["skipped"] == 1 and s["clip_rate"] == 0.0
 
 
+
+def test_summary_spike_scores_are_over_the_steps_taken_only():
+    """OLMo 2's score (% of values >= 7 sigma from the rolling mean): a stepped spike counts; skipped and
+    rewound steps, whatever their values, are not steps taken."""
+    calm = [StepRecord(i, 1.0 + 0.01 * (i % 3), grad_norm=0.5 + 0.01 * (i % 2)) for i in range(40)]
+    spike = [StepRecord(40, 50.0, grad_norm=30.0)]
+    untaken = [StepRecord(41, 1e6, grad_norm=1e6, skipped=True, reason="nonfinite_grad"),
+               StepRecord(42, 2e6, grad_norm=2e6, rewound=True),
+               StepRecord(43, -1e6, grad_norm=0.0, skipped=True, reason="spike_loss")]
+    later = [StepRecord(44 + i, 1.0 + 0.01 * (i % 3), grad_norm=0.5) for i in range(9)]
+    s = StepLog(calm + spike + untaken + later).summary()
+    assert s["spike_score_loss"] == s["spike_score_grad"] == pytest.approx(100 / 50)  # 1 in 50 steps taken
+    clean = StepLog(calm + spike + later).summary()
+    scores = ("spike_score_loss", "spike_score_grad")
+    assert [clean[k] for k in scores] == [s[k] for k in scores]
+
 # ---------------------------------------------------------------- JSONL
 
 

@@ -10,6 +10,7 @@ the rule written in ``update_scale``'s docstring.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import random
 
@@ -918,5 +919,94 @@ def test_fp16_outputs_scaled_past_65504_overflow_and_the_step_is_skipped():
 
 
 def test_public_names_are_exported():
-    assert labkit.GradScaler is GradScaler and labkit.update_scale is update_scale
+    # a grading check run earlier in this process (labkit/grading's doctests, in the same pytest worker)
+    # leaves its ban wrapper on labkit.update_scale: the function under it is the one exported
+    assert labkit.GradScaler is GradScaler and inspect.unwrap(labkit.update_scale) is update_scale
     assert labkit.ScalerConfig is ScalerConfig
+
+
+# ---------------------------------------------------------------- states torch writes, resets, rule edges
+
+
+def test_a_growth_tracker_past_a_lowered_interval_loads_from_torch_and_from_labkit():
+    """torch keeps its tracker when set_growth_interval lowers the interval, and saves it (6 >= 3 here); its
+    kernel then never grows again until an overflow, the rule grows at the next clean step (>=)."""
+    theirs, mine = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10), \
+        GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
+    for scaler in (theirs, mine):
+        drive(scaler, [False] * 6)
+        scaler.set_growth_interval(3)
+    assert theirs.state_dict()["_growth_tracker"] == mine.state_dict()["_growth_tracker"] == 6
+    pattern, scales = [False, True, False, False, False], [2.0**11, 2.0**10, 2.0**10, 2.0**10, 2.0**11]
+    for state in (theirs.state_dict(), mine.state_dict()):
+        resumed = GradScaler("cpu")
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["_growth_tracker"] == 2 and resumed.get_scale() == 2.0**10
+        assert drive(resumed, pattern) == scales
+    assert drive(mine, pattern) == scales  # the run that was never saved: the same scales
+    assert drive(theirs, [False]) == [2.0**10]  # torch's own: no growth at 7 >= 3 (its kernel asks ==)
+
+
+@pytest.mark.parametrize(
+    "bad", [-1.0, 0.0, -0.0, INF, -INF, NAN, 1e39, torch.tensor(-2.0), torch.tensor(INF)],
+    ids=["-1", "0", "-0", "inf", "-inf", "nan", "1e39 (inf in float32)", "tensor -2", "tensor inf"])
+def test_update_refuses_a_new_scale_that_is_not_positive_and_finite_where_torch_takes_it(bad):
+    theirs, ours = torch.amp.GradScaler("cpu", init_scale=8.0), GradScaler("cpu", init_scale=8.0)
+    for scaler in (theirs, ours):
+        Toy().iterate(scaler, False)
+    if not (isinstance(bad, float) and bad == 1e39):  # torch refuses that one itself (a RuntimeError)
+        theirs.update(new_scale=bad)  # torch: the scale is now the bad value
+        assert not theirs.get_scale() > 0 or math.isinf(theirs.get_scale())
+    with pytest.raises(labkit.ScalerValueError, match="new_scale must be a number > 0 that is finite"):
+        ours.update(new_scale=bad)
+    assert ours.get_scale() == 8.0 and ours.state_dict() == GradScaler("cpu", init_scale=8.0).state_dict() | {
+        "_growth_tracker": 1}  # unchanged by the refused call
+    ours.update(new_scale=2.0**-140)  # positive, but below float32's normal range: taken (TrainStep names it)
+    assert ours.get_scale() == 2.0**-140
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_a_scale_starting_at_float32s_smallest_normal_follows_the_rule_through_overflows(hysteresis):
+    """1.18e-38, the floor itself: backed off it stays there; tracker and hysteresis follow the rule."""
+    tiny = torch.finfo(torch.float32).tiny
+    scaler = GradScaler("cpu", init_scale=tiny, growth_interval=2, hysteresis=hysteresis)
+    cfg, state = scaler.config, (tiny, 0, hysteresis)
+    toy = Toy()
+    for overflow in [True, True, False, True, False, False, False, True, True, True, False, False]:
+        toy.iterate(scaler, overflow)
+        state = reference_rule(*state, overflow, cfg)
+        got = scaler.state_dict()
+        assert (got["scale"], got["_growth_tracker"], got["_hysteresis_left"]) == state
+
+
+@pytest.mark.parametrize(
+    "found", [torch.tensor([1.0]), torch.tensor(1.0, dtype=torch.float64), torch.tensor(True),
+              torch.tensor([1], dtype=torch.int32), torch.tensor([[0.0]]),
+              torch.tensor(0.0, dtype=torch.float16)],
+    ids=["1-d", "float64", "bool", "int32 1-d", "2-d zero", "fp16 zero"])
+@pytest.mark.parametrize("hysteresis", [1, 2], ids=["torch's kernel", "the rule"])
+def test_inf_check_takes_any_one_element_found_inf_then_update_moves_the_scale_as_usual(found, hysteresis):
+    reference = GradScaler("cpu", init_scale=2.0**10, growth_interval=1, hysteresis=hysteresis)
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=1, hysteresis=hysteresis)
+    for s, f in ((scaler, found), (reference, t_found(bool(found.reshape(()))))):
+        toy = Toy()
+        s.scale((toy.w ** 2).sum()).backward()
+        s.inf_check_(toy.opt, f, unscaled=False)
+        s.update()
+    assert scaler.state_dict() == reference.state_dict()
+    assert scaler.get_scale_async().shape == () and scaler.get_scale_async().dtype == torch.float32
+
+
+def test_will_skip_answers_a_bool():
+    scaler = GradScaler("cpu")
+    for overflow in (False, True):
+        toy = Toy()
+        scaler.scale((toy.w ** 2).sum()).backward()
+        if overflow:
+            toy.w.grad[0] = INF
+        scaler.unscale_(toy.opt)
+        assert scaler.will_skip(toy.opt) is overflow
+        scaler.step(toy.opt)
+        scaler.update()
+    disabled = GradScaler("cpu", enabled=False)
+    assert disabled.will_skip(Toy().opt) is False

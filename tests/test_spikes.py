@@ -115,6 +115,31 @@ def test_rewound_run_equals_a_run_that_never_saw_the_skipped_window():
     assert log.summary()["steps"] == len(log)  # a rewind does not rewind the summary: the undone steps stay counted
 
 
+
+def test_rewind_with_skip_0_redoes_the_steps_on_the_same_batches():
+    """skip=0 is a valid setting: rewind and replay the same data (a transient fault, not a bad batch), so
+    the steps kept are the ones a run that never rewound takes."""
+    task = ToyTask()
+    fired = []
+
+    def once(record):  # fires at step 12, once, whatever the record says
+        if record.step == 12 and not fired:
+            fired.append(record.step)
+            return True
+        return False
+
+    rewind = Rewind(back=4, skip=0, every=4, trigger=once)
+    step = make(task, rewind, detector=False)
+    while step.step_count < 20:
+        step(*data(task, rewind.data_index(step.step_count), spike_at=None))
+    oracle = make(task, detector=False)
+    for i in range(20):
+        oracle(*data(task, i, spike_at=None))
+    assert rewind.rewinds == [(12, 8)] and rewind.data_index(15) == 15
+    kept = [r for r in step.log if not r.rewound]
+    assert [r.step for r in kept] == list(range(20))
+    assert [r.loss for r in kept] == [r.loss for r in oracle.log]
+
 def test_rewind_refuses_bad_settings():
     with pytest.raises(ValueError, match="every must be"):
         Rewind(back=4, every=8)

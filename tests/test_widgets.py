@@ -258,6 +258,7 @@ def test_a_slider_back_on_a_seen_value_redraws_from_the_cache_without_training(r
     assert [c.faults for c in runs] == [("3:nan",), ("5:nan",)]  # the way back ran nothing
     assert panel.logs["run"].skipped_steps == [3] and panel.dashboard.draws == 3
     assert list(np.flatnonzero(np.isnan(panel.dashboard.line("loss").get_ydata()))) == [3]  # what is drawn
+    assert "shown again (already run)" in panel.status.value and " s on cpu" not in panel.status.value
     panel.controls["fault_step"].value = 7
     panel.controls["fault_step"].value = 5  # pushed out of a cache of 2 by 7 and 3: runs again
     assert [c.faults for c in runs][2:] == [("7:nan",), ("5:nan",)]
@@ -282,3 +283,22 @@ def test_a_run_without_a_scaler_shows_a_note_in_the_scale_panel_and_no_scale_in_
     assert not panel.dashboard.line("scale").get_visible()
     assert [t.get_text() for t in scale_ax.texts] == ["bf16: no loss scaler in this run"]
     assert "scale" not in panel.status.value
+
+
+def test_the_panel_says_which_controls_its_figure_does_not_show(runs):
+    # 04's hidden check did this: a run in fp32 from code, the control put back to fp16, no new run
+    panel = ControlPanel(BASE, {"precision": "fp16", "fault_step": 3}, fixed={"fault": "nan"}, auto_run=False)
+    assert panel.figure_mismatches() == []  # nothing drawn yet
+    panel.controls["precision"].value = "fp32"
+    panel.run()
+    assert panel.figure_mismatches() == [] and panel.shown_values["precision"] == "fp32"
+    panel.controls["precision"].value = "fp16"
+    assert panel.figure_mismatches() == ["precision: the control says 'fp16', the figure shows 'fp32'"]
+    assert panel.dashboard.figure._suptitle.get_text().startswith("run:") and runs[-1].precision == "fp32"
+    panel.run()
+    assert panel.figure_mismatches() == [] and runs[-1].precision == "fp16"
+    # with auto_run a slider's release re-runs, so the figure follows it
+    live = ControlPanel(BASE, {"fault_step": 3}, fixed={"fault": "nan"})
+    live.run()
+    live.controls["fault_step"].value = 9
+    assert live.figure_mismatches() == [] and live.shown_values == {"fault": "nan", "fault_step": 9}

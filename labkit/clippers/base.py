@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..alarms import LabkitWarning
-from ..clip import EPS, Parameters, named_grads, per_tensor_norms, total_norm
+from ..clip import EPS, Parameters, named_grads, named_tensors, per_tensor_norms, total_norm
 from ..distributed import local_tensor
 
 __all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard", "scale_grads_"]
@@ -60,7 +60,10 @@ def lockin_guard(streak: Tensor, clipped: Tensor, bound: int | None) -> tuple[Te
     ``streak' = (streak + 1) if clipped else 0``; ``release = streak' >= bound`` (then the
     streak restarts at 0). A clipper that clips ``bound`` steps in a row is no longer catching
     spikes: its statistics have locked onto an old level (ZClip after a 2x level shift clips
-    every one of the next 1000 steps, research note §1.3b), a silent learning-rate cut.
+    every one of the next 1000 steps, research note §1.3b). Under SGD that is a silent
+    learning-rate cut (every update is divided by the new level over the old); under Adam, which is
+    invariant to a constant gradient scale up to eps, it amounts to normalized gradients and
+    costs little, but the threshold no longer follows the run.
     Isolated spikes never reach the bound. ``bound=None`` turns the guard off.
 
     >>> lockin_guard(torch.tensor(2), torch.tensor(True), 3)
@@ -255,8 +258,9 @@ class GlobalClipper(Clipper):
         warnings.warn(
             f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its statistics "
             f"from the raw norm (guard fired {n} time(s)): with feed={self.feed!r} it had locked onto an old "
-            "gradient-norm level, a silent learning-rate cut. If the level shift is real (batch-size ramp, data "
-            "mix), this is what you want; if not, look at the data around these steps.",
+            "gradient-norm level (under SGD a silent learning-rate cut; under Adam little cost, but the "
+            "threshold no longer followed the run). If the level shift is real (batch-size ramp, data mix), "
+            "this is what you want; if not, look at the data around these steps.",
             LockInWarning,
             stacklevel=3,
         )
@@ -264,7 +268,5 @@ class GlobalClipper(Clipper):
 
 
 def parameters_list(parameters: Parameters | Iterable[Tensor]) -> list[Tensor]:
-    """Return the parameters (named pairs unwrapped) as a list."""
-    if isinstance(parameters, Tensor):
-        return [parameters]
-    return [item[1] if isinstance(item, tuple) else item for item in parameters]
+    """Return the parameters (named pairs unwrapped) as a list; anything else raises ``TypeError``."""
+    return [p for _, p in named_tensors(parameters)]

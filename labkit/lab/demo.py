@@ -218,7 +218,10 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
 
     Under an initialized process group every rank trains (on its slice of each global batch)
     and only rank 0 echoes and writes: the records are the same on every rank, except that a
-    fault injected on ``config.fault_rank`` alone is named from the schedule.
+    fault injected on ``config.fault_rank`` alone is named from the schedule. ``progress``
+    is tqdm's bar (on stderr) when stdout and stderr are terminals; otherwise (``> run.log``,
+    a pipe, a notebook) a plain ``progress`` line every tenth of the run, in order with the
+    events, since a bar's carriage-return redraws would fill a file with frames.
     """
     import torch.distributed as dist
     from tqdm import tqdm
@@ -236,16 +239,24 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     elsewhere = config.fault_rank is not None and config.fault_rank != rank()
     os.makedirs(out, exist_ok=True)
     partial = os.path.join(out, "log.jsonl.partial")
-    bar = tqdm(total=config.steps, disable=not progress, unit="step", file=sys.stderr)
+    live = progress and _is_terminal(sys.stdout) and _is_terminal(sys.stderr)
+    every = max(1, math.ceil(config.steps / 10)) if progress and not live else 0
+    bar = tqdm(total=config.steps, disable=not live, unit="step", file=sys.stderr)
+    scaler = config.precision == "fp16" and config.loss_scaling
 
     def report(record: StepRecord) -> None:
         fault = f"{schedule[record.step].label} on rank {config.fault_rank}" if (
             elsewhere and record.step in set(schedule)) else None
         for line in describe(record, config.max_norm, fault):
-            if progress:
+            if live:
                 tqdm.write(line, file=sys.stdout)
             else:
                 echo(line)
+        done = record.step + 1
+        if every and (done % every == 0 or done == config.steps):
+            scale = f", scale {format_scale(record.next_scale)}" if scaler else ""
+            count = f"{done:>{len(str(config.steps))}}/{config.steps}"
+            echo(f"progress {count} steps ({done / config.steps:.0%}), loss {record.loss:.4g}{scale}")
         bar.set_postfix(loss=f"{record.loss:.3g}", scale=format_scale(record.scale), refresh=False)
         bar.update()
 
@@ -261,7 +272,6 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     log.to_csv(os.path.join(out, "log.csv"))
     plot_log(log, config.max_norm, title=title(config, world)).savefig(os.path.join(out, "demo.png"), dpi=100)
     s = log.summary()
-    scaler = config.precision == "fp16" and config.loss_scaling
     rows = [
         ("steps", s["steps"]),
         *([("ranks", f"{world} ({config.parallel or 'ddp'}, {dist.get_backend()})")] if world > 1 else []),
@@ -278,6 +288,13 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     for key, value in rows:
         echo(f"  {key:<11} {value}")
     return log
+
+
+def _is_terminal(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
 
 
 def _check_out(parser: argparse.ArgumentParser, out: str) -> str | None:

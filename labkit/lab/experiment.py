@@ -55,9 +55,12 @@ class ExperimentConfig:
 
     ``faults`` uses the demo's ``--inject`` language (``"60:spike:1000"``, ``"100-104:overflow"``).
     ``loss_scaling=False`` runs fp16 without a scaler, to see gradients underflow.
-    ``loss_weight`` multiplies the loss: small values give the tiny per-element gradients of a
-    large model (with ``optimizer="adam"``, which is invariant to that factor in exact arithmetic,
-    any difference from fp32 is fp16's). ``device=None`` takes the GPU when there is one.
+    ``loss_weight`` multiplies the loss, and so every gradient: small values give the tiny
+    gradients of a small loss term (an auxiliary loss with a small coefficient). It is not neutral
+    under ``optimizer="adam"``: torch's eps (1e-8) is added to sqrt(v_hat), so once the gradients
+    come near it the update shrinks; compare precisions at the same weight (any difference is then
+    the precision's) or pass your own optimizer with eps scaled by the weight to ``TrainStep``.
+    ``device=None`` takes the GPU when there is one.
     Under an initialized process group each rank trains on its slice of every global batch,
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).

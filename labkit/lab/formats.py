@@ -179,6 +179,7 @@ class GranularityExplorer:
         self.slider.observe(lambda change: self.set_outlier(change["new"]), names="value")
         self.widget = W.VBox([self.slider, self.image])
         self.rows: list[dict] = []
+        self.outlier = outlier  # the size the figure was last drawn for
         self.set_outlier(outlier)
 
     def matrix(self, outlier: float) -> torch.Tensor:
@@ -206,6 +207,13 @@ class GranularityExplorer:
         buf = io.BytesIO()
         self.figure.savefig(buf, format="png", dpi=72)
         self.image.value = buf.getvalue()
+        self.outlier = outlier
+
+    def figure_mismatches(self) -> list[str]:
+        """Return ``[]`` when the figure shows the slider's outlier size, else what each says."""
+        if self.slider.value == self.outlier:
+            return []
+        return [f"outlier: the slider says x{self.slider.value:g}, the figure shows x{self.outlier:g}"]
 
     def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
         return self.widget._repr_mimebundle_(**kwargs)

@@ -339,6 +339,7 @@ class GradHistogram:
         self.slider.add_class("labkit-control-hist_scale")
         self._values = torch.zeros(0)
         self._seen = 0
+        self._drawn_scale: int | None = None  # the scale the bars and title were last set for
         self.widget = W.VBox([self.slider, fig.canvas if self.interactive else self._image])
         self.widget.add_class("labkit-histogram")
         self.update(values if values is not None else torch.zeros(0), draw=False)
@@ -350,6 +351,12 @@ class GradHistogram:
     def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
         self._paint(idle=True)
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def figure_mismatches(self) -> list[str]:
+        """Return ``[]`` when the histogram shows the slider's scale, else what each says."""
+        if self._drawn_scale in (None, self.log2_scale):
+            return []
+        return [f"scale: the slider says 2^{self.log2_scale}, the histogram shows 2^{self._drawn_scale}"]
 
     def fractions(self) -> tuple[float, float]:
         """The fractions fp16 flushes to 0 and to inf at the slider's scale."""
@@ -387,6 +394,7 @@ class GradHistogram:
         self.bars.set_data((counts / total).tolist())
         self.ax.set_ylim(0, max(0.05, float(counts.max()) / total * 1.15) if counts.numel() else 1.0)
         self.ax.set_title(self.title(), fontsize=9)
+        self._drawn_scale = self.log2_scale
 
     def _redraw(self, idle: bool) -> None:
         self._set_data()

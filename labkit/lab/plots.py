@@ -123,9 +123,12 @@ class _Panels:
     def set_run(self, run: str, records: Sequence[StepRecord]) -> None:
         steps = [r.step for r in records]
         skips = _skip_marks([r.step for r in records if r.skipped])
+        # A run that never clipped has a post-clip line equal to its pre-clip one: drawn, one would
+        # hide the other (in the same colour when runs share one), and the legend would list both.
+        clipped = any(r.clipped for r in records)
         data = {
             "pre": _positive(r.grad_norm for r in records),
-            "post": _positive(r.post_clip_norm for r in records),
+            "post": _positive(r.post_clip_norm if clipped else math.nan for r in records),
             "loss": _positive(r.loss / self.loss_weight for r in records),
             "scale": [r.scale for r in records],
         }

@@ -188,6 +188,10 @@ class ControlPanel:
             raise ValueError(f"{sorted(both)} given both as controls and as fixed; keep one.")
         self.controls = {name: _control(name, value, base.steps) for name, value in controls.items()}
         self.config = config_from(base, self.values())
+        # The settings with the control values they came from, set in one assignment (a callback
+        # thread may change them while a run reads them), and the values of the run on screen.
+        self._settings = self.config, self.values()
+        self.shown_values: dict[str, Any] | None = None
         for variant in self.variants.values():
             dataclasses.replace(self.config, **variant)  # a bad variant fails here, not in a callback
         self.dashboard = LiveDashboard(self.config.max_norm, runs=tuple(self.variants), panels=panels, every=every)
@@ -222,6 +226,27 @@ class ControlPanel:
     def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
         return self.widget._repr_mimebundle_(**kwargs)
 
+    def figure_mismatches(self) -> list[str]:
+        """Return each control whose value the figure does not show (``[]``: it shows them all, or none yet).
+
+        The figure, status and table show the last finished run; a control changed since (code
+        that moved a slider and put it back without re-running, or a setting waiting for Run)
+        is listed with both values.
+
+        >>> config = ExperimentConfig(precision="fp32", steps=10)
+        >>> panel = ControlPanel(config, {"fault_step": 5}, auto_run=False)
+        >>> panel.figure_mismatches()  # nothing drawn yet
+        []
+        >>> _ = panel.run(); panel.controls["fault_step"].value = 7
+        >>> panel.figure_mismatches()
+        ['fault_step: the control says 7, the figure shows 5']
+        """
+        if self.shown_values is None:
+            return []
+        now = self.values()
+        return [f"{name}: the control says {now[name]!r}, the figure shows {self.shown_values.get(name)!r}"
+                for name in self.controls if now[name] != self.shown_values.get(name)]
+
     def values(self) -> dict[str, Any]:
         """Return the controls' current values, with the fixed ones."""
         return {**self.fixed, **{name: widget.value for name, widget in self.controls.items()}}
@@ -229,7 +254,9 @@ class ControlPanel:
     def _changed(self, change: Any = None) -> None:
         # Only settings here: this may run on a callback thread in the middle of a run.
         try:
-            self.config = config_from(self.base, self.values())
+            values = self.values()
+            self.config = config_from(self.base, values)
+            self._settings = self.config, values
         except (ValueError, TypeError) as e:
             self._fail(e)
             return
@@ -246,7 +273,7 @@ class ControlPanel:
         self.run_button.disabled = True
         try:
             while True:
-                self._run_once(self.config)
+                self._run_once(*self._settings)
                 with self._lock:
                     if not self._pending:
                         self._running = False
@@ -260,18 +287,19 @@ class ControlPanel:
             self.run_button.disabled = False
         return self.logs
 
-    def _run_once(self, config: ExperimentConfig) -> None:
+    def _run_once(self, config: ExperimentConfig, values: Mapping[str, Any]) -> None:
         self.status.value = "running..."
         dash = self.dashboard
         configs = {name: dataclasses.replace(config, **changes) for name, changes in self.variants.items()}
         scaled = [c for c in configs.values() if scaler_runs(c)]
         dash.reset(config.max_norm, scale_note=None if scaled else f"{config.precision}: no loss scaler in this run")
-        start, logs, alarms = time.perf_counter(), {}, {}
+        start, logs, alarms, trained = time.perf_counter(), {}, {}, False
         for name, run_config in configs.items():
             if run_config in self._cache:  # a slider back on a value already seen: nothing to train
                 self._cache.move_to_end(run_config)
                 logs[name], alarms[name] = self._cache[run_config]
                 continue
+            trained = True
             on_record = (lambda record, name=name: dash.update(record, name)) if self.live else None
             # Alarms go into the status line: from a callback, a warning would land in a log
             # console nobody reads. (catch_warnings is process-wide, not per thread; at worst
@@ -284,8 +312,10 @@ class ControlPanel:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         dash.show(logs)
-        self.seconds = time.perf_counter() - start
+        # A run shown again from the cache took no training: its time would read as the run's.
+        self.seconds = time.perf_counter() - start if trained else math.nan
         self.logs, self.alarms, self.error = logs, alarms, None
+        self.shown_values = dict(values)
         self.status.value = self._status_html(config)
         rows = event_rows(logs, {name: c.max_norm for name, c in configs.items()}, self.table_rows)
         self.table.value = _table_html(rows, multi=len(logs) > 1)
@@ -302,7 +332,10 @@ class ControlPanel:
             parts.append(f"<b>{html.escape(name)}</b>: {s['skipped']} skipped, {s['clipped']} clipped, "
                          f"{scale}{loss}{alarm}")
         device = config.resolved_device().type
-        return " &middot; ".join(parts) + f" &middot; {self.seconds:.2f} s on {device}"
+        took = f"{self.seconds:.2f} s on {device}"
+        if math.isnan(self.seconds):  # every run came from the cache
+            took = "shown again (already run)"
+        return " &middot; ".join(parts) + f" &middot; {took}"
 
     def _fail(self, error: Exception) -> None:
         self.error = error

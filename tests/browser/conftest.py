@@ -17,6 +17,12 @@ import pytest
 from lab_driver import CHROMIUM, CHROMIUM_ARGS, NOTEBOOKS, RELEASE, LabServer, Notebook
 
 HERE = Path(__file__).parent
+# student_view.py, loaded into a notebook's kernel before Run All (as a module of its own, without
+# touching the notebook's sys.path): it checks each figure as it is displayed and remembers each
+# control with the value its cell gave it.
+INSTALL_VIEW = ("import types as _types\n_labkit_view = _types.ModuleType('_labkit_view')\n"
+                f"exec(compile({(HERE / 'student_view.py').read_text()!r}, 'student_view.py', 'exec'), "
+                "_labkit_view.__dict__)\n_labkit_view.install()\ndel _types")
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
@@ -72,22 +78,30 @@ def notebooks(lab, browser):  # type: ignore[no-untyped-def]
     """Open a notebook once per session, with all its cells run: ``notebooks("01_gradient_clipping.ipynb")``.
 
     The tests of one notebook share its page and kernel, as a student's session does; each
-    test reads the state it starts from instead of assuming one.
+    test reads the state it starts from instead of assuming one. What a student would find
+    wrong right after Run All (``student_view.report()``) is read once, before any test moves a
+    slider: ``notebooks.report(path)``.
     """
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     context.set_default_timeout(60_000)
     page = context.new_page()  # one lab, the notebooks in its tabs
-    opened: dict[str, tuple[Notebook, float]] = {}
+    opened: dict[str, tuple[Notebook, float, dict | None]] = {}
 
     def get(path: str, run: bool = True) -> Notebook:
         if path not in opened:
             nb = Notebook.open(page, lab, path)
-            opened[path] = nb, nb.run_all() if run else 0.0
+            seconds, report = 0.0, None
+            if run:
+                nb.kernel(INSTALL_VIEW)
+                seconds = nb.run_all()
+                report = nb.value("_labkit_view.report()")
+            opened[path] = nb, seconds, report
         nb = opened[path][0]
         nb.activate()
         return nb
 
     get.seconds = lambda path: opened[path][1]  # type: ignore[attr-defined]
+    get.report = lambda path: opened[path][2]  # type: ignore[attr-defined]
     try:
         yield get
     finally:
