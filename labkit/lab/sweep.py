@@ -727,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "z-loss (Wortsman et al. 2023, Fig. 1): writes sweep.csv, sweep.png and each run's "
                     "log.jsonl; run it again to resume a grid stopped half-way.",
     )
-    d = Recipe()
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(Recipe)})  # no torch for --help
     p.add_argument("--lrs", type=_floats, default=lr_grid(1e-4, 1.0, 9),
                    help="learning rates: 1e-3,1e-2 or low:high:count, log-spaced (default 1e-4:1:9)")
     p.add_argument("--variants", default=",".join(VARIANTS),
