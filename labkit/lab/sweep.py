@@ -705,6 +705,22 @@ class SweepPanel:
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
 
+    def figure_mismatches(self) -> list[str]:
+        """Return each control whose value the figure does not show (``[]``: it shows them all, or none yet).
+
+        >>> panel = SweepPanel(Recipe(n_layer=1, n_embd=16, n_head=2, block_size=8, batch_size=2, steps=3,
+        ...                           val_batches=1), [1e-3])
+        >>> panel.figure_mismatches(), panel.shown
+        ([], ('baseline', 0.001))
+        """
+        if self.shown is None:
+            return []
+        variant, lr = self.shown
+        qk_norm, z_loss = VARIANTS[variant]
+        shown = {"lr": lr, "qk_norm": qk_norm, "z_loss": z_loss}
+        return [f"{name}: the control says {widget.value!r}, the figure shows {shown[name]!r}"
+                for name, widget in self.controls.items() if widget.value != shown[name]]
+
 
 def _floats(text: str) -> list[float]:
     try:
