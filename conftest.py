@@ -7,3 +7,8 @@ so notebook kernels started by nbval and the browser tests inherit it. LABKIT_TE
 import os
 
 os.environ["OMP_NUM_THREADS"] = os.environ.get("LABKIT_TEST_THREADS", "1")
+
+# The old names of labkit.formats.bf16 and .fp8, kept one release: each file replaces itself in
+# sys.modules with the new module (so monkeypatching and pickles see one module), which pytest's
+# doctest collection reads as an import mismatch. Their doctests run under the new names.
+collect_ignore = ["labkit/precision.py", "labkit/fp8.py"]

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_precision.py
 
-1. bf16 stagnation and its remedies (labkit.precision.compare_remedies, 300 AdamW steps).
+1. bf16 stagnation and its remedies (labkit.formats.bf16.compare_remedies, 300 AdamW steps).
 2. Gradient accumulation over 64 micro-batches: bf16 against fp32 accumulator.
 3. The cost of the stale detector: TrainStep on a bf16 ToyTask with and without StaleMonitor.
 4. FP8 granularity against an outlier channel (256x1024, e4m3): % flushed, error of the other channels.
@@ -20,9 +20,9 @@ import warnings
 import torch
 
 import labkit
-from labkit.fp8 import GRANULARITIES, Fp8Fault, Fp8Guard, quantize
+from labkit.formats.bf16 import StaleMonitor, accumulate, compare_remedies
+from labkit.formats.fp8 import GRANULARITIES, Fp8Fault, Fp8Guard, quantize
 from labkit.lab.formats import granularity_rows
-from labkit.precision import StaleMonitor, accumulate, compare_remedies
 
 
 def best_of(fn, repeat: int = 5) -> float:

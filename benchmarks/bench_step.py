@@ -222,7 +222,7 @@ def cpu_name() -> str:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
-                flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+                flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
                 isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
                 fp16 = "native fp16" if "avx512_fp16" in flags else "no native fp16"
                 return f"{name} ({isa}, {fp16})"

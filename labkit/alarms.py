@@ -14,6 +14,10 @@ import warnings
 from collections import deque
 from typing import Any
 
+from .hooks import Hook
+from .reasons import Reason
+from .validate import check_int, check_number
+
 __all__ = ["DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"]
 
 
@@ -38,18 +42,20 @@ def _check_state(state: Any, keys: tuple[str, ...], owner: str) -> None:
         raise KeyError(f"{owner} state must be a dict with {list(keys)}; pass what {owner}.state_dict() returned.")
 
 
-class SkipAlarm:
+class SkipAlarm(Hook):
     """Count consecutive skips and warn once per streak when it reaches ``threshold``.
+
+    As a hook (``on_record``) it writes the streak into each record's ``skip_streak``.
 
     >>> alarm = SkipAlarm(threshold=None)
     >>> [alarm.observe(True, "nonfinite_loss", step=i) for i in range(3)]
     [1, 2, 3]
     """
 
+    state_key = "skip_alarm"
+
     def __init__(self, threshold: int | None) -> None:
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
-            raise ValueError(f"skip_alarm must be an int >= 1 or None (off), got {threshold!r}.")
-        self.threshold = threshold
+        self.threshold = check_int("skip_alarm", threshold, 1, none="off")
         self.streak = 0
         self.reasons: list[str] = []
 
@@ -60,7 +66,7 @@ class SkipAlarm:
             return 0
         self.streak += 1
         self.reasons.append(reason or "?")
-        if reason == "dead_scale" and self.reasons.count(reason) == 1:  # it never recovers: say so at once
+        if reason == Reason.DEAD_SCALE and self.reasons.count(reason) == 1:  # it never recovers: say so at once
             warnings.warn(
                 f"step {step} skipped because the loss scale is dead (below float32's normal range, 1/scale "
                 "overflows): every later step will skip too. It was set below 2**-126 by hand (update(new_scale)); "
@@ -83,25 +89,29 @@ class SkipAlarm:
             )
         return self.streak
 
+    def on_record(self, trainer: Any, record: Any) -> None:
+        record.skip_streak = self.observe(record.skipped, record.reason, record.step)
+
     def state_dict(self) -> dict[str, Any]:
         return {"streak": self.streak, "reasons": list(self.reasons)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streak, self.reasons = self.parse_state(state)
 
+    def check_state(self, state: Any) -> None:
+        self.parse_state(state)
+
     @staticmethod
     def parse_state(state: dict[str, Any]) -> tuple[int, list[str]]:
         """Return ``(streak, reasons)`` from a ``state_dict``, or raise saying what is wrong."""
         _check_state(state, ("streak", "reasons"), "SkipAlarm")
-        streak, reasons = state["streak"], state["reasons"]
-        if isinstance(streak, bool) or not isinstance(streak, int) or streak < 0:
-            raise ValueError(f"SkipAlarm state['streak'] must be an int >= 0, got {streak!r}.")
+        streak, reasons = check_int("SkipAlarm state['streak']", state["streak"], 0), state["reasons"]
         if not isinstance(reasons, list) or len(reasons) != streak or not all(isinstance(r, str) for r in reasons):
             raise ValueError(f"SkipAlarm state['reasons'] must be a list of {streak} reasons (one per skip), got {reasons!r}.")
         return streak, list(reasons)
 
 
-class ClipAlarm:
+class ClipAlarm(Hook):
     """Warn once when more than ``rate`` of the last ``window`` stepped steps were clipped.
 
     >>> alarm = ClipAlarm(rate=0.5, window=4)
@@ -110,12 +120,11 @@ class ClipAlarm:
     [False, False, False, True]
     """
 
+    state_key = "clip_alarm"
+
     def __init__(self, rate: float | None = 0.5, window: int = 100) -> None:
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0):
-            raise ValueError(f"clip_alarm must be a fraction in [0, 1) or None (off), got {rate!r}.")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"clip_window must be an int >= 1, got {window!r}.")
-        self.rate, self.window = rate, window
+        check_number("clip_alarm", rate, 0, 1, high_open=True, none="off", noun="a fraction")
+        self.rate, self.window = rate, check_int("clip_window", window, 1)
         self.recent: deque[bool] = deque(maxlen=window)
         self.fired = False
 
@@ -139,12 +148,19 @@ class ClipAlarm:
         )
         return True
 
+    def on_record(self, trainer: Any, record: Any) -> None:
+        if not record.skipped:  # a skipped step says nothing about clipping
+            self.observe(record.clipped, record.step)
+
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "fired": self.fired}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         recent, self.fired = self.parse_state(state)
         self.recent = deque(recent, maxlen=self.window)
+
+    def check_state(self, state: Any) -> None:
+        self.parse_state(state)
 
     @staticmethod
     def parse_state(state: dict[str, Any]) -> tuple[list[bool], bool]:

@@ -159,7 +159,7 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     dtype, device = grads[0].dtype, grads[0].device
     if foreach is not False and device.type in ("cpu", "cuda") and all(
         type(g) is Tensor and g.dtype is dtype and g.device == device and g.numel() for g in grads
-    ):  # the usual case (no DTensor, one device and dtype): no grouping, ~40 us less Python a step
+    ):  # the usual case (no DTensor, one device and dtype): no grouping, less Python a step
         return torch.stack(foreach_norm(grads, norm_type, torch.float32 if dtype in HALF else None))
     sharded, grads = grads, [local_tensor(g) for g in grads]
     first = grads[0].device
@@ -191,12 +191,12 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
 
 
-# Below this many elements a second thread's hand-off (~40 us) costs more than it saves.
+# Below this many elements a second thread's hand-off costs more than it saves.
 SPLIT_NUMEL = 1 << 22
-# After a parallel kernel, libgomp's idle threads spin (~300k pause loops: 7-10 ms on the EPYC
-# measured) and hold the other cores, so a Python thread handed half the norms waits for them:
-# 50 x 1M norms after a multiply took 11.4 ms split against 11.2 unsplit. Where they sleep
-# (read once: libgomp reads the same variables when torch loads it) the split pays: 7.0 ms.
+# After a parallel kernel, libgomp's idle threads spin (~300k pause loops) and hold the other
+# cores, so a Python thread handed half the norms waits for them: split, 50 x 1M norms after a
+# multiply are no faster. Where they sleep (read once: libgomp reads the same variables when
+# torch loads it) the split pays (benchmarks/bench_step.py (a) with OMP_WAIT_POLICY=passive).
 OMP_THREADS_SLEEP = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive" or os.environ.get("GOMP_SPINCOUNT") == "0"
 
 
@@ -208,11 +208,10 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | None = None) -> list[Tensor]:
     """Return ``torch._foreach_norm(tensors, norm_type, dtype=dtype)``, on CPU over torch's threads.
 
-    torch's CPU norm reduces each tensor on one thread: 50 x 1M fp32 take 15.1 ms at one
-    thread and at two (AMD EPYC, 2 cores). ATen releases the GIL, so with OpenMP's idle
-    threads asleep (``OMP_WAIT_POLICY=passive``, see ``OMP_THREADS_SLEEP``) contiguous slices
-    of the list (>= 4M elements each) go to ``torch.get_num_threads()`` Python threads and
-    run side by side: 7.0-8.7 ms there. Each norm comes from the same kernel on the same
+    torch's CPU norm reduces each tensor on one thread: 50 x 1M fp32 take as long at one
+    thread as at two. ATen releases the GIL, so with OpenMP's idle threads asleep
+    (``OMP_WAIT_POLICY=passive``, see ``OMP_THREADS_SLEEP``) contiguous slices of the list
+    (>= 4M elements each) go to ``torch.get_num_threads()`` Python threads and run side by side. Each norm comes from the same kernel on the same
     tensor, so the result is bitwise torch's; CUDA's fused kernel is called as is.
 
     >>> foreach_norm([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0)
@@ -323,7 +322,7 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     """
     # clamp and a mask, not `if`: a Python branch on a device tensor forces a host sync. A
     # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
-    # In place after the first op: 8 kernels, ~15 us on a CPU, where a step of a small model is ~1 ms.
+    # In place after the first op: 8 kernels, a visible share of a small model's step on a CPU.
     if isinstance(max_norm, Tensor):
         coef = torch.div(max_norm, norm + EPS)
     else:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
@@ -354,8 +353,7 @@ def host_clip_coef(norm: float, max_norm: float, dtype: torch.dtype = torch.floa
     """Return ``clip_coef`` of a norm already read to the host, with the bits ``clip_coef`` gives on a ``dtype`` tensor.
 
     ``TrainStep`` reads the norm to decide the step (a host sync a plain optimizer needs
-    anyway); the coefficient is then ~4 float operations in Python instead of 8 kernels
-    (~20-40 us a step on a CPU). ``tests/test_clip.py`` holds it to ``clip_coef`` (hypothesis).
+    anyway); the coefficient is then ~4 float operations in Python instead of 8 kernels. ``tests/test_clip.py`` holds it to ``clip_coef`` (hypothesis).
 
     >>> host_clip_coef(5.0, 1.0), host_clip_coef(math.inf, 1.0), host_clip_coef(0.5, 1.0)
     (0.19999995827674866, 1.0, 1.0)

@@ -74,8 +74,8 @@ def mean_across(value: Tensor, group: ProcessGroup | None = None) -> Tensor:
 
 
 def _dtensor_type() -> type | None:
-    # A DTensor can only exist once its module is imported; importing it here would add
-    # ~0.6 s to ``import labkit`` for every user who never shards.
+    # A DTensor can only exist once its module is imported; importing it here would slow
+    # ``import labkit`` down for every user who never shards.
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 

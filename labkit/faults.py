@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .validate import check_int
+
 __all__ = ["Fault", "FaultSchedule"]
 
 KINDS = ("spike", "nan", "inf", "overflow")
@@ -145,8 +147,7 @@ class FaultSchedule(Mapping[int, Fault]):
         self._single: dict[int, tuple[int, Fault]] = {}  # step -> (position, fault): a dict lookup per step
         self._added = 0
         for step, fault in (faults or {}).items():
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"fault steps must be ints >= 0, got {step!r}.")
+            check_int("a fault's step", step, 0)
             if not isinstance(fault, (str, Fault)):
                 raise TypeError(f"a fault must be a kind such as 'nan' or a labkit.Fault, got {fault!r} at step {step}.")
             self._add(step, step, Fault(fault) if isinstance(fault, str) else fault)

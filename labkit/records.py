@@ -19,11 +19,12 @@ from typing import Any, overload
 
 from .alarms import LabkitWarning
 from .distributed import rank
+from .reasons import COUNTED
 from .spikes import spike_score
+from .validate import check_int
 
 __all__ = ["LogWriteError", "StepLog", "StepRecord", "parse_line"]
 
-REASONS = ("nonfinite_loss", "nonfinite_grad")
 # Strict JSON has no NaN/Infinity (JavaScript's JSON.parse rejects Python's bare NaN): non-finite
 # floats are written as these strings, and read back from them or from the bare tokens.
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -95,7 +96,7 @@ class StepRecord:
     first_nonfinite: str | None = None
     stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
     lrs: list[float] = field(default_factory=list)  # every param group's lr (``lr`` is group 0's)
-    # issue 15: spike defenses. z-scores of loss and norm (NaN: no detector, or not enough history),
+    # Spike defenses: z-scores of loss and norm (NaN: no detector, or not enough history),
     # the clipper's threshold (NaN: none, or a per-tensor rule), why it clipped, whether its lock-in
     # guard fired, and rewinds: this step was undone (``rewound``), or it triggered one (``rewind_to``).
     z_loss: float = math.nan
@@ -179,7 +180,7 @@ class _Totals:
         return {
             "steps": self.steps,
             "skipped": sum(self.reasons.values()),
-            "skips_by_reason": {**{reason: 0 for reason in REASONS}, **self.reasons},
+            "skips_by_reason": {**{reason.value: 0 for reason in COUNTED}, **self.reasons},
             "clipped": self.clipped,
             "clip_rate": self.clipped / self.stepped if self.stepped else 0.0,
             "min_scale": min(scales) if scales else math.nan,
@@ -255,8 +256,7 @@ class StepLog(Sequence[StepRecord]):
         self, records: Sequence[StepRecord] = (), *, stream: str | os.PathLike | None = None,
         sinks: Sequence[Any] = (), window: int | None = None,
     ) -> None:
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be None (keep every record) or an int >= 1, got {window!r}.")
+        check_int("window", window, 1, none="keep every record")
         if stream is not None and not isinstance(stream, (str, os.PathLike)):
             raise TypeError(f"log_path/stream must be a str or os.PathLike file path, got {type(stream).__name__}.")
         self.sinks: list[Any] = list(sinks)
@@ -612,3 +612,11 @@ def _cut_torn_tail(path: str) -> None:
                 LabkitWarning,
                 stacklevel=5,
             )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "REASONS":  # one reason type now: labkit.reasons.Reason
+        warnings.warn("labkit.records.REASONS is labkit.reasons.COUNTED (Reason members).", DeprecationWarning,
+                      stacklevel=2)
+        return tuple(r.value for r in COUNTED)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

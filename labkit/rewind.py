@@ -12,21 +12,20 @@ data forward by ``skip`` batches. The records of the undone steps stay in the lo
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .distributed import all_reduce_, is_distributed
+from .hooks import Hook
+from .reasons import SPIKES
 from .records import StepRecord
-
-if TYPE_CHECKING:
-    from .step import TrainStep
+from .validate import check_int
 
 __all__ = ["Rewind", "Snapshot", "is_spike"]
-
-SPIKE_REASONS = ("spike_loss", "spike_grad")
 
 
 def is_spike(record: StepRecord) -> bool:
@@ -35,7 +34,7 @@ def is_spike(record: StepRecord) -> bool:
     >>> is_spike(StepRecord(0, 1.0, skipped=True, reason="spike_grad"))
     True
     """
-    return record.reason in SPIKE_REASONS
+    return record.reason in SPIKES
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Snapshot:
     state: dict[str, Any]
 
 
-class Rewind:
+class Rewind(Hook):
     """Rewind ``back`` steps and skip ``skip`` batches when ``trigger(record)`` says so.
 
     Snapshots are taken every ``every`` steps (default ``back``), in memory: two copies of
@@ -57,18 +56,24 @@ class Rewind:
     ``torch.distributed`` the decision is all-reduced (MAX, one int per step): every rank
     rewinds together even if only one rank's record said so.
 
+    As a hook it snapshots when it joins a trainer (``attach``) and acts on each record
+    (``on_record``), last of all hooks. ``train`` is the ``TrainStep``, or anything with its
+    ``model``, ``optimizer``, ``scheduler``, ``step_count``, ``log``, ``device``,
+    ``process_group``, ``state_dict()`` and ``load_state_dict()``. Its snapshots hold the
+    trainer's state: save ``rewind.state_dict()`` yourself (it is not in ``TrainStep.state_dict()``).
+
     >>> rewind = Rewind(back=10, skip=30); rewind.data_index(5)
     5
     """
 
+    per_step = True  # it restores a snapshot before the next step
+
     def __init__(self, back: int = 100, skip: int = 300, every: int | None = None,
                  trigger: Callable[[StepRecord], bool] = is_spike, max_rewinds: int = 10) -> None:
-        for name, v in (("back", back), ("skip", skip), ("max_rewinds", max_rewinds)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "skip" else 1):
-                raise ValueError(f"{name} must be an int >= {0 if name == 'skip' else 1}, got {v!r}.")
-        every = back if every is None else every
-        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= back:
-            raise ValueError(f"every must be an int in [1, back={back}], got {every!r}.")
+        check_int("back", back, 1)
+        check_int("skip", skip, 0)
+        check_int("max_rewinds", max_rewinds, 1)
+        every = check_int("every", back if every is None else every, 1, back, hint="(back)")
         self.back, self.skip, self.every, self.trigger, self.max_rewinds = back, skip, every, trigger, max_rewinds
         self.offset = 0
         self.snapshots: list[Snapshot] = []
@@ -78,7 +83,13 @@ class Rewind:
         """Return the index of the batch to feed at optimizer step ``step``."""
         return step + self.offset
 
-    def snapshot(self, train: TrainStep) -> None:
+    def attach(self, trainer: Any) -> None:
+        self.snapshot(trainer)  # step 0: a spike in the first `back` steps rewinds to the start
+
+    def on_record(self, trainer: Any, record: Any) -> None:
+        self.after(trainer, record)
+
+    def snapshot(self, train: Any) -> None:
         """Keep a copy of everything ``train`` would need to continue from its current step."""
         state = {
             "train": train.state_dict(),
@@ -93,8 +104,8 @@ class Rewind:
         if old:
             del self.snapshots[: old[-1]]
 
-    def after(self, train: TrainStep, record: StepRecord) -> None:
-        """Called by ``TrainStep`` after each record (``step_count`` already advanced): rewind or snapshot."""
+    def after(self, train: Any, record: StepRecord) -> None:
+        """Rewind or snapshot after each record (``step_count`` already advanced)."""
         want = bool(self.trigger(record)) and len(self.rewinds) < self.max_rewinds
         if is_distributed():
             flag = torch.tensor([int(want)], device=train.device)
@@ -104,7 +115,7 @@ class Rewind:
         elif train.step_count % self.every == 0:
             self.snapshot(train)
 
-    def restore(self, train: TrainStep, record: StepRecord) -> None:
+    def restore(self, train: Any, record: StepRecord) -> None:
         """Return ``train`` to the newest snapshot at least ``back`` steps before ``record.step``."""
         fit = [s for s in self.snapshots if record.step - s.step >= self.back - 1]
         target = fit[-1] if fit else self.snapshots[0]
@@ -133,3 +144,11 @@ class Rewind:
 
     def __repr__(self) -> str:
         return f"Rewind(back={self.back}, skip={self.skip}, every={self.every})"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SPIKE_REASONS":
+        warnings.warn("labkit.rewind.SPIKE_REASONS is labkit.reasons.SPIKES (Reason members).", DeprecationWarning,
+                      stacklevel=2)
+        return SPIKES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

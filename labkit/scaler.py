@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .distributed import ProcessGroup, all_reduce_, local_tensor
+from .validate import check_int, real
 
 __all__ = ["GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"]
 
@@ -56,20 +56,6 @@ DEFAULT_MIN_SCALE = F32.tiny
 INT32_MAX = 2**31 - 1
 # One back-off by more than 2**-24 (fp16's whole subnormal range) is a reset, not a back-off.
 MIN_BACKOFF = 2.0**-24
-
-
-def check_real(name: str, value: Any) -> float:
-    """Return ``value`` as a float, or raise ``TypeError`` naming the setting (bools are not numbers here)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
-    return float(value)
-
-
-def check_int(name: str, value: Any, low: int, high: int = INT32_MAX) -> int:
-    """Return ``value`` if it is an int in ``[low, high]``, else raise ``ValueError`` naming the setting."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int >= {low} and <= {high}, got {value!r}.")
-    return int(value)
 
 
 def check_init_scale(scale: float, name: str = "init_scale") -> float:
@@ -122,7 +108,7 @@ class ScalerConfig:
     def __post_init__(self) -> None:
         for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
             if getattr(self, name) is not None:
-                check_real(name, getattr(self, name))
+                real(name, getattr(self, name))
         if not self.growth_factor > 1.0 or math.isinf(self.growth_factor):
             raise ScalerValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}; torch's default is 2.0.")
         if not 0.0 < self.backoff_factor < 1.0:
@@ -133,7 +119,7 @@ class ScalerConfig:
                 "than fp16's whole range. Use 0.5 (torch's default); to reset the scale call update(new_scale)."
             )
         for name in ("growth_interval", "hysteresis"):
-            check_int(name, getattr(self, name), 1)  # the counters are int32 on the device
+            check_int(name, getattr(self, name), 1, INT32_MAX)  # the counters are int32 on the device
         for name in ("min_scale", "max_scale"):
             value = getattr(self, name)
             if value is not None and not (F32.tiny <= value <= F32.max):
@@ -147,7 +133,7 @@ class ScalerConfig:
 
 @functools.lru_cache(maxsize=64)
 def _takes_grad_scaler(step: Callable) -> bool:
-    # torch reads the signature on every step: ~80 us, a tenth of a small model's step
+    # torch reads the signature on every step: a tenth of a small model's step
     return "grad_scaler" in inspect.signature(step).parameters
 
 
@@ -251,7 +237,7 @@ class GradScaler:
             enabled = False
         self._enabled = bool(enabled)
         self.config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        check_init_scale(check_real("init_scale", init_scale))
+        check_init_scale(real("init_scale", init_scale))
         lo, hi = min_scale or 0.0, max_scale or math.inf
         if not lo <= init_scale <= hi:
             raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}].")
@@ -443,11 +429,12 @@ class GradScaler:
         opt_state["stage"] = _STEPPED
         return found_inf
 
-    def _abandon_iteration(self) -> None:
-        """Forget this iteration's unscale/step stages, so the next one starts clean.
+    def abandon_iteration(self) -> None:
+        """Forget this iteration's unscale/step stages (not the scale), so the next one starts clean.
 
         ``TrainStep`` calls it when the user's model, loss or optimizer raised mid-iteration;
         without it the next ``unscale_`` would refuse ("already called since the last update()").
+        A plain loop that catches such an error does the same.
         """
         self._per_optimizer = {}
 
@@ -667,7 +654,7 @@ class GradScaler:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled GradScaler."
             )
-        config, initial = self._parse_state(state_dict)  # everything validated before anything is written
+        config, initial = self.parse_state(state_dict)  # everything validated before anything is written
         self.config = config
         self._init_scale, self._init_tracker, self._init_hysteresis = initial[:3]
         self._init_skips = initial[3:]
@@ -676,8 +663,11 @@ class GradScaler:
                 self._state[key].fill_(value)
 
     @staticmethod
-    def _parse_state(state_dict: dict[str, Any]) -> tuple[ScalerConfig, tuple[float, int, int, int, int]]:
-        """Return the config and ``(scale, tracker, hysteresis_left, skip_count, skip_streak)``, or raise."""
+    def parse_state(state_dict: dict[str, Any]) -> tuple[ScalerConfig, tuple[float, int, int, int, int]]:
+        """Return the config and ``(scale, tracker, hysteresis_left, skip_count, skip_streak)``, or raise.
+
+        Writes nothing: call it to validate a state before loading it with anything else.
+        """
         if not isinstance(state_dict, dict):
             raise TypeError(f"GradScaler state_dict must be a dict, got {type(state_dict).__name__}.")
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - state_dict.keys()
@@ -685,17 +675,17 @@ class GradScaler:
             raise KeyError(f"GradScaler state_dict lacks {sorted(missing)}; pass what GradScaler.state_dict() returned.")
         hysteresis = state_dict.get("hysteresis", 1)
         config = ScalerConfig(
-            check_real("state_dict['growth_factor']", state_dict["growth_factor"]),
-            check_real("state_dict['backoff_factor']", state_dict["backoff_factor"]),
+            real("state_dict['growth_factor']", state_dict["growth_factor"]),
+            real("state_dict['backoff_factor']", state_dict["backoff_factor"]),
             state_dict["growth_interval"],
             hysteresis,
             state_dict.get("min_scale"),
             state_dict.get("max_scale"),
         )
-        scale = check_init_scale(check_real("state_dict['scale']", state_dict["scale"]), "state_dict['scale']")
+        scale = check_init_scale(real("state_dict['scale']", state_dict["scale"]), "state_dict['scale']")
         # torch keeps (and saves) a tracker >= growth_interval after set_growth_interval lowers the interval;
         # the rule grows at the next clean step either way, so it is clamped, as update() clamps it
-        tracker = min(check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0),
+        tracker = min(check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, INT32_MAX),
                       config.growth_interval - 1)
         # a hysteresis_left above hysteresis would postpone the back-off (10**9: never back off)
         left = check_int("state_dict['_hysteresis_left']", state_dict.get("_hysteresis_left", hysteresis), 0, hysteresis)

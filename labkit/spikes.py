@@ -15,14 +15,20 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .hooks import DecisionView, Hook, Verdict
+from .reasons import Reason
+from .validate import check_int, check_number
+
 __all__ = ["SpikeDetector", "format_z", "rolling_z", "spike_score"]
 
 
 def rolling_z(window: Sequence[float], x: float, min_count: int) -> float:
     """Return the z-score of ``x`` against ``window`` (the previous values), NaN when it cannot say.
 
-    ``z = (x - mean) / std`` with the population std of ``window``, as OLMo-core compares
-    ``x - mean`` with ``k * std`` over the previous values (the current one excluded). NaN
+    ``z = (x - mean) / std`` with the population std of ``window`` (divided by n, as llm.c's
+    detector), comparing ``x - mean`` with ``k * std`` over the previous values (the current one
+    excluded) as OLMo-core does. OLMo-core's ``torch.std_mean`` is Bessel-corrected (n - 1): its
+    z is ``sqrt((n - 1) / n)`` of this one, 0.4 % smaller at its window of 128. NaN
     when ``x`` is not finite or fewer than ``min_count`` values are in; ``+-inf`` when the
     window is constant and ``x`` differs from it.
 
@@ -62,16 +68,23 @@ def spike_score(values: Iterable[float], window: int = 1000, k: float = 7.0, min
     return 100.0 * spikes / total if total else 0.0
 
 
-def format_z(name: str, value: float, z: float) -> str:
-    """Return llm.c's log fragment, e.g. ``loss 3.21 (+0.5z)``.
+def format_z(name: str, value: float, z: float, cap: float = 100.0) -> str:
+    """Return llm.c's log fragment, e.g. ``loss 3.21 (+0.5z)``; beyond ``cap`` sigma, ``(>+100z)``.
 
-    >>> format_z("loss", 3.2104, 0.53), format_z("norm", 1.5, float("nan"))
-    ('loss 3.21 (+0.5z)', 'norm 1.5 (z n/a)')
+    Past a hundred sigma the number says how quiet the window was (its std is tiny), not how
+    bad the step is; ``inf`` (a constant window) reads the same.
+
+    >>> format_z("loss", 3.2104, 0.53), format_z("norm", 1.5, float("nan")), format_z("loss", 881.0, 278543.1)
+    ('loss 3.21 (+0.5z)', 'norm 1.5 (z n/a)', 'loss 881 (>+100z)')
     """
-    return f"{name} {value:.3g} ({z:+.1f}z)" if math.isfinite(z) else f"{name} {value:.3g} (z n/a)"
+    if math.isnan(z):
+        return f"{name} {value:.3g} (z n/a)"
+    if abs(z) > cap:
+        return f"{name} {value:.3g} ({'>+' if z > 0 else '<-'}{cap:g}z)"
+    return f"{name} {value:.3g} ({z:+.1f}z)"
 
 
-class SpikeDetector:
+class SpikeDetector(Hook):
     """Score each step's loss and gradient norm by rolling z, and say whether to skip or clip it.
 
     ``window=128`` and ``skip_z=6.0`` are OLMo-core's ``SkipStepOptimizer`` defaults (inactive
@@ -81,6 +94,8 @@ class SpikeDetector:
     skip). Only increases count (a loss drop is good news). The state is plain Python floats:
     its inputs are the host values ``TrainStep`` already holds for the record, so it adds no
     sync. ``TrainStep(..., detector=SpikeDetector())`` logs ``z_loss``/``z_grad`` on every record.
+    As a hook: ``on_decision`` scores and decides (a ``Verdict``), ``on_record`` admits the
+    step; in a plain loop call ``score``, ``decide`` and ``observe`` yourself.
 
     >>> det = SpikeDetector(window=8, skip_z=6.0)
     >>> for i in range(8): det.observe(1.0 + 0.01 * (i % 3), 2.0 + 0.01 * (i % 2), admitted=True)
@@ -88,13 +103,17 @@ class SpikeDetector:
     ('skip', 'spike_grad')
     """
 
+    state_key = "detector"
+    per_step = True  # it decides from windows of every step's values
+    # Its verdict is asked on the device path (one read of the loss and the norm), as before the
+    # hook protocol: tests/test_fused.py holds that path. The host's read would serve it too.
+    device_decision = True
+
     def __init__(self, window: int = 128, skip_z: float | None = 6.0, clip_z: float | None = None,
                  min_count: int | None = None) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"window must be an int >= 2 (OLMo-core and llm.c use 128), got {window!r}.")
+        check_int("window", window, 2, hint="(OLMo-core and llm.c use 128)")
         for name, z in (("skip_z", skip_z), ("clip_z", clip_z)):
-            if z is not None and not z > 0:
-                raise ValueError(f"{name} must be a number of standard deviations > 0, or None (off); got {z!r}.")
+            check_number(name, z, 0, low_open=True, none="off", noun="a number of standard deviations")
         if skip_z is not None and clip_z is not None and clip_z >= skip_z:
             raise ValueError(f"clip_z ({clip_z}) must be below skip_z ({skip_z}): clip moderate spikes, skip the big ones.")
         self.window, self.skip_z, self.clip_z = window, skip_z, clip_z
@@ -110,9 +129,9 @@ class SpikeDetector:
         """Return ``(action, reason)``: ``("skip", "spike_loss"|"spike_grad")``, ``("clip", "z_grad")`` or ``(None, None)``."""
         if self.skip_z is not None:
             if z_loss > self.skip_z:
-                return "skip", "spike_loss"
+                return "skip", Reason.SPIKE_LOSS.value
             if z_grad > self.skip_z:
-                return "skip", "spike_grad"
+                return "skip", Reason.SPIKE_GRAD.value
         if self.clip_z is not None and z_grad > self.clip_z:
             return "clip", "z_grad"
         return None, None
@@ -129,6 +148,24 @@ class SpikeDetector:
         if admitted and math.isfinite(loss) and math.isfinite(norm):
             self.losses.append(float(loss))
             self.norms.append(float(norm))
+
+    def on_decision(self, trainer: Any, view: DecisionView) -> Verdict | None:
+        """Score this step and return the verdict: skip (``spike_loss``/``spike_grad``), clip, or the scores alone."""
+        if view.loss_bad or not math.isfinite(view.norm):  # nothing to score: the step skips anyway
+            return None
+        z_loss, z_grad = self.score(view.loss, view.norm)
+        action, why = self.decide(z_loss, z_grad)
+        fields = {"z_loss": z_loss, "z_grad": z_grad}
+        if action == "skip":
+            return Verdict(skip=why, fields=fields)
+        if action == "clip":
+            return Verdict(clip_to=self.clip_limit(), clip_reason=why, fields=fields)
+        return Verdict(fields=fields)
+
+    def on_record(self, trainer: Any, record: Any) -> None:
+        """Admit the step as it was taken: a z clip's own cut, never a skipped or non-finite step."""
+        seen = record.post_clip_norm if record.clip_reason == "z_grad" else record.grad_norm
+        self.observe(record.loss, seen, admitted=not record.skipped)
 
     def state_dict(self) -> dict[str, Any]:
         return {"losses": list(self.losses), "norms": list(self.norms)}

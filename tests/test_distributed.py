@@ -108,7 +108,7 @@ def scenario_fsdp(rank, out):
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     # a NaN in rank 1's shard of 0.bias only: both ranks see it in the norms and name it
     from labkit.clip import per_tensor_norms
-    from labkit.step import _forensics
+    from labkit.step.record import forensics as _forensics
 
     named = list(model.named_parameters())
     if rank == 1:

@@ -49,7 +49,8 @@ def test_stagnation_and_scaling_figures_plot_the_runs():
     runs = compare_remedies(steps=5)
     fig = stagnation_figure(runs, {"bf16": {"0.weight": 0.9, "0.bias": 0.5}})
     ax_w, ax_loss, ax_bar = fig.axes
-    assert [t.get_text() for t in ax_loss.get_legend().get_texts()] == list(runs)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(runs)  # one legend, below the panels
+    assert ax_loss.get_title() == "loss"  # five steps: nothing coincides yet, nothing is announced
     assert [p.get_height() for p in ax_bar.patches] == [0.5, 0.9]  # layers sorted by name
     guard = Fp8Guard(history=4, faults={3: Fp8Fault("range_jump")})
     for _ in range(5):
@@ -57,3 +58,23 @@ def test_stagnation_and_scaling_figures_plot_the_runs():
     fig = scaling_figure({"delayed": guard.records}, fault_step=3)
     heights = [p.get_height() for p in fig.axes[1].patches]
     assert heights[3] > 50 and heights[:3] == [0.0] * 3
+
+
+def test_coinciding_remedies_are_announced_in_the_loss_panel():
+    runs = compare_remedies(steps=300)
+    ax_w, ax_loss, _ = stagnation_figure(runs, {"bf16": {"0.weight": 0.9}}).axes
+    assert ax_loss.get_title() == "loss\n(fp32, bf16 + Kahan and bf16 + fp32 master coincide)"
+    assert [line.get_label() for line in ax_w.get_lines()] == list(runs)
+
+
+def test_the_explorers_bars_are_never_cut_and_its_map_has_a_colour_bar():
+    explorer = GranularityExplorer(rows=16, cols=1024, outlier=1e6)
+    assert [r["flushed"] > 0.6 for r in explorer.rows][0]  # beyond the 60 % the axis used to stop at
+    for ax, key, scale in ((explorer.ax_flush, "flushed", 100), (explorer.ax_err, "rel_err", 1)):
+        assert max(p.get_height() for p in ax.patches) == pytest.approx(max(scale * r[key] for r in explorer.rows))
+        assert ax.get_ylim()[1] >= max(p.get_height() for p in ax.patches)
+    assert [a.get_ylabel() for a in explorer.figure.axes if a not in (explorer.ax_map, explorer.ax_flush,
+                                                                    explorer.ax_err)] == ["log10 |x|"]
+    explorer.slider.value = 10.0
+    assert len(explorer.figure.axes) == 4  # one colour bar, updated, not one more per move
+    assert explorer.ax_map.images[0].colorbar is not None  # and the new map knows its colour bar

@@ -112,13 +112,12 @@ def test_scaled_norm_overflow_is_where_they_differ():
     w, opt = setup()
     model = torch.nn.Module()
     model.w = w
-    train = labkit.TrainStep(model, opt, torch.nn.functional.mse_loss, precision="fp16", max_norm=1.0)
-    # the stage itself, on the scaled gradients backward would have left: what TrainStep does next
-    w.grad = torch.full((2048,), 1e17 * 2.0**16)
-    train.scaler.scale(torch.ones(()))
-    values, _ = train._unscale_check_clip_step(0, 0.0, None)  # SGD, per-step records: the host decides
-    loss, _, norm, coef, scale, next_scale, found = values
-    assert found == 1.0 and next_scale == scale / 2 and torch.equal(w, torch.zeros(2048))
+    model.forward = lambda x: (model.w * x).sum()  # backward leaves x * scale in w.grad: 1e17 * 2**16, finite
+    train = labkit.TrainStep(model, opt, lambda out: out, precision="fp16", max_norm=1.0)
+    record = train(torch.full((2048,), 1e17))  # SGD, per-step records: the host decides
+    assert torch.isfinite(w.grad).all() and w.grad[0].item() == pytest.approx(1e17 * 2.0**16, rel=1e-6)
+    assert record.skipped and record.reason == "nonfinite_grad" and record.next_scale == record.scale / 2
+    assert torch.equal(w, torch.zeros(2048))
 
     w2, opt2 = setup()
     w2.grad = torch.full((2048,), 1e17 * 2.0**16)

@@ -5,7 +5,6 @@ Bounded (max_examples, derandomized) so CI stays fast and repeatable.
 """
 
 import copy
-import math
 import os
 import re
 import traceback

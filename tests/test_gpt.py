@@ -19,7 +19,6 @@ from labkit.lab.experiment import ExperimentConfig, run_experiment
 from labkit.lab.gradients import GradientProbe, Probed
 from labkit.records import StepLog
 from labkit.tasks import TASKS, GPTTask, Task, TextCorpus, make_task
-from labkit.tasks.gpt import GPT
 
 SMALL = GPTTask(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
 
@@ -139,7 +138,9 @@ def test_underflow_without_a_scaler_is_measured_and_slows_the_loss():
     assert val["scaled"] == pytest.approx(val["fp32"], abs=0.02)
 
 
-def test_a_too_high_learning_rate_spikes_unclipped_and_the_clipped_run_ends_lower():
+def test_a_too_high_learning_rate_diverges_unclipped_and_the_clipped_run_ends_lower():
+    # divergence, not a spike (notebook 04, section 3): the norm climbs far above its running median
+    # and the run does not come back; clipped, it never does
     def spike(log):
         n = log.column("grad_norm")
         return max(n[i] / statistics.median(n[max(0, i - 20):i]) for i in range(5, len(n)) if math.isfinite(n[i]))

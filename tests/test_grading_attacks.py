@@ -16,7 +16,7 @@ import pytest
 
 from labkit.grading import notebook, sandbox, static
 from labkit.grading.__main__ import main
-from labkit.grading.notebook import grade
+from labkit.grading.notebook import grade, release
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grading import AUTOGRADED, SOURCE, sandboxed, solution, source, submission  # noqa: E402
@@ -261,3 +261,83 @@ def test_a_sandbox_that_cannot_start_stops_grading_instead_of_giving_zeros(monke
     monkeypatch.setattr(sandbox, "command", lambda job, out, limits: ["sh", "-c", "echo 'bwrap: No permissions'; exit 1"])
     with pytest.raises(sandbox.SandboxError, match=r"did not start the harness \(exit code 1\): bwrap: No permissions"):
         grade(source(), submission(SOLVED))
+
+
+# ---------------------------------------------------------------- problem sets 2 and 3: one part each, past the reading
+
+import grading_answers as ga  # noqa: E402
+
+# references made in cells that define no answer, so only the run-time traps can see them
+PS2_SAVED = """import labkit.lab.defenses, labkit.spikes
+Lab = labkit.lab.defenses.Defenses
+z_of = labkit.spikes.rolling_z
+"""
+PS2_BANNED = {
+    # labkit's own code builds the ZClip: a trap that trusted labkit's callers would let this through
+    "zclip_answer": """class ZScoreClipper:
+    def __init__(self, alpha=0.97, z_thresh=2.5, warmup=25, eps=1e-6):
+        self.inner = Lab(method="zclip", threshold=z_thresh, window=warmup, feed="clipped",
+                         max_consecutive_clips=None).clipper()
+
+    def clip_(self, parameters):
+        return self.inner.clip_(parameters)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)""",
+    "read_run_answer": ga.solutions(ga.PS2)["read_run_answer"].replace(
+        "z = (r.grad_norm - mean) / std if std > 0 else (math.inf if r.grad_norm > mean else 0.0)",
+        "z = z_of(recent, r.grad_norm, window)"),
+    # right answers, but labkit's rule is named in a class, on a path the cases never take: the reading sees it
+    "detector_answer": ga.solutions(ga.PS2)["detector_answer"].replace(
+        "        if std == 0:", "        if self.window < 0:\n            return labkit.spikes.rolling_z(values, x, 1)\n"
+                               "        if std == 0:"),
+}
+PS3_SAVED = "import functools\nimport labkit.fp8, labkit.precision\n"
+PS3_BANNED = {
+    # the library's own function as the answer: the grader itself calls the ban's wrapper
+    "kahan_answer": "kahan_update = labkit.precision.kahan_add",
+    "fp8_answer": "quantize_tiles = functools.partial(labkit.fp8.quantize, granularity='tile128')",
+    # the trap raised in a try that swallows it, with an honest fallback that would pass
+    "stale_answer": ga.solutions(ga.PS3)["stale_answer"].replace(
+        "    toward = ", "    try:\n        return labkit.precision.stale_fraction(update, weight, mask=update != 0)\n"
+                        "    except BaseException:\n        pass\n    toward = ", 1),
+}
+
+
+def set_submission(path, answers, prepend):
+    nb = release(nbformat.read(path, as_version=4))
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in answers:
+            cell.source = answers[gid]
+    nb.cells[1:1] = [nbformat.v4.new_code_cell(prepend)]
+    return nb
+
+
+@pytest.mark.parametrize("path, banned, prepend, lost", [
+    (ga.PS2, PS2_BANNED, PS2_SAVED, {"zclip_tests": "called labkit.clippers.ZClip: this part asks you to write the "
+                                                     "clipper yourself",
+                                     "read_run_tests": "called labkit.spikes.rolling_z: this part asks you to compute "
+                                                       "the z-scores yourself",
+                                     "detector_tests": "uses what this part asks you to write yourself: cell 15 "
+                                                       "'detector_answer', line 34: labkit.spikes.rolling_z"}),
+    (ga.PS3, PS3_BANNED, PS3_SAVED, {"kahan_tests": "called labkit.precision.kahan_add: this part asks you to write "
+                                                    "the compensated update yourself",
+                                     "fp8_tests": "called labkit.fp8.quantize: this part asks you to write the cast "
+                                                  "yourself",
+                                     "stale_tests": "called labkit.precision.stale_fraction: this part asks you to "
+                                                    "count the lost updates yourself"}),
+], ids=["ps2", "ps3"])
+def test_the_new_sets_bans_hold_however_the_library_is_reached(path, banned, prepend, lost):
+    sandboxed()
+    answers = {**ga.solutions(path), **banned}
+    report = grade(nbformat.read(path, as_version=4), set_submission(path, answers, prepend), timeout=60,
+                   student="mallory")
+    assert report.tampering == [], report.tampering
+    by_id = {p.grade_id: p for p in report.parts if not p.manual}
+    assert {g: p.points for g, p in by_id.items()} == {g: 0 if g in lost else v for g, v in ga.PARTS[path].items()}
+    for gid, message in lost.items():
+        assert message in by_id[gid].message, by_id[gid].message

@@ -20,7 +20,10 @@ def _undo_bans():
 
     from labkit.grading import checks
 
-    homes = {name: importlib.import_module(name) for name in checks._HOMES}
+    for names in checks.BANNED.values():  # every module a ban reaches, loaded before the snapshot
+        for full in names:
+            importlib.import_module(full.rsplit(".", 1)[0])
+    homes = {name: importlib.import_module(name) for name in checks._homes()}
     saved = {name: dict(vars(module)) for name, module in homes.items()}
     inits = {v: v.__dict__["__init__"] for d in saved.values() for v in d.values()
              if isinstance(v, type) and "__init__" in v.__dict__}
@@ -271,13 +274,13 @@ def skip_if(loss_bad, grads_bad, loss_first=True):
 
 ANY_BAD = lambda gs: not all(torch.isfinite(g).all() for g in gs)  # noqa: E731
 SKIP_BUGS = {
-    "only NaN counts": (skip_if(lambda l: bool(torch.isnan(l)), ANY_BAD), "expected 'nonfinite_loss'",
+    "only NaN counts": (skip_if(lambda loss: bool(torch.isnan(loss)), ANY_BAD), "expected 'nonfinite_loss'",
                         "NaN, +inf and -inf are all not finite"),
-    "gradients first": (skip_if(lambda l: not torch.isfinite(l), ANY_BAD, loss_first=False), "check the loss first"),
-    "fp16 norm": (skip_if(lambda l: not torch.isfinite(l),
+    "gradients first": (skip_if(lambda loss: not torch.isfinite(loss), ANY_BAD, loss_first=False), "check the loss first"),
+    "fp16 norm": (skip_if(lambda loss: not torch.isfinite(loss),
                           lambda gs: not torch.isfinite(torch.stack([g.norm() for g in gs]).norm())),
                   "every gradient is finite, but an fp16 norm of them overflows"),
-    "first gradient only": (skip_if(lambda l: not torch.isfinite(l), lambda gs: not torch.isfinite(gs[0]).all()),
+    "first gradient only": (skip_if(lambda loss: not torch.isfinite(loss), lambda gs: not torch.isfinite(gs[0]).all()),
                             "expected 'nonfinite_grad'", "check every .grad that exists"),
     "returns a bool": (lambda loss, ps: False, "returned False", "return None to step"),
 }

@@ -23,7 +23,7 @@ import pytest
 
 from labkit.grading.__main__ import main
 from labkit.grading.batch import find, read_manual, summary
-from labkit.grading.notebook import WORK, sweep
+from labkit.grading.notebook import WORK, release, sweep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grading import sandboxed  # noqa: E402
@@ -292,3 +292,71 @@ def test_a_flat_folder_and_bad_hand_graded_files_are_understood(tmp_path):
         with pytest.raises(ValueError, match=error.replace("[", r"\[").replace("]", r"\]")):
             read_manual(manual, {"scale_tests": 2, "why": 1}, {"ada", "bob"})
     assert summary({"students": []}) == "no submissions"
+
+
+# ---------------------------------------------------------------- a class that hands in ps1, ps2 and ps3
+
+import grading_answers as ga  # noqa: E402
+from test_grading import SOURCE as PS1  # noqa: E402
+from test_grading import solution as ps1_solution  # noqa: E402
+
+# who handed in what: a set's source grades its own notebooks in the shared submitted/ folder, and everyone else in
+# the class as "nothing handed in" (no sandbox run for them)
+HANDED_IN = {
+    "s1": {PS1: "solved", ga.PS2: ("counts every skip as a backoff", "a NaN enters the z-score statistics")},
+    "s2": {ga.PS3: ("the compensation's sign is flipped", "this step's amax is already in the history")},
+    "s3": {},  # nothing at all
+}
+
+
+def expected_points(path, work):
+    parts = {"grad_norm_tests": 2, "clip_tests": 2, "skip_tests": 2, "scale_tests": 2, "step_tests": 3} \
+        if path == PS1 else ga.PARTS[path]
+    lost = {ga.BUGS[bug][2] for bug in work} if isinstance(work, tuple) else set()
+    return {gid: 0 if gid in lost else points for gid, points in parts.items()}
+
+
+@pytest.fixture(scope="module")
+def mixed_class(tmp_path_factory):
+    """nbgrader's submitted/<student>/<assignment>/<notebook> with three sets, each graded by its own source."""
+    sandboxed()
+    root = tmp_path_factory.mktemp("mixed")
+    for student, sets in HANDED_IN.items():
+        for path, work in sets.items():
+            nb = release(nbformat.read(path, as_version=4))
+            answers = {gid: ps1_solution(gid) for gid in ("grad_norm_answer", "clip_answer", "skip_answer",
+                                                          "scale_answer", "step_answer")} if path == PS1 \
+                else {**ga.solutions(path), **{ga.BUGS[b][0]: ga.BUGS[b][1] for b in work if isinstance(work, tuple)}}
+            for cell in nb.cells:
+                gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+                if gid in answers:
+                    cell.source = answers[gid]
+            target = root / "submitted" / student / path.stem.split("_")[0] / path.name
+            target.parent.mkdir(parents=True)
+            nbformat.write(nb, target)
+        (root / "submitted" / student).mkdir(parents=True, exist_ok=True)
+    books = {}
+    for path in (PS1, ga.PS2, ga.PS3):
+        out = root / f"grades-{path.stem}"
+        assert main(["grade", str(path), str(root / "submitted"), "--out", str(out), "--jobs", "2"]) == 0
+        books[path] = (json.loads((out / "gradebook.json").read_text()), (out / "summary.txt").read_text())
+    return books
+
+
+def test_a_class_handing_in_three_sets_gets_each_set_graded_by_its_own_source(mixed_class):
+    for path, (book, summary_text) in mixed_class.items():
+        by_student = {s["student"]: s for s in book["students"]}
+        assert sorted(by_student) == ["s1", "s2", "s3"]  # the whole class, in every set's gradebook
+        for student, entry in by_student.items():
+            work = HANDED_IN[student].get(path)
+            points = {p["grade_id"]: p["points"] for p in entry["parts"] if p["status"] != "manual"}
+            if work is None:
+                assert {p["message"] for p in entry["parts"] if p["status"] != "manual"} == {"nothing handed in"}
+                assert entry["score"] == 0
+            else:
+                assert points == expected_points(path, work), (path.stem, student, entry["parts"])
+                assert entry["tampering"] == [] and entry["warnings"] == []
+        assert summary_text.startswith("3 submissions;")
+    ps2 = {s["student"]: s for s in mixed_class[ga.PS2][0]["students"]}
+    assert "A backoff is next_scale < scale" in next(p["message"] for p in ps2["s1"]["parts"]
+                                                     if p["grade_id"] == "read_run_tests")

@@ -122,7 +122,7 @@ def students():
 
 
 @pytest.fixture
-def autograded(nbgrader_env):
+def autograded(nbgrader_env):  # noqa: F811 (the fixture imported above)
     """nbgrader's autograde of the class ({student: {grade_id: points}}), and labkit's ({student: {grade_id: Part}})."""
     sandboxed()
     course, env = nbgrader_env

@@ -39,9 +39,20 @@ def test_stale_means_the_real_bf16_add_rounds_back(w, u):
     wb = torch.tensor([w]).bfloat16()
     exact = wb.double() + u
     lo, hi = sorted([wb.double().item(), torch.nextafter(wb, torch.tensor([math.copysign(math.inf, u)]).bfloat16()).double().item()])
-    assume(abs(abs(u) - (hi - lo) / 2) > 1e-6 * (hi - lo))  # exact ties round to even: not this rule's question
+    assume(abs(abs(u) - (hi - lo) / 2) > 1e-6 * (hi - lo))  # exact ties: the test below
     rounds_back = exact.to(torch.bfloat16).item() == wb.item()
     assert bool(stale_fraction(torch.tensor([u]), wb).item()) == rounds_back
+
+
+@settings(max_examples=100, deadline=None)
+@given(w=st.floats(-1e4, 1e4, allow_nan=False, width=32), up=st.booleans())
+def test_an_update_of_exactly_half_an_ulp_rounds_to_even(w, up):
+    wb = torch.tensor([w]).bfloat16()
+    neighbour = torch.nextafter(wb, torch.tensor([math.inf if up else -math.inf]).bfloat16())
+    u = (neighbour.double() - wb.double()) / 2  # the tie, exact in float32 too
+    rounds_back = (wb.float() + u.float()).bfloat16().item() == wb.item()  # the add is exact in float32
+    assert rounds_back == (wb.view(torch.int16).item() % 2 == 0)  # round-half-to-even, the hardware's rule
+    assert bool(stale_fraction(u.float(), wb).item()) == rounds_back
 
 
 def test_stale_fraction_rejects_mismatched_shapes():

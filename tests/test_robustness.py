@@ -3,7 +3,6 @@
 import copy
 import io
 import math
-import warnings
 
 import pytest
 import torch

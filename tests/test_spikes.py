@@ -154,9 +154,17 @@ def test_detector_can_clip_instead_of_skip():
                      detector=SpikeDetector(window=16, skip_z=None, clip_z=4.0), clip_alarm=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        records = [step(*data(task, i)) for i in range(SPIKE_AT)]
+        for i in range(SPIKE_AT):
+            step(*data(task, i))
         limit = step.detector.clip_limit()
         spike = step(*data(task, SPIKE_AT))
     assert not spike.skipped and spike.clipped and spike.clip_reason == "z_grad" and spike.z_grad > 4
     assert spike.grad_norm * spike.clip_coef == pytest.approx(limit, rel=1e-3)
     assert max(step.detector.norms) == pytest.approx(limit, rel=1e-3)  # the window admits the clipped norm
+
+
+def test_format_z_caps_what_it_prints_beyond_a_hundred_sigma():
+    assert format_z("loss", 881.0, 278543.1) == "loss 881 (>+100z)"
+    assert format_z("norm", 0.01, -1e9) == "norm 0.01 (<-100z)"
+    assert format_z("norm", 2.0, math.inf) == "norm 2 (>+100z)"
+    assert format_z("loss", 3.0, 99.94) == "loss 3 (+99.9z)" and format_z("loss", 3.0, 7.5, cap=5) == "loss 3 (>+5z)"

@@ -399,8 +399,8 @@ def test_accumulation_does_one_norm_pass_one_unscale_clip_pass_one_step(make_ste
             return real(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(labkit.step, "per_tensor_norms", counting("norms", labkit.step.per_tensor_norms))
-    monkeypatch.setattr(labkit.step, "scale_grads_", counting("write", labkit.step.scale_grads_))
+    monkeypatch.setattr(labkit.step.decision, "per_tensor_norms", counting("norms", labkit.step.decision.per_tensor_norms))
+    monkeypatch.setattr(labkit.step.train, "scale_grads_", counting("write", labkit.step.train.scale_grads_))
     train.optimizer.register_step_post_hook(lambda *a: calls.__setitem__("step", calls["step"] + 1))
     train.model.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
 

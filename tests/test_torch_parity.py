@@ -546,25 +546,25 @@ def test_clip_grad_norm(impl, foreach, norm_type):
     """test_nn.py test_clip_grad_norm: clipped to max_norm, uniform scaling, small grads untouched, warnings."""
     clip_grad_norm_ = IMPLS[impl].clip_grad_norm_
     torch.manual_seed(0)
-    l = torch.nn.Linear(10, 10)
+    layer = torch.nn.Linear(10, 10)
     max_norm = 2
 
     def compute_norm(norm_type):
         norm_type = float(norm_type)
         if norm_type != inf:
-            return pow(sum(p.grad.abs().pow(norm_type).sum() for p in l.parameters()), 1.0 / norm_type)
-        return max(p.grad.abs().max() for p in l.parameters())
+            return pow(sum(p.grad.abs().pow(norm_type).sum() for p in layer.parameters()), 1.0 / norm_type)
+        return max(p.grad.abs().max() for p in layer.parameters())
 
     def compare_scaling(grads):
-        scale = torch.cat([p.grad.div(g).view(-1) for p, g in zip(l.parameters(), grads)])
+        scale = torch.cat([p.grad.div(g).view(-1) for p, g in zip(layer.parameters(), grads)])
         assert scale.std().item() == pytest.approx(0.0, abs=1e-6)
         return scale[0]
 
     grads = torch.arange(1.0, 101).view(10, 10), torch.ones(10).div(1000)
-    for p, g in zip(l.parameters(), grads):
+    for p, g in zip(layer.parameters(), grads):
         p._grad = g.clone().view_as(p.data)
     norm_before = compute_norm(norm_type)
-    norm = clip_grad_norm_(l.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
+    norm = clip_grad_norm_(layer.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
     norm_after = compute_norm(norm_type)
     torch.testing.assert_close(norm, norm_before)
     torch.testing.assert_close(norm_after, torch.tensor(float(max_norm)))
@@ -572,10 +572,10 @@ def test_clip_grad_norm(impl, foreach, norm_type):
     compare_scaling(grads)
 
     grads = torch.rand(10, 10).div(10000), torch.ones(10).div(500)
-    for p, g in zip(l.parameters(), grads):
+    for p, g in zip(layer.parameters(), grads):
         p.grad.data.copy_(g)
     norm_before = compute_norm(norm_type)
-    norm = clip_grad_norm_(l.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
+    norm = clip_grad_norm_(layer.parameters(), max_norm, norm_type=norm_type, foreach=foreach)
     norm_after = compute_norm(norm_type)
     torch.testing.assert_close(norm, norm_before)
     torch.testing.assert_close(norm_before, norm_after)
@@ -589,7 +589,7 @@ def test_clip_grad_norm(impl, foreach, norm_type):
     clip_grad_norm_([p2], max_norm, norm_type=norm_type, foreach=foreach)
     assert torch.equal(p1.grad, p2.grad)
 
-    params = l.parameters()
+    params = layer.parameters()
     for _ in params:
         pass
     with warnings.catch_warnings(record=True) as w:

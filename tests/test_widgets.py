@@ -1,5 +1,6 @@
 """The control panel, headless: set a widget's value as a student's mouse would, check the run and the plot."""
 
+import dataclasses
 import html
 import math
 import threading
@@ -302,3 +303,18 @@ def test_the_panel_says_which_controls_its_figure_does_not_show(runs):
     live.run()
     live.controls["fault_step"].value = 9
     assert live.figure_mismatches() == [] and live.shown_values == {"fault": "nan", "fault_step": 9}
+
+
+def test_clear_leaves_no_run_on_screen_that_the_controls_do_not_describe(runs):
+    panel = ControlPanel(dataclasses.replace(BASE, precision="fp16"), {"precision": "fp16", "fault": "nan",
+                                                                       "fault_step": 3}, auto_run=False)
+    panel.controls["precision"].value = "fp32"  # a check runs the cheap precision from code...
+    panel.run()
+    assert panel.logs["run"].skipped_steps == [3] and len(panel.dashboard.line("loss").get_xdata()) == 20
+    panel.controls["precision"].value = "fp16"  # ...puts the control back...
+    panel.clear()  # ...and takes the fp32 run off the screen
+    assert panel.logs == {} and panel.status.value == "not run yet" and panel.table.value == ""
+    assert all(len(panel.dashboard.line(key).get_xdata()) == 0 for key in ("norm", "loss", "scale", "skip"))
+    legend = panel.dashboard.figure.axes[0].get_legend()  # only the threshold line is still drawn and listed
+    assert [t.get_text() for t in legend.get_texts()] == ["max_norm"]
+    assert panel.config.precision == "fp16" and len(runs) == 1 and panel.figure_mismatches() == []

@@ -7,7 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import FEEDS, Clipper, _check_bound, lockin_guard, scale_grads_
+from ..clip import scale_grads_
+from ..validate import check_int, check_number
+from .base import FEEDS, Clipper, _check_bound, lockin_guard
 
 __all__ = ["AdaGC", "adagc_update"]
 
@@ -70,12 +72,10 @@ class AdaGC(Clipper):
         feed: str = "clipped",
         max_consecutive_clips: int | None = 50,
     ) -> None:
-        if not 0.0 < beta < 1.0:
-            raise ValueError(f"beta must be in (0, 1), e.g. 0.98, got {beta!r}.")
-        if not (lambda_rel > 0 and lambda_abs > 0):
-            raise ValueError(f"lambda_rel and lambda_abs must be > 0, got {lambda_rel!r}, {lambda_abs!r}.")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1 (gamma starts from the warm-up norms), got {warmup!r}.")
+        check_number("beta", beta, 0, 1, low_open=True, high_open=True, hint="e.g. 0.98")
+        check_number("lambda_rel", lambda_rel, 0, low_open=True)
+        check_number("lambda_abs", lambda_abs, 0, low_open=True)
+        check_int("warmup", warmup, 1, hint="(gamma starts from the warm-up norms)")
         if feed not in FEEDS:
             raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}.")
         self.beta, self.lambda_rel, self.lambda_abs, self.warmup, self.eps = beta, lambda_rel, lambda_abs, warmup, eps
@@ -93,7 +93,7 @@ class AdaGC(Clipper):
                              "use one AdaGC per fixed set of parameters.")
 
     @torch.no_grad()
-    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+    def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
         grads = [p.grad for p in params if p.grad is not None]
         self._init(len(grads), norm.device)
         s, finite = self.state, torch.isfinite(norm)
@@ -119,14 +119,10 @@ class AdaGC(Clipper):
         if state and not {"gamma", "count", "streak", "releases"} <= state.keys():
             raise KeyError("AdaGC state_dict lacks gamma/count/streak/releases; pass what AdaGC.state_dict() returned.")
         self.state = {k: v.detach().clone() for k, v in state.items()}
+        self._seen = self.releases()
 
     def releases(self) -> int:
         return int(self.state["releases"].item()) if self.state else 0
-
-    def check_lockin(self) -> bool:
-        from .base import GlobalClipper
-
-        return GlobalClipper.check_lockin(self)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"AdaGC(beta={self.beta:g}, lambda_rel={self.lambda_rel:g}, warmup={self.warmup}, feed={self.feed!r})"

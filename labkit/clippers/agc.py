@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validate import check_number
 from .base import Clipper, effective_coef
 
 __all__ = ["AGC", "agc_", "unitwise_norm"]
@@ -51,12 +52,12 @@ class AGC(Clipper):
     """
 
     def __init__(self, clipping: float = 0.01, eps: float = 1e-3) -> None:
-        if not clipping > 0:
-            raise ValueError(f"clipping must be > 0 (the largest gradient/weight norm ratio, e.g. 0.01), got {clipping!r}.")
-        self.clipping, self.eps = float(clipping), float(eps)
+        self.clipping = check_number("clipping", clipping, 0, low_open=True,
+                                     hint="(the largest gradient/weight norm ratio, e.g. 0.01)")
+        self.eps = float(eps)
 
     @torch.no_grad()
-    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+    def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
         finite = torch.isfinite(norm)
         post = []
         for p in params:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validate import check_int, check_number
 from .base import GlobalClipper
 
 __all__ = ["AutoClip", "history_push"]
@@ -25,13 +26,16 @@ def history_push(history: Tensor, count: Tensor, value: Tensor) -> tuple[Tensor,
 class AutoClip(GlobalClipper):
     """Clip the global norm at the ``quantile`` of past norms (Seetharaman et al., 2020, arXiv 2007.14469).
 
-    Rule: ``threshold = quantile({g_1 .. g_{t-1}}, q)`` (linear interpolation, as
-    ``numpy.percentile``), over the last ``history`` norms; ``g_t`` is clipped to it. Defaults
-    as ``pseeth/autoclip`` ``QuantileClip(quantile=0.9, history_length=1000)``, which stores the
-    pre-clip norm (``feed="raw"``). Differences: the current norm is not in its own quantile
-    (so the threshold is a function of the past only, the same on every rank before the
-    step), and a NaN/inf norm never enters the history (in ``autoclip`` 0.2.1 one NaN makes
-    every later step's gradients NaN until it leaves the history).
+    Rule: ``threshold = quantile({g_{t-history} .. g_{t-1}}, q)`` (linear interpolation, as
+    ``numpy.percentile``); ``g_t`` is clipped to it. The paper's rule is the percentile of the
+    *whole* history including the current norm, ``{g_1 .. g_t}``, with p = 10 in its experiments
+    (which clips about 90 % of steps, by design); the ``pseeth/autoclip`` package keeps the last
+    ``history_length=1000`` pre-clip norms (``feed="raw"``) with ``quantile=0.9``, the defaults
+    here. Where labkit deliberately differs: the current norm is not in its own quantile (the
+    threshold is a function of the past only, the same on every rank before the step, and a
+    spike cannot raise the bar it is judged against), the history is a window, and a NaN/inf norm
+    never enters it (in ``autoclip`` 0.2.1 one NaN makes every later step's gradients NaN until
+    it leaves the history).
 
     >>> clip = AutoClip(quantile=0.5)
     >>> for g in (1.0, 2.0, 3.0, 10.0):
@@ -48,11 +52,9 @@ class AutoClip(GlobalClipper):
         feed: str = "raw",
         max_consecutive_clips: int | None = 50,
     ) -> None:
-        if not 0.0 <= quantile <= 1.0:
-            raise ValueError(f"quantile must be in [0, 1] (0.9 = the 90th percentile), got {quantile!r}.")
-        for name, v in (("history", history), ("min_history", min_history)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}.")
+        check_number("quantile", quantile, 0, 1, hint="(0.9 = the 90th percentile)")
+        check_int("history", history, 1)
+        check_int("min_history", min_history, 1)
         if min_history > history:
             raise ValueError(f"min_history={min_history} cannot exceed history={history}.")
         self.quantile, self.history, self.min_history = float(quantile), history, min_history

@@ -1,13 +1,14 @@
-"""What every clipper shares: ``clip_`` on parameters, the feed policy and the lock-in guard.
+"""What every clipper shares: one interface in the AMP order, the feed policy and the lock-in guard.
 
 A clipper is an object with ``clip_(parameters) -> Tensor`` (the pre-clip global norm, like
 ``torch.nn.utils.clip_grad_norm_``) and ``state_dict``/``load_state_dict``. ``TrainStep``
-calls the same object through ``clip_with_norms_``, giving it the norms it has already
-computed, so the gradients are read once. Global-norm clippers (``NormClip``, ``ZClip``,
-``AutoClip``) reduce to a threshold that is a function of their state and of the global
-norm only, so under ``torch.distributed`` every rank computes the same threshold with no
-collective of its own. All state lives in tensors on the gradients' device and every
-decision is a ``torch.where``: no host sync per step.
+asks every clipper the same three things (``Clipper``: a coefficient from the norms it has
+already computed, a per-tensor clip once the gradients are unscaled, an after-step), so the
+gradients are read once and the step never asks a clipper's type. Global-norm clippers
+(``NormClip``, ``ZClip``, ``AutoClip``) reduce to a threshold that is a function of their
+state and of the global norm only, so under ``torch.distributed`` every rank computes the
+same threshold with no collective of its own. All state lives in tensors on the gradients'
+device and every decision is a ``torch.where``: no host sync per step.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import torch
 from torch import Tensor
 
 from ..alarms import LabkitWarning
-from ..clip import EPS, Parameters, named_grads, named_tensors, per_tensor_norms, total_norm
-from ..distributed import local_tensor
+from ..clip import EPS, Parameters, named_grads, named_tensors, per_tensor_norms, scale_grads_, total_norm
+from ..distributed import rank
+from ..validate import check_int
 
-__all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard", "scale_grads_"]
+__all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard"]
 
 FEEDS = ("clipped", "raw", "exclude")
 
@@ -78,22 +80,6 @@ def lockin_guard(streak: Tensor, clipped: Tensor, bound: int | None) -> tuple[Te
     return torch.where(release, torch.zeros_like(streak), streak), release
 
 
-@torch.no_grad()
-def scale_grads_(grads: list[Tensor], coef: Tensor) -> None:
-    """Multiply every gradient in place by the 0-d tensor ``coef`` (no sync; shards of DTensors too)."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for g in grads:
-        g = local_tensor(g)
-        by_device.setdefault(g.device, []).append(g)
-    for device, group in by_device.items():
-        c = coef.to(device)
-        if device.type in ("cpu", "cuda"):
-            torch._foreach_mul_(group, c)
-        else:
-            for g in group:
-                g.mul_(c)
-
-
 def effective_coef(post: list[Tensor], norm: Tensor, finite: Tensor) -> Tensor:
     """Return ``[coef, nan]``: the global-norm factor a per-tensor clip amounted to (post-clip / pre-clip norm).
 
@@ -104,19 +90,42 @@ def effective_coef(post: list[Tensor], norm: Tensor, finite: Tensor) -> Tensor:
     coef = torch.where(finite & (norm > 0), after / norm, torch.ones_like(norm))
     return torch.stack([coef.float(), torch.full_like(coef.float(), float("nan"))])
 
+
 def _check_bound(bound: int | None) -> int | None:
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
-        raise ValueError(f"max_consecutive_clips must be an int >= 1 or None (guard off), got {bound!r}.")
-    return bound
+    return check_int("max_consecutive_clips", bound, 1, none="guard off")
 
 
 class Clipper:
     """Base of the clipping family: ``clip_(parameters)`` returns the pre-clip global norm.
 
-    Subclasses implement ``clip_with_norms_``; a clipper with state also ``state_dict``.
+    The guarded step (and a plain loop, through ``clip_``) asks every clipper the same things,
+    in the AMP order; each does nothing by default, so a clipper implements only its own:
+
+    - ``coef_(norms, norm) -> (coef, threshold)``: before the optimizer step, the factor every
+      gradient is multiplied by, from the per-tensor and global norms of the unscaled
+      gradients (``coef`` None: no global factor; ``threshold``: a float, a 0-d tensor or
+      None); the statistics admit the norm.
+    - ``clip_unscaled_(params, norms, norm) -> Tensor | None``: once the gradients are
+      unscaled (and multiplied by ``coef``), clip them per tensor in place; return
+      ``[coef, threshold]`` of what that amounted to for the global norm, or None.
+    - ``after_step_(params) -> Tensor | None``: after the optimizer stepped, clip the update;
+      return ``[coef, threshold]``, or None.
+
+    What the step reads instead of a type: ``on_host`` (``host_coef`` gives ``coef_``'s bits
+    from a norm already read to the host: the clipper has no state), ``fused_ok`` (a global
+    coefficient is all it does: no ``clip_unscaled_``, no ``after_step_``, so a fused optimizer
+    can apply it and the step asks nothing more), ``fixed_threshold`` (the
+    threshold known without a step, ``NormClip``'s ``max_norm``), ``max_consecutive_clips``
+    (the lock-in guard's bound; None: none) and ``lockin()``.
     """
 
     name = "clipper"
+    on_host = False
+    fused_ok = False
+    fixed_threshold: float | None = None
+    max_consecutive_clips: int | None = None
+    _warned = 0  # guard releases already warned about
+    _seen = 0  # guard releases already reported by lockin()
 
     def clip_(self, parameters: Parameters) -> Tensor:
         """Clip the gradients of ``parameters`` in place; return their pre-clip global L2 norm."""
@@ -127,14 +136,37 @@ class Clipper:
         self.clip_with_norms_([p for p in params if p.grad is not None], norms, norm)
         return norm
 
+    @torch.no_grad()
     def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
         """Clip ``params``' gradients given their per-tensor and global norms; return ``[coef, threshold]``.
 
-        ``coef`` is the post-clip over the pre-clip global norm (1: untouched), ``threshold``
-        the level above which the global norm is clipped (NaN for per-tensor rules). Both are
-        a 2-element float32 tensor on the norm's device, read by ``TrainStep`` for its record.
+        ``coef_``, its multiply, then ``clip_unscaled_``: what ``clip_`` does once it has the
+        norms. ``coef`` is the post-clip over the pre-clip global norm (1: untouched),
+        ``threshold`` the level above which the global norm is clipped (NaN for per-tensor
+        rules), a 2-element float32 tensor on the norm's device.
         """
-        raise NotImplementedError
+        coef, threshold = self.coef_(norms, norm)
+        if coef is not None:
+            scale_grads_([p.grad for p in params if p.grad is not None], coef)
+        done = self.clip_unscaled_(params, norms, norm)
+        if done is not None:
+            return done
+        coef = torch.ones_like(norm, dtype=torch.float32) if coef is None else coef
+        level = threshold if isinstance(threshold, Tensor) else torch.full_like(
+            coef, float("nan") if threshold is None else threshold)
+        return torch.stack([coef, level.to(coef.dtype)])
+
+    def coef_(self, norms: Tensor, norm: Tensor) -> tuple[Tensor | None, float | Tensor | None]:
+        """Return ``(coef, threshold)`` for the global norm, the norm admitted; ``(None, None)``: none."""
+        return None, None
+
+    def host_coef(self, norm: float, dtype: torch.dtype) -> float:
+        """Return ``coef_``'s coefficient of a norm already read to the host (``on_host`` clippers only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps state on the device: it has no host_coef.")
+
+    def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor | None:
+        """Clip the unscaled gradients per tensor in place; return ``[coef, threshold]``, or None."""
+        return None
 
     def after_step_(self, params: list[Tensor]) -> Tensor | None:
         """Act after the optimizer stepped (``UpdateNormClip``); return ``[coef, threshold]`` or None."""
@@ -150,6 +182,36 @@ class Clipper:
     def releases(self) -> int:
         """Return how many times the lock-in guard restarted the statistics (one host read)."""
         return 0
+
+    def lockin(self) -> bool:
+        """Return whether the lock-in guard fired since the last call (one host read; none without a guard).
+
+        Rank 0 also warns (``check_lockin``): the records are the same on every rank.
+        """
+        if self.max_consecutive_clips is None:
+            return False
+        releases = self.releases()
+        fired, self._seen = releases > self._seen, releases
+        if fired and rank() == 0:
+            self.check_lockin()
+        return fired
+
+    def check_lockin(self) -> bool:
+        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did (a read)."""
+        n = self.releases()
+        if n <= self._warned:
+            return False
+        self._warned = n
+        warnings.warn(
+            f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its "
+            f"statistics from the raw norm (guard fired {n} time(s)): with feed={getattr(self, 'feed', None)!r} "
+            "it had locked onto an old gradient-norm level (under SGD a silent learning-rate cut; under Adam "
+            "little cost, but the threshold no longer followed the run). If the level shift is real "
+            "(batch-size ramp, data mix), this is what you want; if not, look at the data around these steps.",
+            LockInWarning,
+            stacklevel=3,
+        )
+        return True
 
 
 class GlobalClipper(Clipper):
@@ -174,7 +236,6 @@ class GlobalClipper(Clipper):
         self.state = self.initial()
         self.state["streak"] = torch.zeros((), dtype=torch.int64)
         self.state["releases"] = torch.zeros((), dtype=torch.int64)
-        self._warned = 0
 
     # -- the rule, given by subclasses --------------------------------------------------------
     def initial(self) -> dict[str, Tensor]:
@@ -195,13 +256,11 @@ class GlobalClipper(Clipper):
         return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 
     # -- shared machinery -----------------------------------------------------------------------
+    fused_ok = True  # a global coefficient and nothing else
+
     def _to(self, device: torch.device) -> None:
         if self.state["streak"].device != device:
             self.state = {k: v.to(device) for k, v in self.state.items()}
-
-    def current_threshold(self) -> Tensor:
-        """Return the threshold the next step is judged against (a 0-d tensor; ``inf`` in warm-up)."""
-        return self.threshold(self.state)
 
     def observe(self, norm: Tensor, limit: Tensor) -> Tensor:
         """Admit one step's pre-clip global ``norm``, clipped to ``limit``; return whether it was clipped."""
@@ -223,15 +282,17 @@ class GlobalClipper(Clipper):
         self.state = out
         return clipped
 
-    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+    def coef_(self, norms: Tensor, norm: Tensor) -> tuple[Tensor, Tensor]:
         self._to(norm.device)
         norm = norm.to(torch.float32)
         threshold = self.threshold(self.state)
         limit = self.limit(self.state, norm)
         coef = self.coef(limit, norm)
-        scale_grads_([p.grad for p in params if p.grad is not None], coef)
         self.observe(norm, limit)
-        return torch.stack([coef, threshold.to(coef.dtype)])
+        return coef, threshold
+
+    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+        return super().clip_with_norms_(params, norms, norm.to(torch.float32))
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in self.state.items()}
@@ -245,26 +306,11 @@ class GlobalClipper(Clipper):
                 raise ValueError(f"{type(self).__name__} state {k!r} has shape {tuple(state[k].shape)}, expected "
                                  f"{tuple(v.shape)}: was it saved by a clipper with other settings?")
         self.state = {k: state[k].detach().clone().to(v.device, v.dtype) for k, v in self.state.items()}
+        self._seen = self.releases()
 
     def releases(self) -> int:
         return int(self.state["releases"].item())
 
-    def check_lockin(self) -> bool:
-        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did (one read)."""
-        n = self.releases()
-        if n <= self._warned:
-            return False
-        self._warned = n
-        warnings.warn(
-            f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its statistics "
-            f"from the raw norm (guard fired {n} time(s)): with feed={self.feed!r} it had locked onto an old "
-            "gradient-norm level (under SGD a silent learning-rate cut; under Adam little cost, but the "
-            "threshold no longer followed the run). If the level shift is real (batch-size ramp, data mix), "
-            "this is what you want; if not, look at the data around these steps.",
-            LockInWarning,
-            stacklevel=3,
-        )
-        return True
 
 
 def parameters_list(parameters: Parameters | Iterable[Tensor]) -> list[Tensor]:

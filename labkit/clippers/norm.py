@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..clip import check_max_norm, clip_coef
+from ..clip import check_max_norm, clip_coef, host_clip_coef
 from .base import GlobalClipper
 
 __all__ = ["NormClip"]
@@ -34,9 +34,22 @@ class NormClip(GlobalClipper):
     def threshold(self, state: dict[str, Tensor]) -> Tensor:
         return torch.tensor(self.max_norm, dtype=torch.float32, device=state["streak"].device)
 
+    on_host = True  # no statistics: the coefficient is a function of the norm alone
+
+    @property
+    def fixed_threshold(self) -> float:  # type: ignore[override]
+        return self.max_norm
+
     def coef(self, limit: Tensor, norm: Tensor) -> Tensor:
         # with the Python float, as torch and labkit.clip_grad_norm_ do: bit for bit the same gradients
         return clip_coef(norm, self.max_norm)
+
+    def coef_(self, norms: Tensor, norm: Tensor) -> tuple[Tensor, float]:
+        # in the norm's own dtype (float64 gradients clip as torch's do), and nothing to observe
+        return clip_coef(norm, self.max_norm), self.max_norm
+
+    def host_coef(self, norm: float, dtype: torch.dtype) -> float:
+        return host_clip_coef(norm, self.max_norm, dtype)
 
     def update(self, state: dict[str, Tensor], value: Tensor) -> dict[str, Tensor]:
         return state

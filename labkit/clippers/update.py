@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..clip import EPS, Parameters
+from ..validate import check_int, check_number
 from .autoclip import history_push
 from .base import GlobalClipper, parameters_list
 
@@ -32,11 +33,8 @@ class UpdateNormClip(GlobalClipper):
 
     def __init__(self, window: int = 128, k: float = 3.0, feed: str = "raw",
                  max_consecutive_clips: int | None = 50) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"window must be an int >= 2, got {window!r}.")
-        if not k > 0:
-            raise ValueError(f"k must be > 0 (standard deviations), got {k!r}.")
-        self.window, self.k = window, float(k)
+        self.window = check_int("window", window, 2)
+        self.k = check_number("k", k, 0, low_open=True, hint="(standard deviations)")
         self._before: list[Tensor] | None = None
         super().__init__(feed, max_consecutive_clips)
 
@@ -79,9 +77,14 @@ class UpdateNormClip(GlobalClipper):
         self._last = torch.stack([coef, threshold])
         return norm
 
-    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+    fused_ok = False  # it clips the update: the optimizer must step where it can see it
+
+    def coef_(self, norms: Tensor, norm: Tensor) -> tuple[None, None]:
+        return None, None  # the gradient is not clipped: its update is, after the step
+
+    def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor | None:
         self.begin_(params)
-        return torch.stack([torch.ones_like(norm), torch.full_like(norm, float("nan"))]).float()
+        return None
 
     def after_step_(self, params: list[Tensor]) -> Tensor | None:
         self.clip_(params)

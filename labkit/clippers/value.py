@@ -6,16 +6,14 @@ import torch
 from torch import Tensor
 
 from ..clip import Parameters
+from ..validate import check_number
 from .base import Clipper, effective_coef, parameters_list
 
 __all__ = ["ValueClip", "clip_grad_value_"]
 
 
 def _check_value(clip_value: float) -> float:
-    v = float(clip_value)
-    if not v > 0:
-        raise ValueError(f"clip_value must be a number > 0, got {clip_value!r}.")
-    return v
+    return check_number("clip_value", clip_value, 0, low_open=True)
 
 
 @torch.no_grad()
@@ -58,7 +56,7 @@ class ValueClip(Clipper):
         self.clip_value = _check_value(clip_value)
 
     @torch.no_grad()
-    def clip_with_norms_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
+    def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
         finite, v, post = torch.isfinite(norm), self.clip_value, []
         for p in params:
             if p.grad is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validate import check_int, check_number
 from .base import GlobalClipper
 
 __all__ = ["ZClip", "zclip_limit", "zclip_update"]
@@ -59,9 +60,13 @@ class ZClip(GlobalClipper):
     clip ``g`` to ``mu + (z_thresh**2 / z) * sigma``; then ``mu, sigma**2`` move by an EMA with
     ``alpha``. The first ``warmup`` norms only fill a buffer. Defaults as ``bluorion-com/ZClip``
     (``zclip/zclip.py``, PyPI ``zclip`` 1.0.0): ``alpha=0.97, z_thresh=2.5, warmup=25, eps=1e-6``,
-    ``feed="clipped"``. Unlike ZClip 1.0.0, a NaN/inf norm never enters the EMA (one NaN turns
-    the published one off for good), the state is on the device with no ``.item()`` per step,
-    and ``state_dict`` includes the warm-up buffer. ``feed`` and ``max_consecutive_clips``: see
+    ``feed="clipped"``. Where labkit deliberately differs from ZClip 1.0.0: a NaN/inf norm never
+    enters the EMA (one NaN turns the published one off for good), the state is on the device
+    with no ``.item()`` per step, ``state_dict`` includes the warm-up buffer, and there is no
+    always-on fixed clip: the reference's ``max_grad_norm`` defaults to 1.0 in its code (its
+    README says None) and clips to the smaller of it and the adaptive limit, so with its defaults
+    every norm above 1 is cut whatever the z-score. Here ZClip is the adaptive rule alone; put a
+    fixed cap in your loop if you want both. ``feed`` and ``max_consecutive_clips``: see
     ``GlobalClipper``.
 
     >>> clip = ZClip(warmup=2)
@@ -81,12 +86,9 @@ class ZClip(GlobalClipper):
         feed: str = "clipped",
         max_consecutive_clips: int | None = 50,
     ) -> None:
-        if not 0.0 < alpha < 1.0:
-            raise ValueError(f"alpha must be in (0, 1), e.g. 0.97, got {alpha!r}.")
-        if not z_thresh > 0:
-            raise ValueError(f"z_thresh must be > 0, e.g. 2.5, got {z_thresh!r}.")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1, got {warmup!r}.")
+        check_number("alpha", alpha, 0, 1, low_open=True, high_open=True, hint="e.g. 0.97")
+        check_number("z_thresh", z_thresh, 0, low_open=True, hint="e.g. 2.5")
+        check_int("warmup", warmup, 1)
         if mode not in ("adaptive_scaling", "mean"):
             raise ValueError(f"mode must be 'adaptive_scaling' or 'mean', got {mode!r}.")
         self.alpha, self.z_thresh, self.warmup, self.eps, self.mode = float(alpha), float(z_thresh), warmup, eps, mode

@@ -68,13 +68,14 @@ def main(job_path: str, out_dir: str) -> int:
         from torch import Tensor
 
         from . import checks
+        from .checks import core
 
         for names in checks.BANNED.values():  # before any student code: a saved reference is the wrapper too
             checks._install(names)
         # what the student's code must leave alone; checked after it ran (a changed one is tampering)
-        watched.update({"torch.save": (torch, "save"), "checks.run": (checks, "run"), "checks._call": (checks, "_call"),
-                        "checks._ship": (checks, "_ship"), "checks._forbid": (checks, "_forbid"),
+        watched.update({"torch.save": (torch, "save"), "checks.run": (checks, "run"),
                         "checks.CHECKS": (checks, "CHECKS")})
+        watched.update({f"checks.{n}": (core, n) for n in ("run_cases", "_call", "_ship", "_forbid", "_install")})
         watched.update({f"Tensor.{n}": (Tensor, n) for n in checks.SYNCS})
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
@@ -147,8 +148,8 @@ def main(job_path: str, out_dir: str) -> int:
 if __name__ == "__main__":
     code = main(*sys.argv[1:3])
     # Every result is on disk already (atomic replaces), so skip the interpreter's teardown: freeing
-    # torch's modules costs ~0.5 s, ~0.8 s once an optimizer has pulled in torch._dynamo, about a
-    # fifth of a sandboxed run. The student's buffered output is flushed first (their own stream too).
+    # torch's modules (and torch._dynamo's, once an optimizer pulled it in) is about a fifth of a
+    # sandboxed run. The student's buffered output is flushed first (their own stream too).
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             stream.flush()

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import CHECK_NAMES
+
 __all__ = ["Part", "Report", "grade", "plan", "read", "release", "sweep", "validate"]
 
 # judging builds reference models under torch's global RNG (seeded, then restored): one thread at a time,
@@ -194,7 +196,6 @@ class Planned:
     calls: tuple[Call, ...]
 
 
-CHECK_NAMES = ("check_grad_norm", "check_clip", "check_skip_decision", "check_update_scale", "check_guarded_step")
 
 
 def _calls(cell: Cell) -> tuple[Call, ...]:
@@ -327,8 +328,10 @@ def part_seed(seed: int, grade_id: str) -> int:
 
 
 def _defines(source: str) -> set[str]:
+    """Return the names of the functions and classes ``source`` defines at its top level."""
     try:
-        return {n.name for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        return {n.name for n in ast.parse(source).body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     except SyntaxError:
         return set()
 

@@ -15,24 +15,43 @@ record, coloured by outcome (``ledger``).
 
 from __future__ import annotations
 
+import dataclasses
+import html
+import io
 import math
+import warnings
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from torch import Tensor
 
 from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, ZClip
+from ..clippers.base import FEEDS
+from ..reasons import Reason
 from ..records import StepLog, StepRecord
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
 
-__all__ = ["METHODS", "OUTCOMES", "Defenses", "ledger", "loss_fn_with_shift", "plot_defenses", "rolling_band"]
+__all__ = ["KNOBS", "METHODS", "OUTCOMES", "DefenseExplorer", "Defenses", "ledger", "loss_fn_with_shift",
+           "plot_defenses", "rolling_band"]
 
 METHODS = ("norm", "zclip", "autoclip", "adagc", "agc", "update", "none")
 OUTCOMES = ("stepped", "clipped", "skip: loss not finite", "skip: overflow", "skip: z-score spike", "rewound")
 _COLORS = ("#d9d9d9", "#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#555555")
+# Each method's one knob: its name, the values that make sense for it, and its published default.
+KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
+    "norm": ("max_norm", (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0), 1.0),
+    "zclip": ("z_thresh", (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0), 2.5),
+    "autoclip": ("quantile", (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), 0.9),
+    "adagc": ("lambda_rel", (1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0), 1.05),
+    "agc": ("clipping", (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0), 0.01),
+    "update": ("k", (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 10.0), 3.0),
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,22 @@ class Defenses:
             "none": lambda: None,
         }[self.method]()
 
+    def warm_up_note(self) -> str | None:
+        """Return one line when the method is still warming up at the spike or the shift (it cannot act there).
+
+        >>> Defenses(method="zclip", threshold=2.5, window=60, spike_step=50).warm_up_note()
+        'ZClip warms up for window=60 steps: at the spike (step 50) it is still warming up and cannot clip it; choose a window below 50.'
+        """
+        warm = {"zclip": ("ZClip", self.window), "update": ("UpdateNormClip", max(self.window, 2) // 2)}.get(self.method)
+        if warm is None:
+            return None
+        name, steps = warm
+        for what, at in (("spike", self.spike_step), ("shift", self.shift_step)):
+            if at is not None and steps >= at:
+                return (f"{name} warms up for window={self.window} steps: at the {what} (step {at}) it is still warming "
+                        f"up and cannot clip it; choose a window below {at if name == 'ZClip' else 2 * at}.")
+        return None
+
     def detector(self) -> SpikeDetector:
         """Return the detector: always there, so every record has ``z_loss``/``z_grad``."""
         return SpikeDetector(window=max(self.window, 2), skip_z=self.skip_z)
@@ -111,7 +146,8 @@ def ledger(log: Sequence[StepRecord]) -> list[str]:
         if r.rewound and r.rewind_to is None:  # the step that triggered the rewind keeps its own outcome
             out.append("rewound")
         elif r.skipped:
-            out.append({"nonfinite_loss": OUTCOMES[2], "nonfinite_grad": OUTCOMES[3]}.get(r.reason or "", OUTCOMES[4]))
+            out.append({Reason.NONFINITE_LOSS: OUTCOMES[2], Reason.NONFINITE_GRAD: OUTCOMES[3]}.get(r.reason or "",
+                                                                                            OUTCOMES[4]))
         else:
             out.append("clipped" if r.clipped else "stepped")
     return out
@@ -139,56 +175,89 @@ def rolling_band(log: Sequence[StepRecord], window: int, z: float) -> tuple[list
     return lows, highs
 
 
-def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float = 3.0,
+def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | Mapping[str, float] | None = None,
                   title: str | None = None) -> Figure:
-    """Draw each run's norm with its threshold, z band, clips and rewound branch, over a skip ledger.
+    """Draw one panel per run (small multiples, one step axis) over a skip ledger with a row per run.
+
+    Each panel shows that run's own numbers: the raw gradient norm (logged), the norm it stepped
+    with (after its clip), its clipper's threshold (warm-up and per-tensor rules have none),
+    the clipped steps, the steps where the lock-in guard restarted the statistics, and the
+    rewound branch in grey. ``z`` (a detector's ``skip_z``, or ``{run: skip_z}`` where the runs
+    differ) adds the level the detector skips above, ``mean + z * std`` of its rolling
+    ``window``. Every legend lists only what is drawn, the ledger's only the outcomes that happened.
 
     >>> fig = plot_defenses({"run": StepLog([StepRecord(0, 1.0, grad_norm=2.0, threshold=3.0)])})
-    >>> [ax.get_ylabel() for ax in fig.axes]
-    ['grad norm', 'outcome']
+    >>> [ax.get_ylabel() for ax in fig.axes], [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    (['grad norm', 'outcome'], ['grad norm (raw)', 'threshold'])
     """
     if not logs:
         raise ValueError("logs must hold at least one run: {'name': StepLog}.")
-    fig = Figure(figsize=(9, 4.8), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[4, 1])
-    for i, (name, log) in enumerate(logs.items()):
-        color = f"C{i}"
+    n = len(logs)
+    fig = Figure(figsize=(9, 1.7 * n + 1.5), layout="constrained")
+    axes = fig.subplots(n + 1, 1, sharex=True, height_ratios=[3] * n + [0.5 + 0.4 * n])
+    panels, bottom = axes[:n], axes[n]
+    for ax, (name, log) in zip(panels, logs.items()):
         live = [r for r in log if not r.rewound]
         gone = [r for r in log if r.rewound]
-        top.plot([r.step for r in live], [r.grad_norm for r in live], color=color, lw=1.0, label=name)
-        top.plot([r.step for r in live], [r.threshold for r in live], color=color, lw=0.8, ls="--")
-        lows, highs = rolling_band(live, window, z)
-        # a log axis cannot show mean - z sigma <= 0: the band then starts at half the smallest norm
-        floor = 0.5 * min((r.grad_norm for r in live if r.grad_norm > 0), default=1e-12)
-        top.fill_between([r.step for r in live], [max(v, floor) for v in lows], highs, color=color, alpha=0.12, lw=0)
-        clipped = [r for r in live if r.clipped]
-        top.plot([r.step for r in clipped], [r.grad_norm for r in clipped], "x", color=color, ms=5)
+        steps = [r.step for r in live]
+        ax.plot(steps, _positive(r.grad_norm for r in live), color="C0", lw=1.0, label="grad norm (raw)")
+        clipped = [r for r in live if r.clipped and not r.skipped]
+        if clipped:  # dashed over the raw line: where nothing was clipped the two coincide and both show
+            ax.plot(steps, _positive(r.post_clip_norm if not r.skipped else math.nan for r in live), color="C1",
+                    lw=1.0, ls=(0, (3, 2)), label="stepped with (after clip)")
+            ax.plot([r.step for r in clipped], [r.grad_norm for r in clipped], "x", color="C3", ms=5,
+                    label=f"clipped ({len(clipped)})")
+        threshold = _positive(r.threshold for r in live)
+        if any(math.isfinite(t) for t in threshold):
+            ax.plot(steps, threshold, color="k", lw=0.8, ls="--", label="threshold")
+        skip_z = z.get(name) if isinstance(z, Mapping) else z
+        if skip_z is not None:
+            _, highs = rolling_band(live, window, skip_z)
+            if any(math.isfinite(h) for h in highs):
+                ax.plot(steps, _positive(highs), color="C4", lw=1.0, ls="-.",
+                        label=f"skip above mean + {skip_z:g} sigma")
+        fired = [r for r in live if r.lockin]
+        for k, r in enumerate(fired):
+            ax.axvline(r.step, color="C2", lw=1.2, label="lock-in guard fired" if k == 0 else "_guard")
         if gone:
-            top.plot([r.step for r in gone], [r.grad_norm for r in gone], color="0.6", lw=1.0, ls="-", marker=".", ms=3)
-    top.set_yscale("log")
-    top.set_ylabel("grad norm")
-    handles, _ = top.get_legend_handles_labels()
-    handles += [top.plot([], [], "k--", lw=0.8)[0], Patch(color="0.5", alpha=0.25), top.plot([], [], "kx")[0],
-                top.plot([], [], color="0.6", marker=".")[0]]
-    labels = [*logs, "threshold", f"mean +- {z:g} sigma", "clipped", "rewound (undone)"]
-    top.legend(handles, labels, fontsize=7, ncols=2, loc="upper right")
+            ax.plot([r.step for r in gone], _positive(r.grad_norm for r in gone), color="0.6", lw=1.0, marker=".",
+                    ms=3, label="rewound (undone)")
+        ax.set_yscale("log")
+        ax.set_ylabel("grad norm")
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.legend(fontsize=7, loc="upper left", ncols=3)
+        lo, hi = _data_range(ax)
+        ax.set_ylim(lo / 2, hi * 12)  # room above the data for the legend
     for k, log in enumerate(logs.values()):
         # rewound records share step numbers with their replacements: they fill the top half of the row
         for r, outcome in zip(log, ledger(log)):
             color = _COLORS[OUTCOMES.index(outcome)]
             bottom.add_patch(Rectangle((r.step - 0.5, k), 1.0, 0.5 if r.rewound else 1.0, color=color, lw=0,
                                        zorder=2 if r.rewound else 1))
+    happened = {outcome for log in logs.values() for outcome in ledger(log)}
+    shown = [o for o in OUTCOMES if o in happened]
     last = max((r.step for log in logs.values() for r in log), default=0)
-    bottom.set_ylim(len(logs), 0)
-    bottom.set_yticks([k + 0.5 for k in range(len(logs))], list(logs), fontsize=7)
+    bottom.set_ylim(n, 0)
+    bottom.set_yticks([k + 0.5 for k in range(n)], list(logs), fontsize=7)
     bottom.set_ylabel("outcome")
     bottom.set_xlabel("step")
     bottom.set_xlim(-0.5, last + 0.5)
-    bottom.legend([Patch(color=c) for c in _COLORS], OUTCOMES, fontsize=6, ncols=6, loc="upper center",
-                  bbox_to_anchor=(0.5, -0.6))
+    bottom.legend([Patch(color=_COLORS[OUTCOMES.index(o)]) for o in shown], shown, fontsize=7, ncols=len(shown),
+                  loc="upper center", bbox_to_anchor=(0.5, -0.9 / (0.5 + 0.4 * n)))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
+
+
+def _positive(values: Iterable[float]) -> list[float]:
+    # NaN where a log axis cannot draw (<= 0, inf, NaN): the line breaks there
+    return [v if math.isfinite(v) and v > 0 else math.nan for v in values]
+
+
+def _data_range(ax: Axes) -> tuple[float, float]:
+    ys = [y for line in ax.get_lines() if line.get_transform().contains_branch_seperately(ax.transData)[1]
+          for y in line.get_ydata() if math.isfinite(y) and y > 0]
+    return (min(ys), max(ys)) if ys else (0.1, 10.0)
 
 
 def loss_fn_with_shift(loss_fn: Callable[[Tensor, Tensor], Tensor], defenses: Defenses,
@@ -197,3 +266,133 @@ def loss_fn_with_shift(loss_fn: Callable[[Tensor, Tensor], Tensor], defenses: De
     if defenses.shift_step is None:
         return loss_fn
     return lambda out, y: loss_fn(out, y) * defenses.loss_weight(step())
+
+
+class DefenseExplorer:
+    """The "Try it" panel: a method with its own knob, the window, feed, spike and shift sizes; the figure follows.
+
+    Choosing a method puts *its* knob on the slider (``KNOBS``: its name, the values that make
+    sense for it, its published default), so a quantile never receives a z-score. The feed
+    dropdown is off for the methods without statistics (``norm``, ``agc``). A setting the
+    method cannot act on (a warm-up that lasts past the spike) is said in one line under the
+    controls, and an error is shown in that line, never as a traceback. Each change re-runs
+    ``base`` with the new ``Defenses`` (``base.defenses`` gives the spike and shift steps) and
+    redraws ``plot_defenses``; the figure's title repeats the settings it was drawn for. The last
+    16 runs are kept by their settings, so going back to one redraws without training.
+
+    >>> from labkit.lab.experiment import ExperimentConfig
+    >>> ex = DefenseExplorer(ExperimentConfig(precision="fp32", steps=12, defenses=Defenses(spike_step=8)), window=4)
+    >>> ex.controls["method"].value = "autoclip"  # what a student's click does
+    >>> ex.controls["knob"].description, ex.controls["knob"].value, ex.error
+    ('quantile', 0.9, None)
+    """
+
+    def __init__(self, base: Any, *, method: str = "zclip", window: int = 20, feed: str = "clipped",
+                 spike_size: float = 100.0, shift_size: float = 1.0) -> None:
+        import ipywidgets as W
+
+        if base.defenses is None or base.defenses.spike_step is None:
+            raise ValueError("base.defenses must name the spike's step, e.g. ExperimentConfig(defenses=Defenses("
+                             "spike_step=50, shift_step=40)).")
+        if method not in KNOBS:
+            raise ValueError(f"method must be one of {tuple(KNOBS)}, got {method!r}.")
+        self.base = base
+        name, options, default = KNOBS[method]
+        self.controls = {
+            "method": W.Dropdown(options=list(KNOBS), value=method, description="method"),
+            "knob": W.SelectionSlider(options=[(f"{v:g}", v) for v in options], value=default, description=name,
+                                      continuous_update=False),
+            "window": W.IntSlider(value=window, min=4, max=60, description="window", continuous_update=False),
+            "feed": W.Dropdown(options=list(FEEDS), value=feed, description="feed"),
+            "spike_size": W.FloatLogSlider(value=spike_size, base=10, min=0, max=4, step=0.25, description="spike x",
+                                           continuous_update=False),
+            "shift_size": W.FloatLogSlider(value=shift_size, base=10, min=0, max=2, step=0.25, description="shift x",
+                                           continuous_update=False),
+        }
+        self.status = W.HTML()
+        self.image = W.Image(format="png")
+        self.log: StepLog | None = None
+        self.figure: Figure | None = None
+        self.note: str | None = None
+        self._cache: dict[Defenses, StepLog] = {}  # a run is a pure function of its settings: back is instant
+        self.error: Exception | None = None
+        self._quiet = False
+        self._shown: dict[str, Any] = {}  # the controls' values the figure was drawn for
+        self.controls["method"].observe(self._method_changed, names="value")
+        for key in ("knob", "window", "feed", "spike_size", "shift_size"):
+            self.controls[key].observe(lambda _: self.update(), names="value")
+        self.widget = W.VBox([*self.controls.values(), self.status, self.image])
+        self.update()
+
+    def _repr_mimebundle_(self, **kwargs):  # type: ignore[no-untyped-def]
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def figure_mismatches(self) -> list[str]:
+        """Return ``[]`` when the figure shows the controls' values, else what each says."""
+        return [f"{key}: the control says {w.value!r}, the figure shows {self._shown.get(key)!r}"
+                for key, w in self.controls.items() if w.value != self._shown.get(key)]
+
+    def _method_changed(self, change: Any) -> None:
+        name, options, default = KNOBS[change["new"]]
+        knob = self.controls["knob"]
+        self._quiet = True  # the options and the value change together: one run, not two
+        try:
+            knob.options = [(f"{v:g}", v) for v in options]
+            knob.value = default
+            knob.description = name
+        finally:
+            self._quiet = False
+        self.update()
+
+    def defenses(self) -> Defenses:
+        """Return the ``Defenses`` the controls set (may raise ``ValueError``)."""
+        v = {key: w.value for key, w in self.controls.items()}
+        base = self.base.defenses
+        stats = v["method"] not in ("norm", "agc")
+        return dataclasses.replace(base, method=v["method"], threshold=v["knob"], window=v["window"],
+                                   feed=v["feed"] if stats else None, spike_size=v["spike_size"],
+                                   shift_step=base.shift_step if v["shift_size"] != 1.0 else None,
+                                   shift_size=v["shift_size"])
+
+    def title(self) -> str:
+        """The settings, as the figure's title states them."""
+        v = {key: w.value for key, w in self.controls.items()}
+        feed = f", feed={v['feed']}" if v["method"] not in ("norm", "agc") else ""
+        shift = f", loss x{v['shift_size']:g} from step {self.base.defenses.shift_step}" if v["shift_size"] != 1.0 else ""
+        return (f"{v['method']} {self.controls['knob'].description}={v['knob']:g}, window={v['window']}{feed}; "
+                f"inputs x{v['spike_size']:g} at step {self.base.defenses.spike_step}{shift}")
+
+    def update(self) -> None:
+        """Re-run with the controls' values and redraw; a problem goes to the status line."""
+        if self._quiet:
+            return
+        from .experiment import run_experiment
+
+        self.controls["feed"].disabled = self.controls["method"].value in ("norm", "agc")
+        try:
+            d = self.defenses()
+            if d not in self._cache:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the ledger and the guard marks show what the alarms say
+                    self._cache[d] = run_experiment(dataclasses.replace(self.base, defenses=d))
+                while len(self._cache) > 16:
+                    del self._cache[next(iter(self._cache))]
+            self.log = self._cache[d]
+        except (ValueError, TypeError) as e:
+            self.error, self.note, self.log = e, None, None
+            self.status.value = f"<span style='color:#b00'>{html.escape(str(e))}</span>"
+            self.figure = _message_figure(f"no run: {e}")
+        else:
+            self.error, self.note = None, d.warm_up_note()
+            self.status.value = html.escape(self.note) if self.note else ""
+            self.figure = plot_defenses({d.method: self.log}, window=d.window, title=self.title())
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png", dpi=72)
+        self.image.value = buf.getvalue()
+        self._shown = {key: w.value for key, w in self.controls.items()}
+
+
+def _message_figure(text: str) -> Figure:
+    fig = Figure(figsize=(9, 1.2))
+    fig.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, wrap=True)
+    return fig

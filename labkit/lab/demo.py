@@ -16,35 +16,26 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from ..reasons import Reason
+from .text import describe as _describe
+from .text import format_scale as _format_scale
+from .text import title as _title
+
 # torch, tqdm and matplotlib are imported where they are used, after the flags are parsed:
-# `--help` and a bad flag answer at once instead of after torch's ~4 s import.
+# `--help` and a bad flag answer at once instead of after torch's import (seconds).
 if TYPE_CHECKING:
     import torch
 
     from ..records import StepLog, StepRecord
     from .experiment import ExperimentConfig
 
-__all__ = ["build_parser", "describe", "format_scale", "init_distributed", "main", "run_demo", "title"]
+__all__ = ["build_parser", "init_distributed", "main", "run_demo"]
 
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
 # The GPT needs no injected fault (its overflows come by themselves) and SGD's lr for it is higher.
 TASK_DEFAULTS = {"toy": {"faults": DEFAULT_FAULTS, "lr": 0.05}, "gpt": {"faults": [], "lr": 0.3}}
 PRECISIONS = ("fp32", "bf16", "fp16")  # labkit.step.PRECISIONS, without importing torch for --help
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a loss scale lives in float32
-
-
-def format_scale(scale: float) -> str:
-    """Return a loss scale as a student reads it: an integer, or 2^k once that is shorter and exact.
-
-    >>> format_scale(1024.0), format_scale(2.0**24), format_scale(2.0**-20), format_scale(3e5), format_scale(0.5)
-    ('1024', '2^24', '2^-20', '300000', '0.5')
-    """
-    text = f"{scale:g}"
-    if math.isfinite(scale) and scale > 0:
-        exponent = math.log2(scale)
-        if exponent.is_integer() and ("e" in text or float(text) != scale):
-            return f"2^{int(exponent)}"
-    return text
 
 
 def _max_norm(text: str) -> float | None:
@@ -112,70 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SPIKE_REASONS = {"spike_loss": "loss z-score above skip_z", "spike_grad": "grad-norm z-score above skip_z"}
-
-
-def describe(record: StepRecord, max_norm: float | None, fault: str | None = None) -> list[str]:
-    """Return the event lines for one record: a skip, a clip, a fault that did neither, a change of scale.
-
-    ``fault`` names the fault when the record cannot (injected on another rank).
-
-    >>> from labkit.records import StepRecord
-    >>> describe(StepRecord(50, 0.3, grad_norm=34.5, fault="spike:10"), None)
-    ['step   50  FAULT spike:10 injected: norm 34.5, not clipped (max_norm none)']
-    """
-    fault = record.fault or fault
-    lines, tag = [], f" [fault {fault}]" if fault else ""
-    if record.skipped and record.reason in SPIKE_REASONS:  # issue 15: the detector's skip
-        z = record.z_loss if record.reason == "spike_loss" else record.z_grad
-        lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {SPIKE_REASONS[record.reason]} at {z:+.1f} sigma{tag}")
-    elif record.skipped:
-        what = "loss is not finite: backward skipped, scale untouched" if record.reason == "nonfinite_loss" else (
-            f"gradient not finite (first: {record.first_nonfinite})" if record.first_nonfinite is not None else
-            "gradient norm not finite, every gradient finite: their sum of squares overflowed float32")
-        what += _attention_note(record)
-        lines.append(f"step {record.step:4d}  SKIP  {record.reason}: {what}{tag}")
-    elif record.clipped and record.clip_reason not in (None, "NormClip"):  # issue 15: adaptive clippers
-        level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
-        lines.append(f"step {record.step:4d}  CLIP  {record.clip_reason}: norm {record.grad_norm:.4g}{level} "
-                     f"(x{record.clip_coef:.3g}){tag}")
-    elif record.clipped:
-        top = ", ".join(f"{n}={v:.3g}" for n, v in record.top_grads)
-        lines.append(
-            f"step {record.step:4d}  CLIP  norm {record.grad_norm:.4g} > max_norm {max_norm:g} "
-            f"(x{record.clip_coef:.3g}); largest: {top}{tag}"
-        )
-    elif fault:  # a fault nothing caught: say so, or it looks as if it never came
-        why = "max_norm none" if max_norm is None else f"below max_norm {max_norm:g}"
-        lines.append(f"step {record.step:4d}  FAULT {fault} injected: norm {record.grad_norm:.4g}, not clipped ({why})")
-    if record.lockin:
-        lines.append(f"step {record.step:4d}  GUARD lock-in: clipped too many steps in a row, statistics restarted")
-    if record.rewind_to is not None:
-        lines.append(f"step {record.step:4d}  REWIND to step {record.rewind_to}: steps {record.rewind_to}-{record.step} "
-                     "undone (marked rewound), a data window skipped")
-    if record.next_scale != record.scale:
-        verb = "backoff" if record.next_scale < record.scale else "growth"
-        lines.append(f"step {record.step:4d}  SCALE {format_scale(record.scale)} -> {format_scale(record.next_scale)}"
-                     f" ({verb})")
-    return lines
-
-
-def _attention_note(record: StepRecord) -> str:
-    """Name the layers whose attention logits were not finite (a GPT's ``LogitMonitor`` measured them).
-
-    >>> from labkit.records import StepRecord
-    >>> _attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": math.nan}))
-    '; attention logits inf in h.0 (then NaN in h.1): the forward overflowed, no loss scale can help'
-    """
-    inf = [layer for layer, v in record.attn_logit_max.items() if v == math.inf]
-    nan = [layer for layer, v in record.attn_logit_max.items() if not math.isfinite(v) and v != math.inf]
-    if inf:
-        then = f" (then NaN in {', '.join(nan)})" if nan else ""
-        return (f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed, "
-                "no loss scale can help")
-    return f"; attention logits not finite in {', '.join(nan)}" if nan else ""
-
-
 def init_distributed(device: torch.device) -> torch.device:
     """Join the torchrun job (nccl on CUDA, gloo on CPU) and return this rank's device."""
     import torch
@@ -195,21 +122,6 @@ def _final_loss(log: StepLog, summary: dict) -> str:
     finite = [r.loss for r in log if math.isfinite(r.loss)]
     last = f"; the last finite loss was {finite[-1]:.4g}" if finite else ""
     return f"none: every step was skipped, the model never stepped{last}"
-
-
-def title(config: ExperimentConfig, world: int = 1) -> str:
-    """Return the figure's title: precision, threshold and, under torchrun, the ranks.
-
-    >>> from labkit.lab.experiment import ExperimentConfig
-    >>> title(ExperimentConfig(max_norm=None, fault_rank=1), world=2)
-    'labkit demo: fp16, max_norm none, 2 ranks (ddp, faults on rank 1)'
-    """
-    max_norm = "none" if config.max_norm is None else f"{config.max_norm:g}"
-    ranks = ""
-    if world > 1:
-        where = f", faults on rank {config.fault_rank}" if config.fault_rank is not None else ""
-        ranks = f", {world} ranks ({config.parallel or 'ddp'}{where})"
-    return f"labkit demo: {config.precision}, max_norm {max_norm}{ranks}"
 
 
 def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=print,
@@ -247,17 +159,17 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     def report(record: StepRecord) -> None:
         fault = f"{schedule[record.step].label} on rank {config.fault_rank}" if (
             elsewhere and record.step in set(schedule)) else None
-        for line in describe(record, config.max_norm, fault):
+        for line in _describe(record, config.max_norm, fault):
             if live:
                 tqdm.write(line, file=sys.stdout)
             else:
                 echo(line)
         done = record.step + 1
         if every and (done % every == 0 or done == config.steps):
-            scale = f", scale {format_scale(record.next_scale)}" if scaler else ""
+            scale = f", scale {_format_scale(record.next_scale)}" if scaler else ""
             count = f"{done:>{len(str(config.steps))}}/{config.steps}"
             echo(f"progress {count} steps ({done / config.steps:.0%}), loss {record.loss:.4g}{scale}")
-        bar.set_postfix(loss=f"{record.loss:.3g}", scale=format_scale(record.scale), refresh=False)
+        bar.set_postfix(loss=f"{record.loss:.3g}", scale=_format_scale(record.scale), refresh=False)
         bar.update()
 
     with warnings.catch_warnings(record=True) as caught:
@@ -270,16 +182,16 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
         return log
     os.replace(partial, os.path.join(out, "log.jsonl"))
     log.to_csv(os.path.join(out, "log.csv"))
-    plot_log(log, config.max_norm, title=title(config, world)).savefig(os.path.join(out, "demo.png"), dpi=100)
+    plot_log(log, config.max_norm, title=_title(config, world)).savefig(os.path.join(out, "demo.png"), dpi=100)
     s = log.summary()
     rows = [
         ("steps", s["steps"]),
         *([("ranks", f"{world} ({config.parallel or 'ddp'}, {dist.get_backend()})")] if world > 1 else []),
-        ("skipped", f"{s['skipped']} (nonfinite_loss {s['skips_by_reason']['nonfinite_loss']}, "
-                    f"nonfinite_grad {s['skips_by_reason']['nonfinite_grad']})"),
+        ("skipped", f"{s['skipped']} ({Reason.NONFINITE_LOSS} {s['skips_by_reason'][Reason.NONFINITE_LOSS]}, "
+                    f"{Reason.NONFINITE_GRAD} {s['skips_by_reason'][Reason.NONFINITE_GRAD]})"),
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
-        ("loss scale", f"min {format_scale(s['min_scale'])}, max {format_scale(s['max_scale'])}, "
-                       f"final {format_scale(s['final_scale'])}" if scaler else f"none ({config.precision} runs "
+        ("loss scale", f"min {_format_scale(s['min_scale'])}, max {_format_scale(s['max_scale'])}, "
+                       f"final {_format_scale(s['final_scale'])}" if scaler else f"none ({config.precision} runs "
                        "without a loss scaler)"),
         ("final loss", _final_loss(log, s)),
         ("files", f"{os.path.join(out, 'log.jsonl')}, log.csv, demo.png"),
@@ -406,3 +318,16 @@ def _ranges(steps: list[int]) -> str:
         else:
             runs.append([s, s])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+_MOVED = {"describe": "describe", "format_scale": "format_scale", "title": "title", "SPIKE_REASONS": "SKIP_WHY"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:  # the lab's text helpers live in labkit.lab.text; this CLI module kept them one release
+        from . import text
+
+        warnings.warn(f"labkit.lab.demo.{name} is labkit.lab.text.{_MOVED[name]} (also in labkit.lab): import it "
+                      "from there.", DeprecationWarning, stacklevel=2)
+        return getattr(text, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,10 +17,12 @@ from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
+from ..hooks import ObserverHook
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
 from ..tasks import TASKS, Task, make_task
+from ..validate import check_int, check_number
 from .defenses import Defenses, loss_fn_with_shift
 
 __all__ = ["ExperimentConfig", "default_device", "make_optimizer", "make_scheduler", "run_experiment"]
@@ -36,17 +38,12 @@ def default_device() -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return value
+    return check_int(name, value, 1)
 
 
 def _positive_float(name: str, value: object) -> float:
     # a number, not something float() accepts: "0.05" or True would reach the optimizer as given
-    v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    return v
+    return check_number(name, value, 0, low_open=True, finite=True, noun="a finite number")
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,8 @@ class ExperimentConfig:
     under ``optimizer="adam"``: torch's eps (1e-8) is added to sqrt(v_hat), so once the gradients
     come near it the update shrinks; compare precisions at the same weight (any difference is then
     the precision's) or pass your own optimizer with eps scaled by the weight to ``TrainStep``.
-    ``device=None`` takes the GPU when there is one.
+    ``betas`` are Adam's (torch's default ``(0.9, 0.999)``; LLM pretraining uses beta2 = 0.95);
+    SGD (momentum 0.9) has none. ``device=None`` takes the GPU when there is one.
     Under an initialized process group each rank trains on its slice of every global batch,
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
@@ -90,6 +88,7 @@ class ExperimentConfig:
     steps: int = 150
     lr: float = 0.05
     optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
     loss_weight: float = 1.0
     scheduler: str | None = None
     seed: int = 0
@@ -97,9 +96,8 @@ class ExperimentConfig:
     parallel: str | None = None
     fault_rank: int | None = None
     task: str | Task = "toy"
-    defenses: Defenses | None = None  # issue 15: clipper, detector, rewind, spike and shift (lab/defenses.py)
+    defenses: Defenses | None = None  # clipper, detector, rewind, spike and shift (lab/defenses.py)
     weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
     warmup: int = 0
 
     def __post_init__(self) -> None:
@@ -119,22 +117,19 @@ class ExperimentConfig:
         _positive_int("steps", self.steps)
         _positive_float("lr", self.lr)
         _positive_float("loss_weight", self.loss_weight)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}.")  # ToyTask's generator takes 64 bits
+        check_int("seed", self.seed, 0, 2**32 - 1)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
-        wd = self.weight_decay
-        if isinstance(wd, bool) or not isinstance(wd, (int, float)) or not (math.isfinite(wd) and wd >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}.")
-        betas = self.betas
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), e.g. (0.9, 0.95), got {betas!r}.")
+        check_number("weight_decay", self.weight_decay, 0, finite=True, noun="a finite number")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                                      for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), Adam's (beta1, beta2), got {self.betas!r}.")
+        if self.optimizer == "sgd" and betas != (0.9, 0.999):
+            raise ValueError("betas are Adam's and AdamW's; optimizer='sgd' has none (SGD uses momentum 0.9). "
+                             "Pass optimizer='adam' or 'adamw', or leave betas out.")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        warmup = self.warmup
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= self.steps:
-            raise ValueError(f"warmup must be an int in [0, steps={self.steps}] (steps of linear warm-up), "
-                             f"got {self.warmup!r}.")
+        check_int("warmup", self.warmup, 0, self.steps, hint="(steps of linear warm-up, at most steps)")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
         if self.parallel not in PARALLEL:
@@ -190,8 +185,8 @@ def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
 def _one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
     # The toy model's matmuls (64x16, 64x64) are far too small to split across threads: on 2
     # cores torch's intra-op threads cost more than they save, and when another process holds a
-    # core they spin-wait for it (120 steps: 0.7 s on one thread, 11 s on two, on a loaded
-    # 2-core AMD EPYC). The setting is process-wide, so it is put back after the run.
+    # core they spin-wait for it (an order of magnitude slower on a loaded 2-core machine). The
+    # setting is process-wide, so it is put back after the run.
     if device.type != "cpu":
         yield
         return
@@ -247,6 +242,7 @@ def run_experiment(
     log_to: str | Sequence[str] | None = None,
     log_dir: str | os.PathLike | None = None,
     histogram_every: int = 10,
+    observer: Any = None,
 ) -> StepLog:
     """Train a fresh model of ``config.task`` as ``config`` says and return its log; ``on_record`` sees each record.
 
@@ -254,7 +250,10 @@ def run_experiment(
     while an old figure is still on screen. ``log_to`` (``"tensorboard,trackio,mlflow,wandb"``)
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
-    steps (``labkit.export``; rank 0 only). Where to show a run is not part of its config.
+    steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
+    step (``TrainStep(observer=...)``, e.g. ``labkit.precision.StaleMonitor``); one with an
+    ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
+    reads its optimizer). Where to show a run is not part of its config.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
     >>> len(log), log.skipped_steps, log[5].reason
@@ -283,7 +282,9 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, observer=monitor, **extra)
+                     faults=faults, log_path=log_path, observer=observer, hooks=[ObserverHook(monitor)] if monitor is not None else [], **extra)
+    if observer is not None and hasattr(observer, "attach"):
+        observer.attach(step)
     rewind = extra.get("rewind")
     telemetry = None
     try:

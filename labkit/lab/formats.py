@@ -14,12 +14,12 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..fp8 import FORMATS, CastRecord, quantize
-from ..precision import RemedyRun
+from ..formats.fp8 import FORMATS, CastRecord, quantize
+from ..formats.bf16 import RemedyRun
 
 __all__ = [
     "GRANULARITY_LABELS", "NUMBER_LINE", "GranularityExplorer", "format_values", "granularity_rows", "number_line",
-    "round_to", "scaling_figure", "stagnation_figure",
+    "round_trip", "scaling_figure", "stagnation_figure",
 ]
 
 NUMBER_LINE = ("e2m1", "e4m3", "e5m2", "fp16", "bf16")
@@ -35,7 +35,7 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _e2m1():  # type: ignore[no-untyped-def]
-    from ..fp8 import _torchao_mx
+    from ..formats.fp8 import _torchao_mx
 
     _torchao_mx()  # torchao imported quietly
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
@@ -70,10 +70,10 @@ def format_values(name: str, samples: int = 512) -> torch.Tensor:
     return values.unique()
 
 
-def round_to(value: float, name: str) -> float:
+def round_trip(value: float, name: str) -> float:
     """Return ``value`` after a real cast to format ``name`` and back.
 
-    >>> [round_to(500.0, f) for f in ("e4m3", "e5m2", "e2m1")], round_to(math.inf, "e4m3")
+    >>> [round_trip(500.0, f) for f in ("e4m3", "e5m2", "e2m1")], round_trip(math.inf, "e4m3")
     ([448.0, 512.0, 6.0], 448.0)
     """
     x = torch.tensor([value], dtype=torch.float32)
@@ -97,7 +97,7 @@ def number_line(cursor: float | None = None, formats: Sequence[str] = NUMBER_LIN
         values = format_values(name).tolist()
         ax.plot(values, [row] * len(values), "|", color=f"C{row}", markersize=12)
         if cursor is not None:
-            landed = round_to(cursor, name)
+            landed = round_trip(cursor, name)
             shown = min(max(landed, _XLIM[0]), _XLIM[1] / 1.5) if not math.isnan(landed) else _XLIM[1] / 1.5
             ax.plot([shown], [row], "o", color="k", markersize=6)
             ax.annotate(f"{landed:g}", (shown, row), textcoords="offset points", xytext=(6, 6), fontsize=8)
@@ -118,27 +118,47 @@ def stagnation_figure(runs: Mapping[str, RemedyRun], stale_by_layer: Mapping[str
     """Draw one weight's trajectory per remedy, the losses, and each layer's fraction of stale updates per run.
 
     ``stale_by_layer`` is ``{run: {layer: fraction}}`` (e.g. the mean of ``StepRecord.stale``).
+    Runs whose losses coincide on screen (within 1 % of the panel's range, about 2 pixels, at
+    every step) are drawn with distinct dashes and named together in the loss panel's title,
+    so no curve hides under another unannounced.
+
+    >>> from labkit.precision import compare_remedies
+    >>> fig = stagnation_figure(compare_remedies(steps=300), {"bf16": {"0.weight": 0.9}})
+    >>> fig.axes[1].get_title()
+    'loss\\n(fp32, bf16 + Kahan and bf16 + fp32 master coincide)'
     """
-    fig = _figure(11, 3.4)
+    fig = _figure(11, 3.8)
     ax_w, ax_loss, ax_bar = fig.subplots(1, 3)
+    styles = ["-", (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (2, 3))]
     for i, (name, run) in enumerate(runs.items()):
-        style = {"linestyle": "--"} if name == "fp32" else {}
+        style = {"linestyle": styles[i % len(styles)], "lw": 1.6}
         ax_w.plot([w[entry] for w in run.weights], label=name, color=f"C{i}", **style)
         ax_loss.plot(run.losses, label=name, color=f"C{i}", **style)
+    names = list(runs)
+    every = [v for run in runs.values() for v in run.losses]
+    tol = 0.01 * (max(every) - min(every)) if every else 0.0
+    same = [n for n in names if n != names[0] and _coincide(runs[n].losses, runs[names[0]].losses, tol)]
+    together = [names[0], *same]
+    note = f"\n({', '.join(together[:-1])} and {together[-1]} coincide)" if same else ""
     ax_w.set_xlabel("step"); ax_w.set_ylabel(f"weight[{entry}]")
-    ax_w.set_title("one weight: bf16 never moves", fontsize=9)
-    ax_loss.set_xlabel("step"); ax_loss.set_ylabel("loss"); ax_loss.legend(fontsize=7)
-    ax_loss.set_title("loss", fontsize=9)
+    ax_w.set_title("one weight: bf16 never moves", fontsize=10)
+    ax_loss.set_xlabel("step"); ax_loss.set_ylabel("loss")
+    ax_loss.set_title("loss" + note, fontsize=9)
+    fig.legend(*ax_loss.get_legend_handles_labels(), loc="lower center", ncols=len(runs), fontsize=9, frameon=False)
     layers = sorted({layer for fractions in stale_by_layer.values() for layer in fractions})
     width = 0.8 / max(1, len(stale_by_layer))
     for i, (name, fractions) in enumerate(stale_by_layer.items()):
         ax_bar.bar([j + i * width for j in range(len(layers))], [fractions.get(layer, 0.0) for layer in layers],
                    width=width, label=name)
-    ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], layers, rotation=45, fontsize=7)
-    ax_bar.set_ylim(0, 1); ax_bar.set_ylabel("updates below half an ulp")
-    ax_bar.set_title("per layer, mean over steps", fontsize=9); ax_bar.legend(fontsize=6, loc="lower left")
-    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.22, top=0.9, wspace=0.3)
+    ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], layers, rotation=45, fontsize=8)
+    ax_bar.set_ylim(0, 1.45); ax_bar.set_yticks([0, 0.25, 0.5, 0.75, 1.0]); ax_bar.set_ylabel("updates below half an ulp")
+    ax_bar.set_title("per layer, mean over steps", fontsize=10); ax_bar.legend(fontsize=8, loc="upper left")
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.3, top=0.86, wspace=0.3)
     return fig
+
+
+def _coincide(a: Sequence[float], b: Sequence[float], tol: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
 def granularity_rows(x: torch.Tensor, outlier_channel: int | None = None, fmt: str = "e4m3") -> list[dict]:
@@ -161,8 +181,9 @@ def granularity_rows(x: torch.Tensor, outlier_channel: int | None = None, fmt: s
 class GranularityExplorer:
     """An activation matrix with one outlier channel, a slider for its size, and what each scale choice does to it.
 
-    ``set_outlier(v)`` (or the slider) recomputes with real casts: a heatmap of |x| and bars of
-    the % flushed to zero and the error on the other channels, per tensor/row/1x128 tile/MX.
+    ``set_outlier(v)`` (or the slider) recomputes with real casts: a heatmap of log10 |x| (with
+    its colour bar) and bars of the % flushed to zero and the error on the other channels, per
+    tensor/row/1x128 tile/MX. The bars' axes grow with the values, so no bar is cut off.
     """
 
     def __init__(self, rows: int = 128, cols: int = 512, channel: int = 7, outlier: float = 1e4, seed: int = 0) -> None:
@@ -170,9 +191,10 @@ class GranularityExplorer:
 
         g = torch.Generator().manual_seed(seed)
         self.base, self.channel = torch.randn(rows, cols, generator=g), channel
-        self.figure = _figure(10, 3.2)
+        self.figure = _figure(10.5, 3.3)
         self.ax_map, self.ax_flush, self.ax_err = self.figure.subplots(1, 3)
-        self.figure.subplots_adjust(left=0.05, right=0.98, bottom=0.25, top=0.86, wspace=0.35)
+        self.figure.subplots_adjust(left=0.05, right=0.98, bottom=0.25, top=0.86, wspace=0.45)
+        self._colorbar = None
         self.slider = W.FloatLogSlider(value=outlier, base=10, min=0, max=6, step=0.25, description="outlier x",
                                        continuous_update=False)
         self.image = W.Image(format="png")
@@ -194,12 +216,20 @@ class GranularityExplorer:
         labels = [GRANULARITY_LABELS[r["granularity"]] for r in self.rows]
         for ax in (self.ax_map, self.ax_flush, self.ax_err):
             ax.clear()
-        self.ax_map.imshow(torch.log10(x.abs().clamp(min=1e-3))[:, :64].numpy(), aspect="auto", cmap="viridis")
-        self.ax_map.set_title(f"log10 |x|, first 64 columns (outlier column {self.channel})", fontsize=8)
-        self.ax_flush.bar(labels, [100 * r["flushed"] for r in self.rows], color="C3")
-        self.ax_flush.set_ylabel("% of values flushed to 0"); self.ax_flush.set_ylim(0, 60)
-        self.ax_err.bar(labels, [r["rel_err"] for r in self.rows], color="C0")
-        self.ax_err.set_ylabel("rel. error, other channels"); self.ax_err.set_ylim(0, 0.5)
+        image = self.ax_map.imshow(torch.log10(x.abs().clamp(min=1e-3))[:, :64].numpy(), aspect="auto",
+                                   cmap="viridis")
+        if self._colorbar is None:
+            self._colorbar = self.figure.colorbar(image, ax=self.ax_map, label="log10 |x|")
+        else:
+            self._colorbar.update_normal(image)
+            image.colorbar = self._colorbar  # update_normal rebinds the bar but not the image's link to it
+        self.ax_map.set_title(f"first 64 columns (outlier: column {self.channel})", fontsize=8)
+        flushed = [100 * r["flushed"] for r in self.rows]
+        errors = [r["rel_err"] for r in self.rows]
+        self.ax_flush.bar(labels, flushed, color="C3")
+        self.ax_flush.set_ylabel("% of values flushed to 0"); self.ax_flush.set_ylim(0, max(60.0, 1.1 * max(flushed)))
+        self.ax_err.bar(labels, errors, color="C0")
+        self.ax_err.set_ylabel("rel. error, other channels"); self.ax_err.set_ylim(0, max(0.5, 1.1 * max(errors)))
         for ax in (self.ax_flush, self.ax_err):
             ax.tick_params(axis="x", labelrotation=30, labelsize=7)
         self.figure.suptitle(f"e4m3, outlier x{outlier:g}: " + ", ".join(
@@ -240,3 +270,13 @@ def scaling_figure(runs: Mapping[str, Sequence[CastRecord]], fault_step: int | N
     ax_sat.set_title("what the cast did: no NaN, no inf, no skip", fontsize=9)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.9, wspace=0.25)
     return fig
+
+
+def __getattr__(name: str) -> object:
+    if name == "round_to":  # one name, one meaning: labkit.clip.round_to rounds to a torch dtype
+        import warnings
+
+        warnings.warn("labkit.lab.formats.round_to is now round_trip (a cast to an FP format and back).",
+                      DeprecationWarning, stacklevel=2)
+        return round_trip
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

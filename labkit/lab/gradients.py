@@ -3,23 +3,30 @@
 ``GradientProbe`` watches a model while ``run_experiment`` (or any loop around ``TrainStep``)
 trains it, through hooks only, so the step itself is untouched: for every step it records each
 layer's gradient norm (unscaled, before clipping), the fraction of activation gradients that are
-exactly zero (flushed: in fp16 without a scaler, gradients below 2**-24 underflow), and a sample
-of activation-gradient values. ``Probed(task, probe)`` is the task with the probe attached to
-every model it builds, so it goes wherever a task goes (``ExperimentConfig(task=...)``).
+exactly zero (flushed: in fp16 without a scaler, values up to 2**-25, half the smallest
+subnormal, round to 0), samples of the activation and the weight gradients, and every hooked
+gradient's largest magnitude in the order backward produced them (``trace``), so the first
+that was not finite, the one closest to the loss, is named (``first_nonfinite``).
+``Probed(task, probe)`` is the task with the probe attached to every model it builds, so it goes
+wherever a task goes (``ExperimentConfig(task=...)``).
 
 The pictures: ``GradHistogram`` (log2|g| over fp16's and bf16's ranges, with a loss-scale
 slider; Micikevicius et al. 2018, "Mixed Precision Training", Fig. 3, live), ``plot_u_curve``
-(flushed and overflowing fractions against log2 of the scale), ``plot_layer_heatmap`` and
-``plot_sawtooth``.
+(flushed and overflowing fractions against log2 of the scale), ``plot_headroom`` (each step's
+largest |gradient| x scale against fp16's 65504, the overflows and the tensor each started
+in), ``plot_flushed_by_tensor`` (how zeros compound from the loss down), ``plot_layer_heatmap``
+and ``plot_sawtooth``.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import matplotlib
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
@@ -28,8 +35,9 @@ from ..records import StepLog
 from ..tasks import Task
 from .plots import _ipympl_active
 
-__all__ = ["FP16_RANGE", "BF16_RANGE", "GradHistogram", "GradientProbe", "Probed", "flush_fractions",
-           "plot_layer_heatmap", "plot_sawtooth", "plot_u_curve", "u_curve"]
+__all__ = ["FP16_RANGE", "BF16_RANGE", "GradHistogram", "GradStat", "GradientProbe", "Probed", "flush_fractions",
+           "plot_flushed_by_tensor", "plot_headroom", "plot_layer_heatmap", "plot_sawtooth", "plot_u_curve",
+           "u_curve"]
 
 _F16, _BF16 = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
 # log2 of |x|: (smallest subnormal, smallest normal, largest finite)
@@ -75,6 +83,27 @@ def u_curve(values: Tensor, log2_scales: Sequence[float]) -> tuple[list[float], 
     return (flushed.double() / n).tolist(), ((n - kept).double() / n).tolist()
 
 
+@dataclass(frozen=True)
+class GradStat:
+    """One gradient of one step, as backward produced it.
+
+    ``name`` is a parameter's (``h.0.attn.c_proj.weight``; a tied one has all its names,
+    ``wte.weight = lm_head.weight``) or a module's activation (``h.0.attn.c_proj (output)``,
+    ``(input)``); ``kind`` is ``"weight"`` or ``"activation"``; ``amax`` its largest magnitude,
+    unscaled (``inf``/``nan`` when the gradient held one; times the step's ``loss_scale`` it is
+    what the tensor held); ``zero_fraction`` its share of exact zeros. ``linear``: only an
+    ``nn.Linear`` computed it (its input, output, weight or bias gradient), which autocast runs
+    in fp16; embeddings and LayerNorms run in fp32 under autocast, and a weight tied to one of
+    them has a ``.grad`` that adds an fp32 part.
+    """
+
+    name: str
+    kind: str
+    amax: float
+    zero_fraction: float
+    linear: bool = True
+
+
 def _module_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
@@ -82,11 +111,17 @@ def _module_of(param_name: str) -> str:
 class GradientProbe:
     """Record per-layer gradient norms, flushed fractions and gradient samples of a model, by hooks.
 
-    ``attach(model)`` hooks every ``nn.Linear``'s input and output (their gradients are the
-    activation gradients that fp16 carries in backward) and every parameter (its gradient's norm, grouped by module),
-    and the task's loss (its gradient is the loss scale, so no scaler is needed to unscale).
+    ``attach(model)`` hooks every ``nn.Linear``'s input and output and every ``nn.Embedding``'s
+    output (their gradients are the activation gradients that fp16 carries in backward), every
+    parameter (its gradient's norm, grouped by module), and the task's loss (its gradient is the
+    loss scale, so no scaler is needed to unscale). Each hook fires when backward produces its
+    gradient, so ``trace`` is in backward order: from the loss to the input. A tied parameter
+    (GPT's head and token embedding) is reported once, when its gradient is complete, and each
+    Linear use of it also on its own (``lm_head.weight (this use)``: that use's share, recomputed
+    in fp32 from the matmul's two operands), since the sum hides which use was large.
     ``begin(step)`` closes the previous step: one host sync per step, the probe's own cost
-    (a few small tensors), not the training step's. Attaching again forgets the old run.
+    (a few small tensors per hooked gradient), not the training step's. Attaching again forgets
+    the old run.
 
     >>> from labkit.tasks import GPTTask
     >>> from labkit.lab.experiment import ExperimentConfig, run_experiment
@@ -95,11 +130,14 @@ class GradientProbe:
     >>> log = run_experiment(ExperimentConfig(task=task, precision="fp32", steps=3, device="cpu"))
     >>> probe.steps, probe.layers[:2], len(probe.layer_norms["wte"])
     ([0, 1, 2], ['wte', 'wpe'], 3)
+    >>> [g.name for g in probe.trace[-1][:2]], probe.trace[-1][-1].name, probe.first_nonfinite
+    (['lm_head (output)', 'lm_head.weight (this use)'], 'wte.weight = lm_head.weight', [None, None, None])
     """
 
     def __init__(self, sample: int = 65536) -> None:
         self.sample = sample
         self._handles: list = []
+        self._tied: set[int] = set()
         self.model: nn.Module | None = None
         self.listeners: list[Callable[[GradientProbe], None]] = []
         self._reset()
@@ -110,7 +148,8 @@ class GradientProbe:
         self._norms: dict[str, list[float]] = {}
         self._zero_fraction: list[float] = []
         self._scale: list[float] = []
-        self._values = torch.zeros(0)
+        self._trace: list[list[GradStat]] = []
+        self._values = {"activation": torch.zeros(0), "weight": torch.zeros(0)}
         self._step: int | None = None
         self._pending: dict | None = None
 
@@ -143,10 +182,37 @@ class GradientProbe:
     def values(self) -> Tensor:
         """The last step's gradients, unscaled, float32: the activation gradients and the weight gradients.
 
-        At most ``sample`` entries (evenly strided) of each; entries that flushed are 0.
+        At most ``sample`` entries (evenly strided) of each tensor; entries that flushed are 0.
         """
         self.close()
-        return self._values
+        return torch.cat([self._values["activation"], self._values["weight"]])
+
+    @property
+    def activation_values(self) -> Tensor:
+        """The last step's activation gradients only (per token: they shrink as the batch grows)."""
+        self.close()
+        return self._values["activation"]
+
+    @property
+    def weight_values(self) -> Tensor:
+        """The last step's weight gradients only (sums over the batch's tokens)."""
+        self.close()
+        return self._values["weight"]
+
+    @property
+    def trace(self) -> list[list[GradStat]]:
+        """Per step: every hooked gradient, in the order backward produced it (nearest the loss first)."""
+        self.close()
+        return self._trace
+
+    @property
+    def first_nonfinite(self) -> list[str | None]:
+        """Per step: the first gradient in backward order holding inf or NaN (where it started), or None.
+
+        An overflow spreads back into every gradient upstream of it, so the first in
+        *registration* order (the input layer) is the wrong one to blame; backward order is right.
+        """
+        return [next((g.name for g in stats if not math.isfinite(g.amax)), None) for stats in self.trace]
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Hook ``model`` (and unhook the previous one); return it."""
@@ -156,45 +222,71 @@ class GradientProbe:
         self._reset()
         self.model = model  # the model this probe watches: e.g. for its validation loss after the run
         groups: dict[str, list[nn.Parameter]] = {}
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+        self._tied = {pid for pid, names in aliases.items() if len(names) > 1}
         for name, p in model.named_parameters():
             groups.setdefault(_module_of(name), []).append(p)
+            label = " = ".join(aliases[id(p)])
+            # a tied weight's .grad adds its uses; if one is not a Linear (an fp32 embedding), it is not fp16's
+            only_linear = id(p) in linear and id(p) not in self._tied
             self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda p, module=_module_of(name): self._param_grad(module, p)))
+                lambda p, module=_module_of(name), label=label, lin=only_linear: self._param_grad(module, label, p,
+                                                                                                  lin)))
         self.layers = list(groups)
         self._norms = {m: [] for m in self.layers}
         for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                self._handles.append(module.register_forward_hook(self._linear_output))
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                self._handles.append(module.register_forward_hook(
+                    lambda m, args, out, name=name: self._activation_output(name, m, args, out)))
         return model
 
     def _buffers(self) -> dict:
         if self._pending is None:
-            self._pending = {"sq": {}, "zeros": [], "numel": 0, "samples": [], "scale": None}
+            self._pending = {"sq": {}, "zeros": [], "numel": 0, "samples": {"activation": [], "weight": []},
+                             "scale": None, "stats": []}
         return self._pending
 
-    def _linear_output(self, module: nn.Module, args: tuple, out: Tensor) -> None:
+    def _activation_output(self, name: str, module: nn.Module, args: tuple, out: Tensor) -> None:
         # Both sides of every Linear: under autocast its input is the fp16 cast, whose gradient
-        # (out_grad @ W, in fp16) is where a backward overflows first, before any weight gradient.
-        for t in (args[0], out):
+        # (out_grad @ W, in fp16) can overflow before any weight gradient does. An Embedding's
+        # input is token ids: only its output has a gradient.
+        sides = ((args[0], "input"), (out, "output")) if isinstance(module, nn.Linear) else ((out, "output"),)
+        lin = isinstance(module, nn.Linear)
+        for t, side in sides:
             if isinstance(t, Tensor) and t.requires_grad:
-                t.register_hook(self._activation_grad)
+                t.register_hook(lambda g, label=f"{name} ({side})": self._activation_grad(label, g, lin))
+        if lin and id(module.weight) in self._tied and out.requires_grad:
+            # This use's share of a tied weight's gradient, which its .grad hides in a sum: recomputed
+            # in fp32 from the two tensors the Linear's weight-gradient matmul multiplies (one small matmul).
+            x = args[0].detach()
+            out.register_hook(lambda g, label=f"{name}.weight (this use)": self._use_grad(label, g, x))
 
-    def _activation_grad(self, g: Tensor) -> None:
+    def _activation_grad(self, name: str, g: Tensor, linear: bool) -> None:
         buf = self._buffers()
-        buf["zeros"].append((g == 0).sum())
+        zeros = (g == 0).sum()
+        buf["zeros"].append(zeros)
         buf["numel"] += g.numel()
-        buf["samples"].append(self._sample(g))
+        buf["samples"]["activation"].append(self._sample(g))
+        buf["stats"].append((name, "activation", g.detach().abs().amax().float(), zeros, g.numel(), linear))
+
+    def _use_grad(self, name: str, g: Tensor, x: Tensor) -> None:
+        gw = g.detach().flatten(0, -2).float().t() @ x.flatten(0, -2).float()
+        self._buffers()["stats"].append((name, "weight", gw.abs().amax(), (gw == 0).sum(), gw.numel(), True))
 
     def _sample(self, g: Tensor) -> Tensor:
         stride = max(1, g.numel() // self.sample)
         return g.detach().flatten()[::stride].float()
 
-    def _param_grad(self, module: str, p: Tensor) -> None:
+    def _param_grad(self, module: str, name: str, p: Tensor, linear: bool) -> None:
         buf = self._buffers()
         g = p.grad.detach()
         s = g.float().pow(2).sum()
         buf["sq"][module] = buf["sq"][module] + s if module in buf["sq"] else s
-        buf["samples"].append(self._sample(g))
+        buf["samples"]["weight"].append(self._sample(g))
+        buf["stats"].append((name, "weight", g.abs().amax().float(), (g == 0).sum(), g.numel(), linear))
 
     def loss_hook(self, loss: Tensor) -> Tensor:
         """Record the gradient that reaches ``loss`` in backward: the loss scale (times the micro-batch's weight)."""
@@ -217,15 +309,25 @@ class GradientProbe:
             return
         scale = buf["scale"]
         names = list(buf["sq"])
-        stacked = torch.stack([buf["sq"][m] for m in names] + [sum(buf["zeros"], torch.zeros(()))] + [scale])
+        stats = buf["stats"]
+        device = scale.device
+        stacked = torch.stack([buf["sq"][m].to(device) for m in names]
+                              + [sum(buf["zeros"], torch.zeros((), device=device)).to(device), scale]
+                              + [stat[2].to(device) for stat in stats]
+                              + [stat[3].to(device).float() for stat in stats])
         numbers = stacked.tolist()  # the probe's one host sync per step
-        s = numbers[-1]
-        norms = dict(zip(names, numbers[: len(names)]))
+        n = len(names)
+        s = numbers[n + 1]
+        norms = dict(zip(names, numbers[:n]))
         for m in self.layers:
             self._norms[m].append(math.sqrt(norms[m]) / s if m in norms else math.nan)
-        self._zero_fraction.append(numbers[-2] / max(1, buf["numel"]))
+        self._zero_fraction.append(numbers[n] / max(1, buf["numel"]))
         self._scale.append(s)
-        self._values = torch.cat(buf["samples"]).cpu() / s if buf["samples"] else torch.zeros(0)
+        amaxes, zeros = numbers[n + 2: n + 2 + len(stats)], numbers[n + 2 + len(stats):]
+        self._trace.append([GradStat(name, kind, amax / s, z / max(1, numel), linear)
+                            for (name, kind, _, _, numel, linear), amax, z in zip(stats, amaxes, zeros)])
+        self._values = {kind: torch.cat(samples).cpu() / s if samples else torch.zeros(0)
+                        for kind, samples in buf["samples"].items()}
         self._steps.append(self._step)
         for listener in self.listeners:
             listener(self)
@@ -283,24 +385,32 @@ def _log2_abs(values: Tensor) -> Tensor:
     return a[a > 0].log2()
 
 
+_KIND_COLORS = {"all": "k", "activation": "k", "weight": "C3"}
+
+
 class GradHistogram:
     """A histogram of log2|gradient| over fp16's and bf16's ranges, with a loss-scale slider.
 
     The bands are fp16's subnormal range [2**-24, 2**-14), its normal range up to 65504, and
     bf16's normal range (2**-126 .. 3.4e38, wider than the axis: bf16 flushes nothing here).
     Moving the slider multiplies the gradients by ``2**log2_scale``, shifting the histogram,
-    and the title says what fp16 would flush to zero and to inf. ``update(values)`` takes new
-    gradients (``probe.values``; pass ``every=`` and attach it with ``probe.listeners.append``
-    to follow a run live). Rendered like ``LiveDashboard``: ipympl's canvas, else a PNG image.
+    and the title says what fp16 would flush to zero and to inf. ``values`` is one tensor, or
+    ``{"activation": ..., "weight": ...}`` (``probe.activation_values``, ``probe.weight_values``):
+    each kind is then drawn as its own outline, as a fraction of its own entries, and the title
+    gives each kind's share. ``update(values)`` takes new gradients (pass ``every=`` and attach
+    it with ``probe.listeners.append`` to follow a run live: it shows both kinds). Rendered like
+    ``LiveDashboard``: ipympl's canvas, else a PNG image.
 
     >>> h = GradHistogram(torch.tensor([2.0**-30, 2.0**-20, 1.0]), log2_scale=0)
     >>> h.title()
     'scale 2^0: 33.3% flush to 0, 0.0% overflow (fp16)'
     >>> h.set_scale(10); h.title()
     'scale 2^10: 0.0% flush to 0, 0.0% overflow (fp16)'
+    >>> GradHistogram({"activation": torch.tensor([2.0**-30, 1.0]), "weight": torch.tensor([1.0])}).title()
+    'scale 2^0: flush to 0: activation 50.0%, weight 0.0%; overflow 0.0% (fp16)'
     """
 
-    def __init__(self, values: Tensor | None = None, log2_scale: int = 0, *, every: int = 10,
+    def __init__(self, values: Tensor | Mapping[str, Tensor] | None = None, log2_scale: int = 0, *, every: int = 10,
                  xlim: tuple[float, float] = (-48.0, 24.0), figsize: tuple[float, float] = (8, 3.2)) -> None:
         import ipywidgets as W
 
@@ -330,14 +440,15 @@ class GradHistogram:
             ax.text(x, 0.97, label, transform=ax.get_xaxis_transform(), ha="center" if "bf16" not in label else "left",
                     va="top", fontsize=7, color=color)
         self.edges = torch.arange(xlim[0], xlim[1] + 0.5, 0.5, dtype=torch.float64)
-        self.bars = ax.stairs([0.0] * (len(self.edges) - 1), self.edges.tolist(), fill=True, color="k", alpha=0.6)
+        self.bars: dict[str, Any] = {}
+        self._kind_labels: dict[str, Any] = {}
         ax.set_xlim(*xlim)
         ax.set_xlabel("log2 |gradient x scale|")
         ax.set_ylabel("fraction")
         self.slider = W.IntSlider(value=log2_scale, min=-8, max=40, description="scale 2^", continuous_update=True)
         self.slider.observe(lambda change: self.set_scale(change["new"]), names="value")
         self.slider.add_class("labkit-control-hist_scale")
-        self._values = torch.zeros(0)
+        self._values: dict[str, Tensor] = {}
         self._seen = 0
         self._drawn_scale: int | None = None  # the scale the bars and title were last set for
         self.widget = W.VBox([self.slider, fig.canvas if self.interactive else self._image])
@@ -358,13 +469,20 @@ class GradHistogram:
             return []
         return [f"scale: the slider says 2^{self.log2_scale}, the histogram shows 2^{self._drawn_scale}"]
 
-    def fractions(self) -> tuple[float, float]:
-        """The fractions fp16 flushes to 0 and to inf at the slider's scale."""
-        return flush_fractions(self._values, self.log2_scale)
+    def fractions(self, kind: str | None = None) -> tuple[float, float]:
+        """The fractions fp16 flushes to 0 and to inf at the slider's scale: of every entry, or of one ``kind``."""
+        if kind is not None:
+            if kind not in self._values:
+                raise KeyError(f"no gradients of kind {kind!r}; this histogram has {sorted(self._values)}.")
+            return flush_fractions(self._values[kind], self.log2_scale)
+        return flush_fractions(torch.cat(list(self._values.values())), self.log2_scale)
 
     def title(self) -> str:
         under, over = self.fractions()
-        return f"scale 2^{self.log2_scale}: {under:.1%} flush to 0, {over:.1%} overflow (fp16)"
+        if list(self._values) == ["all"]:
+            return f"scale 2^{self.log2_scale}: {under:.1%} flush to 0, {over:.1%} overflow (fp16)"
+        kinds = ", ".join(f"{kind} {self.fractions(kind)[0]:.1%}" for kind in self._values)
+        return f"scale 2^{self.log2_scale}: flush to 0: {kinds}; overflow {over:.1%} (fp16)"
 
     def set_scale(self, log2_scale: int) -> None:
         """Shift the histogram to ``gradients * 2**log2_scale`` and redraw."""
@@ -373,9 +491,24 @@ class GradHistogram:
             return
         self._redraw(idle=True)
 
-    def update(self, values: Tensor, draw: bool = True) -> None:
-        """Show new gradient values (e.g. ``probe.values``)."""
-        self._values = values.detach().float().cpu().flatten()
+    def update(self, values: Tensor | Mapping[str, Tensor], draw: bool = True) -> None:
+        """Show new gradient values (``probe.values``, or ``{"activation": ..., "weight": ...}``)."""
+        kinds = {"all": values} if isinstance(values, Tensor) else dict(values)
+        self._values = {kind: v.detach().float().cpu().flatten() for kind, v in kinds.items()}
+        for kind in self._values:
+            if kind not in self.bars:
+                color = _KIND_COLORS.get(kind, f"C{len(self.bars) + 4}")
+                filled = kind == "all"
+                self.bars[kind] = self.ax.stairs([0.0] * (len(self.edges) - 1), self.edges.tolist(), fill=filled,
+                                                 color=color, alpha=0.6 if filled else 0.9, lw=1.2)
+                if not filled:  # named where it is drawn, as the bands are: no legend
+                    self._kind_labels[kind] = self.ax.text(
+                        0.99, 0.86 - 0.08 * len(self._kind_labels), f"{kind} gradients", transform=self.ax.transAxes,
+                        ha="right", va="top", fontsize=8, color=color)
+        for kind, bars in self.bars.items():
+            bars.set_visible(kind in self._values)
+            if kind in self._kind_labels:
+                self._kind_labels[kind].set_visible(kind in self._values)
         if draw:
             self._redraw(idle=False)
         else:
@@ -385,14 +518,18 @@ class GradHistogram:
         """A probe listener: every ``every`` steps, show the probe's latest gradients (inside the run)."""
         self._seen += 1
         if self._seen % self.every == 0:
-            self.update(probe.values)
+            self.update({"activation": probe.activation_values, "weight": probe.weight_values})
 
     def _set_data(self) -> None:
-        x = _log2_abs(self._values) + self.log2_scale
-        counts = torch.histogram(x.clamp(self.xlim[0], self.xlim[1] - 1e-9), self.edges).hist
-        total = max(1, len(self._values))
-        self.bars.set_data((counts / total).tolist())
-        self.ax.set_ylim(0, max(0.05, float(counts.max()) / total * 1.15) if counts.numel() else 1.0)
+        top = 0.05
+        for kind, values in self._values.items():
+            x = _log2_abs(values) + self.log2_scale
+            counts = torch.histogram(x.clamp(self.xlim[0], self.xlim[1] - 1e-9), self.edges).hist
+            total = max(1, len(values))
+            self.bars[kind].set_data((counts / total).tolist())
+            top = max(top, float(counts.max()) / total * 1.15 if counts.numel() else 0.0)
+        self.ax.set_ylim(0, top)
+        self.ax.set_ylabel("fraction" if list(self._values) == ["all"] else "fraction of each kind")
         self.ax.set_title(self.title(), fontsize=9)
         self._drawn_scale = self.log2_scale
 
@@ -444,24 +581,142 @@ def plot_u_curve(values: Tensor, log2_scales: Sequence[int] = range(-8, 41), tra
     return fig
 
 
-def plot_layer_heatmap(probe: GradientProbe, title: str = "") -> Figure:
+def plot_layer_heatmap(probes: GradientProbe | Mapping[str, GradientProbe], title: str = "",
+                       steps: int | None = None) -> Figure:
     """Return the layers x steps heatmap of log10 gradient norm (unscaled, before clipping).
+
+    ``probes`` is one probe or ``{run: probe}``: several runs are stacked on one colour range
+    with one colour bar, so the same colour means the same norm in each. ``steps`` (the runs'
+    length) draws every step; a cell without a finite norm (inf or NaN: an entry was, or the sum
+    of squares overflowed; or backward did not run) is grey, and a note on the panel says so and
+    from which step.
 
     >>> p = GradientProbe(); p.layers = ["a", "b"]; p._norms = {"a": [1.0, 10.0], "b": [0.1, 0.1]}; p._steps = [0, 1]
     >>> plot_layer_heatmap(p).axes[0].get_yticklabels()[1].get_text()
     'b'
     """
-    layers, steps, z = probe.heatmap()
-    fig = Figure(figsize=(8, 0.25 * len(layers) + 1.4), layout="constrained")
+    runs = {"": probes} if isinstance(probes, GradientProbe) else dict(probes)
+    if not runs:
+        raise ValueError("probes must hold at least one run: a GradientProbe or {'name': probe}.")
+    grids = {}
+    for name, probe in runs.items():
+        layers, done, z = probe.heatmap()
+        n = max([steps or 0, *(s + 1 for s in done)])
+        grid = torch.full((len(layers), n), math.nan, dtype=torch.float64)
+        for j, s in enumerate(done):
+            grid[:, s] = z[:, j]
+        grid[~torch.isfinite(grid)] = math.nan
+        grids[name] = (layers, grid)
+    finite = torch.cat([g[torch.isfinite(g)] for _, g in grids.values()])
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    rows = sum(len(layers) for layers, _ in grids.values())
+    fig = Figure(figsize=(8, 0.25 * rows + 1.1 * len(grids) + 0.4), layout="constrained")
+    _agg(fig)
+    axes = fig.subplots(len(grids), 1, sharex=True, squeeze=False,
+                        height_ratios=[len(layers) for layers, _ in grids.values()])[:, 0]
+    cmap = matplotlib.colormaps["magma"].with_extremes(bad="0.85")
+    for ax, (name, (layers, grid)) in zip(axes, grids.items()):
+        n = grid.shape[1]
+        im = ax.imshow(grid.numpy(), aspect="auto", interpolation="nearest", cmap=cmap, vmin=lo, vmax=hi,
+                       extent=(-0.5, n - 0.5, len(layers) - 0.5, -0.5))
+        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+        if name:
+            ax.set_title(name, fontsize=9, loc="left")
+        grey = (~torch.isfinite(grid)).any(dim=0).nonzero().flatten().tolist()
+        if grey:  # said on the panel: a grey cell is not a small norm
+            ax.text(0.995, 0.98, f"grey: norm not finite (inf/NaN) or no backward, first at step {grey[0]}",
+                    transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.15",
+                    bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1.5})
+    axes[-1].set_xlabel("step")
+    bar = fig.colorbar(im, ax=list(axes), label="log10 grad norm")
+    for ax in axes:  # one bar for every panel: they share the colour range
+        ax.images[0].colorbar = bar
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def plot_headroom(probe: GradientProbe, title: str = "") -> Figure:
+    """Return each step's largest |gradient| x scale (as fp16 held it) against 65504, with the overflows named.
+
+    From ``probe.trace`` of an fp16 run with a scaler: per step, the largest weight gradient and
+    activation gradient of the ``nn.Linear`` layers (the ones autocast computes in fp16) times
+    that step's loss scale, on a log2 axis, against fp16's largest value. A step whose backward
+    overflowed gets a mark at the top, coloured by the gradient the inf first appeared in
+    (backward order). Below 65504 by less than 2x, the next doubling of the scale overflows.
+    A weight tied to an fp32 op (GPT's head and embedding) counts by its Linear use's share.
+
+    >>> p = GradientProbe(); p._steps, p._scale = [0, 1], [2.0**16, 2.0**17]
+    >>> p._trace = [[GradStat("w", "weight", 0.5, 0.0)], [GradStat("w", "weight", math.inf, 0.0)]]
+    >>> ax = plot_headroom(p).axes[0]; [t.get_text() for t in ax.get_legend().get_texts()]
+    ['weight gradients', 'fp16 max 65504', 'overflow: inf first in w (1)']
+    """
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
     _agg(fig)
     ax = fig.add_subplot()
-    finite = z[torch.isfinite(z)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
-    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5) if steps else None
-    im = ax.imshow(z.numpy(), aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi, extent=extent)
-    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    steps, scales, trace = probe.steps, probe.loss_scale, probe.trace
+    overflowed = [name is not None for name in probe.first_nonfinite]
+    for kind, color in (("weight", "C3"), ("activation", "k")):
+        ys = []  # an overflowed step has no largest value to draw: its mark goes on top instead
+        for stats, s, bad in zip(trace, scales, overflowed):
+            held = [g.amax * s for g in stats if g.kind == kind and g.linear]
+            ys.append(max(held) if held and not bad and max(held) > 0 else math.nan)
+        if any(math.isfinite(y) for y in ys):
+            ax.plot(steps, ys, color=color, lw=1.0, marker=".", ms=3, label=f"{kind} gradients")
+    ax.axhline(_F16.max, color="C0", lw=1.0, ls="--", label="fp16 max 65504")
+    culprits: dict[str, list[int]] = {}
+    for step, name in zip(steps, probe.first_nonfinite):
+        if name is not None:
+            culprits.setdefault(name, []).append(step)
+    top = 2.0 * _F16.max
+    for i, (name, at) in enumerate(culprits.items()):
+        ax.plot(at, [top] * len(at), "v", color=f"C{(i + 4) % 10}", ms=7, ls="none",
+                label=f"overflow: inf first in {name} ({len(at)})")
+    ax.set_yscale("log", base=2)
+    lo = min([y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y) and y > 0], default=1.0)
+    ax.set_ylim(lo / 2, top * 2)
     ax.set_xlabel("step")
-    fig.colorbar(im, ax=ax, label="log10 grad norm")
+    ax.set_ylabel("max |gradient| x scale")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)  # below: off the data
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def plot_flushed_by_tensor(probes: Mapping[str, GradientProbe], title: str = "") -> Figure:
+    """Return each activation gradient's share of exact zeros (mean over steps), in backward order, per run.
+
+    The rows run from the loss (top) to the input (bottom), in the order backward produced
+    them: a gradient that flushed to 0 makes every gradient computed from it 0 as well, so in
+    fp16 without a scaler the zeros pile up towards the input.
+
+    >>> p = GradientProbe(); p._steps, p._scale = [0], [1.0]
+    >>> p._trace = [[GradStat("head (output)", "activation", 1.0, 0.1), GradStat("w", "weight", 1.0, 0.0)]]
+    >>> [t.get_text() for t in plot_flushed_by_tensor({"run": p}).axes[0].get_yticklabels()]
+    ['head (output)']
+    """
+    if not probes:
+        raise ValueError("probes must hold at least one run: {'name': GradientProbe}.")
+    first = next(iter(probes.values())).trace
+    names = [g.name for g in first[-1] if g.kind == "activation"] if first else []
+    fig = Figure(figsize=(8, 0.22 * len(names) + 1.2), layout="constrained")
+    _agg(fig)
+    ax = fig.add_subplot()
+    height = 0.8 / len(probes)
+    for i, (run, probe) in enumerate(probes.items()):
+        sums: dict[str, list[float]] = {}
+        for stats in probe.trace:
+            for g in stats:
+                sums.setdefault(g.name, []).append(g.zero_fraction)
+        means = [sum(sums.get(n, [math.nan])) / len(sums.get(n, [math.nan])) for n in names]
+        overall = sum(probe.zero_fraction) / max(1, len(probe.zero_fraction))  # bars of ~0 length: named anyway
+        ax.barh([j + i * height for j in range(len(names))], means, height=height, color=f"C{i}",
+                label=f"{run} ({overall:.1%} of all entries)")
+    ax.set_yticks([j + (len(probes) - 1) * height / 2 for j in range(len(names))], names, fontsize=7)
+    ax.set_ylim(len(names) - 1 + (len(probes) - 0.5) * height + 0.1, -height / 2 - 0.1)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of entries exactly 0 (mean over steps)")
+    ax.legend(fontsize=7, loc="lower right")
     if title:
         ax.set_title(title, fontsize=9)
     return fig

@@ -11,6 +11,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from ..records import StepLog, StepRecord
+from ..validate import check_int
 
 __all__ = ["PANELS", "LiveDashboard", "plot_log", "plot_scale_and_skips"]
 
@@ -203,8 +204,7 @@ class LiveDashboard:
     rendered to PNG into an ``ipywidgets.Image``: swapping its bytes replaces the picture in
     one piece (no blank frame, unlike ``Output.clear_output()`` without ``wait=True``), and,
     unlike ``with output:``, it is safe from a widget callback's thread. A redraw is a full
-    Agg render (0.13 s of CPU time for two runs in two panels to PNG on a 2-core AMD EPYC
-    without AVX-512, measured under load), so keep ``every`` at 10 or more.
+    Agg render to PNG (``benchmarks/bench_widgets.py`` times it), so keep ``every`` at 10 or more.
     Every repaint rescales each panel to all of its data and the threshold, and lists in each
     legend only what is drawn. ``loss_weight`` plots the loss divided by it (see
     ``ExperimentConfig.loss_weight``).
@@ -226,8 +226,7 @@ class LiveDashboard:
         figsize: tuple[float, float] = (8, 5.5),
         loss_weight: float = 1.0,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1 (records between redraws), got {every!r}.")
+        check_int("every", every, 1, hint="(records between redraws)")
         self.every = every
         self.interactive = _ipympl_active()
         if self.interactive:

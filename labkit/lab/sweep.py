@@ -632,7 +632,8 @@ class SweepPanel:
                                     value=lr if lr is not None else self.lrs[-1], description="learning rate",
                                     continuous_update=False),
             "qk_norm": W.ToggleButton(value=False, description="qk_norm"),
-            "z_loss": W.ToggleButton(value=False, description=f"z_loss {recipe.z_loss:.0e}".replace("e-0", "e-")),
+            "z_loss": W.ToggleButton(value=False,
+                                     description=f"z_loss {recipe.z_loss:.0e}".replace("e-0", "e-")),
         }
         self.status = W.HTML()
         self.seconds = math.nan

@@ -24,11 +24,12 @@ from typing import Any
 
 import ipywidgets as W
 
-from .demo import describe, format_scale
-from .experiment import ExperimentConfig, run_experiment
 from ..faults import KINDS
-from .plots import PANELS, LiveDashboard
 from ..records import StepLog
+from ..validate import check_int
+from .experiment import ExperimentConfig, run_experiment
+from .plots import PANELS, LiveDashboard
+from .text import describe, format_scale
 
 __all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows", "scaler_runs"]
 
@@ -49,8 +50,7 @@ def episode(fault: str, fault_step: int, fault_count: int = 1, fault_magnitude: 
         return ()
     if fault not in KINDS:
         raise ValueError(f"fault must be 'none' or one of {', '.join(KINDS)}, got {fault!r}.")
-    if isinstance(fault_count, bool) or not isinstance(fault_count, int) or fault_count < 1:
-        raise ValueError(f"fault_count must be an int >= 1, got {fault_count!r}.")
+    check_int("fault_count", fault_count, 1)
     steps = f"{fault_step}" if fault_count == 1 else f"{fault_step}-{fault_step + fault_count - 1}"
     return (f"{steps}:{fault}" + (f":{fault_magnitude:g}" if fault == "spike" else ""),)
 
@@ -203,8 +203,7 @@ class ControlPanel:
         self.error: Exception | None = None
         self.seconds = math.nan
         # Logs by the exact config that made them (runs are a pure function of it): ~100 KB each.
-        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
-            raise ValueError(f"cache_size must be an int >= 0 (logs kept; 0: none), got {cache_size!r}.")
+        check_int("cache_size", cache_size, 0, hint="(logs kept; 0: none)")
         self.cache_size = cache_size
         self._cache: collections.OrderedDict[ExperimentConfig, tuple[StepLog, list[str]]] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -336,6 +335,18 @@ class ControlPanel:
         if math.isnan(self.seconds):  # every run came from the cache
             took = "shown again (already run)"
         return " &middot; ".join(parts) + f" &middot; {took}"
+
+    def clear(self) -> None:
+        """Take the shown run off the panel: an empty dashboard, "not run yet", no events (the cache stays).
+
+        A check that runs the panel from code and then puts its controls back calls this, so the
+        panel never shows a run of other settings than the ones on its controls.
+        """
+        self.logs, self.alarms, self.error, self.shown_values = {}, {}, None, None
+        self.dashboard.reset(self.config.max_norm, scale_note=None)
+        self.dashboard.draw_idle()
+        self.status.value = "not run yet"
+        self.table.value = ""
 
     def _fail(self, error: Exception) -> None:
         self.error = error

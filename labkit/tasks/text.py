@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..validate import check_number
+
 __all__ = ["STDLIB_MODULES", "TextCorpus"]
 
 # Pure-Python modules present in every CPython from 3.10 on, chosen for ordinary, well-written
@@ -59,8 +61,7 @@ class TextCorpus:
         if isinstance(self.modules, str) or not self.modules:
             raise ValueError(f"modules must be a non-empty tuple of module names, got {self.modules!r}.")
         object.__setattr__(self, "modules", tuple(self.modules))
-        if not 0.0 < self.val_fraction < 0.5:
-            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction!r}.")
+        check_number("val_fraction", self.val_fraction, 0, 0.5, low_open=True, high_open=True)
 
     @property
     def data(self) -> bytes:

@@ -53,8 +53,8 @@ class ToyTask:
 
     @functools.cached_property
     def _teacher(self) -> nn.Sequential:
-        # Built once per task: re-seeding and building it for every batch cost ~2 ms, about as
-        # much as the training step itself. (cached_property writes the instance dict, so the
+        # Built once per task: re-seeding and building it for every batch cost about as much as
+        # the training step itself. (cached_property writes the instance dict, so the
         # dataclass stays frozen, and equal tasks still compare and hash by their fields.)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(10_000 + self.seed)

@@ -1,54 +1,41 @@
-"""Autograder checks: run a student's function on visible and hidden cases against labkit's own.
+"""Problem set 1's checks: the global norm, clipping in place, skip or step, the scale rule, the guarded step.
 
-Each check has two halves that meet only through data: ``run`` calls the student's
-function on a case and returns what it saw (tensors, numbers, strings: what
-``torch.save``/``torch.load(weights_only=True)`` carries), and ``judge`` compares that with
-labkit's reference and returns the failure message, or None. The grader runs ``run`` in the
-student's sandboxed process and ``judge`` in its own (``labkit.grading.harness``), so a
-submission cannot reach the verdict; ``check_*`` runs both in one process, for the
-notebook's visible test cells. ``hidden=True`` runs a randomized battery (shapes,
-fp32/fp16/bf16, ``None`` grads, NaN/Inf, thresholds) built from ``seed``, quoted in every
-failure so it can be replayed.
+Each compares the student's function with labkit's own (``labkit.grad_norm``,
+``clip_grad_norm_``, ``update_scale``, ``TrainStep``) on visible cases and on a hidden,
+randomized battery (shapes, fp32/fp16/bf16, ``None`` grads, NaN/Inf, thresholds) built from
+``seed``, quoted in every failure so it can be replayed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import importlib
 import math
-import os
 import random
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-import labkit
 from labkit.clip import clip_grad_norm_ as ref_clip_grad_norm_
 from labkit.clip import grad_norm as ref_grad_norm
 from labkit.clip import per_tensor_norms
 from labkit.faults import Fault
+from labkit.reasons import COUNTED
 from labkit.records import StepRecord
 from labkit.scaler import GradScaler, ScalerConfig, update_scale
 from labkit.step import TrainStep
 
+from .core import (
+    Check, _by_name, _call, _close, _forbid, _grads, _no_host_sync, _number, _raised, _same, _ship, _where, check,
+)
+
 __all__ = ["BANNED", "CHECKS", "check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision",
-           "check_update_scale", "judge", "run"]
+           "check_update_scale"]
 
 HALF = (torch.float16, torch.bfloat16)
-REASONS = (None, "nonfinite_loss", "nonfinite_grad")
-
-
-# ---------------------------------------------------------------- calling student code
-
-
-class _Trapped(BaseException):
-    """Raised inside student code by a trap; a BaseException, so ``except Exception`` can't hide it."""
+REASONS = (None, *(r.value for r in COUNTED))  # what a student's skip decision may return
 
 
 @dataclass
@@ -81,148 +68,7 @@ def _none_hint(case: _Case) -> str:
     return ""
 
 
-def _where(case: str, hidden: bool, seed: int) -> str:
-    return f"on the hidden case '{case}' (seed={seed})" if hidden else f"on the case '{case}'"
-
-
-def _ship(value: Any) -> Any:
-    """Return ``value`` as plain data: tensors as plain tensors, numbers and strings as they are.
-
-    A tensor subclass is read with torch functions off, so its own ``__torch_function__``
-    cannot choose what the grader sees; anything else is only named.
-    """
-    if isinstance(value, Tensor):
-        with torch._C.DisableTorchFunction():
-            plain = value.detach().clone().as_subclass(Tensor)
-        return {"type": type(value).__name__, "tensor": plain}
-    if value is None or type(value) in (bool, int, float, str):
-        return {"type": type(value).__name__, "py": value}
-    if type(value) in (tuple, list):
-        return {"type": type(value).__name__, "items": [_ship(v) for v in value[:8]]}
-    return {"type": type(value).__name__}
-
-
-def _call(fn: Callable, *args: Any) -> dict[str, Any]:
-    """Call the student's ``fn``; return ``{"value": ...}`` or what it raised, as data.
-
-    ``_exc`` keeps the exception itself for the in-process checks (its traceback helps the
-    student); it never leaves the process.
-    """
-    try:
-        return {"value": fn(*args)}
-    except NotImplementedError:
-        return {"raised": "NotImplementedError", "message": ""}
-    except _Trapped as e:
-        return {"raised": "trap", "message": str(e)}
-    except Exception as e:
-        return {"raised": type(e).__name__, "message": str(e), "_exc": e}
-
-
-def _raised(name: str, out: dict[str, Any], where: str, hint: str = "") -> str | None:
-    """Return the message for what the student's function raised or tripped over, or None."""
-    if out.get("traps"):
-        return f"{name}, {where}, {out['traps'][0]}."
-    kind = out.get("raised")
-    if kind is None:
-        return None
-    if kind == "NotImplementedError":
-        return f"{name} is not implemented yet: replace `raise NotImplementedError()` with your code."
-    if kind == "trap":
-        return f"{name}, {where}, {out['message']}."
-    if kind == "AssertionError":
-        return out["message"]
-    return f"{name} raised {kind}: {out['message']} {where}.{hint}"
-
-
-SYNCS = {
-    "item": "called .item() on a tensor",
-    "tolist": "called .tolist() on a tensor",
-    "numpy": "called .numpy() on a tensor",
-    "__bool__": "used a tensor as a Python bool (an `if`, `and`/`or`, min()/max() or a comparison)",
-    "__float__": "called float() on a tensor",
-    "__int__": "called int() on a tensor",
-}
-
-
-@contextlib.contextmanager
-def _no_host_sync(traps: list[str]) -> Iterator[None]:
-    """Make every tensor-to-Python conversion raise, and note it in ``traps`` (kept if swallowed)."""
-    saved = {name: getattr(Tensor, name) for name in SYNCS}
-
-    def trap(what: str) -> Callable:
-        def raise_(*args: Any, **kwargs: Any) -> Any:
-            message = (f"synced with the host: it {what}. In the hot path that waits for the GPU every step; "
-                       "compute the factor as a tensor (torch.clamp(max_norm / (norm + 1e-6), max=1.0)) and choose "
-                       "with torch.where, not `if`")
-            traps.append(message)
-            raise _Trapped(message)
-        return raise_
-
-    try:
-        for name, what in SYNCS.items():
-            setattr(Tensor, name, trap(what))
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(Tensor, name, method)
-
-
-# ---- bans: library functions a part asks the student to write. The wrappers go in once and stay
-# (a reference saved before the test is the wrapper too); they refuse only while a ban is on and
-# only calls made from outside labkit, torch and the standard library.
-
-_HOMES = ("labkit", "labkit.clip", "labkit.scaler", "labkit.step", "torch.nn.utils", "torch.nn.utils.clip_grad",
-          "torch.amp", "torch.amp.grad_scaler")
-_TRUSTED = tuple(os.path.dirname(m.__file__) + os.sep for m in (labkit, torch, os))
-_ACTIVE: list[tuple[frozenset[Callable], str, list[str]]] = []  # (the wrappers banned now, task, traps seen)
-
-
-def _wrap(original: Callable, full: str) -> Callable:
-    @functools.wraps(original)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE and guarded in _ACTIVE[-1][0]:
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.startswith(_TRUSTED):
-                _, task, traps = _ACTIVE[-1]
-                message = f"called {full}: this part asks you to {task} yourself"
-                traps.append(message)
-                raise _Trapped(message)
-        return original(*args, **kwargs)
-
-    guarded.__labkit_ban__ = full
-    return guarded
-
-
-def _install(names: tuple[str, ...]) -> frozenset[Callable]:
-    """Put a ban wrapper in every home of each of ``names`` (once); return the wrappers."""
-    wrappers = set()
-    for full in names:
-        home, attr = full.rsplit(".", 1)
-        found = getattr(importlib.import_module(home), attr, None)
-        if found is None:
-            continue
-        if isinstance(found, type):  # a class: guard its constructor
-            if not hasattr(found.__init__, "__labkit_ban__"):
-                found.__init__ = _wrap(found.__init__, full)
-            wrappers.add(found.__init__)
-            continue
-        wrapper = found if hasattr(found, "__labkit_ban__") else _wrap(found, full)
-        for other in _HOMES:  # the same function re-exported elsewhere gets the same wrapper
-            module = sys.modules.get(other)
-            if module is not None and module.__dict__.get(attr) is found:
-                setattr(module, attr, wrapper)
-        wrappers.add(wrapper)
-    return frozenset(wrappers)
-
-
-@contextlib.contextmanager
-def _forbid(names: tuple[str, ...], task: str, traps: list[str]) -> Iterator[None]:
-    """Make the library functions this part asks the student to write refuse, noting each call in ``traps``."""
-    _ACTIVE.append((_install(names), task, traps))
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
+# ---------------------------------------------------------------- cases
 
 
 NORM_FUNCS = ("labkit.grad_norm", "labkit.clip_grad_norm_", "labkit.clip.per_tensor_norms",
@@ -231,37 +77,6 @@ CLIP_FUNCS = ("labkit.clip_grad_norm_", "labkit.clip_grads_with_norm_", "torch.n
               "torch.nn.utils.clip_grads_with_norm_")
 SCALE_FUNCS = ("labkit.update_scale", "labkit.GradScaler", "torch.amp.GradScaler")
 STEP_FUNCS = ("labkit.TrainStep",)
-BANNED = {"check_grad_norm": NORM_FUNCS, "check_clip": CLIP_FUNCS, "check_skip_decision": STEP_FUNCS,
-          "check_update_scale": SCALE_FUNCS, "check_guarded_step": STEP_FUNCS}
-
-
-def _seed(hidden: bool, seed: int | None) -> int:
-    if seed is not None:
-        return seed
-    return int.from_bytes(os.urandom(4), "little") if hidden else 0
-
-
-def _close(a: float, b: float, rel: float = 1e-4) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)
-
-
-def _grads(params: list[Tensor]) -> list[Tensor | None]:
-    return [None if p.grad is None else p.grad.detach().clone().as_subclass(Tensor) for p in params]
-
-
-def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
-    """Return whether two lists of gradients are bit for bit equal (NaN included)."""
-    def bits(t: Tensor) -> Tensor:
-        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-    return len(a) == len(b) and all(
-        (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and x.shape == y.shape
-                                                      and torch.equal(bits(x), bits(y)))) for x, y in zip(a, b))
-
-
-# ---------------------------------------------------------------- cases
 
 
 def _randn(gen: torch.Generator, shape: tuple[int, ...], scale: float, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -633,15 +448,6 @@ def _judge_scale(name: str, case: _ScaleCase, out: dict[str, Any], hidden: bool,
     return None
 
 
-def _number(shipped: dict[str, Any]) -> float:
-    """Return a shipped Python number or one-element tensor as a float; raise TypeError otherwise."""
-    if shipped.get("type") in ("int", "float", "bool"):
-        return shipped["py"]
-    tensor = shipped.get("tensor")
-    if isinstance(tensor, Tensor) and tensor.numel() == 1:
-        return tensor.item()
-    raise TypeError(shipped.get("type"))
-
 
 # ---------------------------------------------------------------- 5. the guarded step
 
@@ -850,24 +656,6 @@ def _judge_step(name: str, sc: _Scenario, out: dict[str, Any], hidden: bool, see
 # ---------------------------------------------------------------- the checks, in process and split
 
 
-@dataclass(frozen=True)
-class Check:
-    """One check's halves: its cases from (hidden, seed), the student side, the grader side."""
-
-    cases: Callable[[bool, int], list[Any]]
-    run: Callable[[Callable, Any], dict[str, Any]]
-    judge: Callable[[str, Any, dict[str, Any], bool, int], str | None]
-    every_case: bool = False  # report each case's first problem (scenarios), not only the first case's
-
-
-def _by_name(judge_: Callable) -> Callable:
-    """Adapt a judge that takes ``where`` to the (name, case, out, hidden, seed) signature."""
-    def adapted(name: str, case: Any, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
-        label = case[0].name if isinstance(case, tuple) else case.name
-        return judge_(name, case, out, _where(label, hidden, seed))
-    return adapted
-
-
 CHECKS = {
     "check_grad_norm": Check(_norm_cases, _run_norm, _by_name(_judge_norm)),
     "check_clip": Check(_clip_cases, _run_clip, _by_name(_judge_clip)),
@@ -875,71 +663,8 @@ CHECKS = {
     "check_update_scale": Check(_scale_cases, _run_scale, _judge_scale),
     "check_guarded_step": Check(_scenarios, _run_step, _judge_step, every_case=True),
 }
-
-
-def run(check: str, fn: Callable, hidden: bool, seed: int, outs: list[dict[str, Any]] | None = None,
-        before_case: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Call ``fn`` on every case of ``check``: the student's side, whose result is plain data.
-
-    Appends to ``outs`` as it goes (what came before a timeout is kept), calls ``before_case()``
-    before each case (the harness restarts its alarm there); stops after the first case that
-    raised or touched a banned function (later cases would only repeat it).
-
-    >>> outs = run("check_skip_decision", lambda loss, parameters: None, hidden=False, seed=0)
-    >>> [out["value"] for out in outs][:2]
-    [{'type': 'NoneType', 'py': None}, {'type': 'NoneType', 'py': None}]
-    >>> judge("check_skip_decision", "skip_reason", False, 0, outs)[:62]
-    "skip_reason returned None on the case 'NaN loss', expected 'no"
-    """
-    outs = [] if outs is None else outs
-    for case in CHECKS[check].cases(hidden, seed):
-        if before_case is not None:
-            before_case()
-        out = CHECKS[check].run(fn, case)
-        out.pop("_exc", None)
-        outs.append(out)
-        if out.get("raised") or out.get("traps"):
-            break
-    return outs
-
-
-def judge(check: str, name: str, hidden: bool, seed: int, outs: list[dict[str, Any]]) -> str | None:
-    """Compare what ``run`` shipped with labkit's reference: the failure message, or None.
-
-    ``outs`` shorter than the cases means the run stopped there (a timeout, a crash): the
-    caller says why.
-    """
-    spec, problems = CHECKS[check], []
-    for case, out in zip(spec.cases(hidden, seed), outs):
-        problem = spec.judge(name, case, out, hidden, seed)
-        if problem is not None:
-            problems.append(problem)
-            if not spec.every_case:
-                break
-    return _joined(name, problems) if problems else None
-
-
-def _joined(name: str, problems: list[str]) -> str:
-    """Return the problems of several cases as one message (each said once)."""
-    text = " ".join(dict.fromkeys(problems))
-    return text if text.startswith(name) else f"{name}: {text}"
-
-
-def _check(check: str, fn: Callable, hidden: bool, seed: int | None) -> None:
-    """Run and judge case by case in this process (the notebook's visible test cells)."""
-    seed = _seed(hidden, seed)
-    name = getattr(fn, "__name__", "your function")
-    spec, problems, cause = CHECKS[check], [], None
-    for case in spec.cases(hidden, seed):
-        out = spec.run(fn, case)
-        problem = spec.judge(name, case, out, hidden, seed)
-        if problem is not None:
-            if not spec.every_case:
-                raise AssertionError(problem) from out.get("_exc")
-            problems.append(problem)
-            cause = cause or out.get("_exc")
-    if problems:
-        raise AssertionError(_joined(name, problems)) from cause
+BANNED = {"check_grad_norm": NORM_FUNCS, "check_clip": CLIP_FUNCS, "check_skip_decision": STEP_FUNCS,
+          "check_update_scale": SCALE_FUNCS, "check_guarded_step": STEP_FUNCS}
 
 
 def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, seed: int | None = None) -> None:
@@ -954,7 +679,7 @@ def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, 
     ...
     AssertionError: <lambda> returned 7 on the case 'grads [3, 4] and [12]', labkit.grad_norm gives 13: the norm differs by a factor of ~0.538.
     """
-    _check("check_grad_norm", fn, hidden, seed)
+    check(CHECKS["check_grad_norm"], fn, hidden, seed)
 
 
 def check_clip(fn: Callable[[list[Tensor], float], Tensor], hidden: bool = False, seed: int | None = None) -> None:
@@ -973,7 +698,7 @@ def check_clip(fn: Callable[[list[Tensor], float], Tensor], hidden: bool = False
     ...     return norm
     >>> check_clip(clip_to_norm_, hidden=True, seed=0)
     """
-    _check("check_clip", fn, hidden, seed)
+    check(CHECKS["check_clip"], fn, hidden, seed)
 
 
 def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden: bool = False,
@@ -989,7 +714,7 @@ def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden
     ...     return None if torch.isfinite(labkit.grad_norm(parameters)) else "nonfinite_grad"
     >>> check_skip_decision(skip_reason, hidden=True, seed=0)
     """
-    _check("check_skip_decision", fn, hidden, seed)
+    check(CHECKS["check_skip_decision"], fn, hidden, seed)
 
 
 def check_update_scale(fn: Callable[..., tuple[float, int, int]], hidden: bool = False, seed: int | None = None) -> None:
@@ -1007,7 +732,7 @@ def check_update_scale(fn: Callable[..., tuple[float, int, int]], hidden: bool =
     ...     return scale, growth_tracker + 1, hysteresis_left
     >>> check_update_scale(next_scale, hidden=True, seed=0)
     """
-    _check("check_update_scale", fn, hidden, seed)
+    check(CHECKS["check_update_scale"], fn, hidden, seed)
 
 
 def check_guarded_step(fn: Callable[..., StepRecord], hidden: bool = False, seed: int | None = None) -> None:
@@ -1042,4 +767,4 @@ def check_guarded_step(fn: Callable[..., StepRecord], hidden: bool = False, seed
     ...                              reason=None if stepped else "nonfinite_grad")
     >>> check_guarded_step(guarded_step, hidden=True, seed=0)
     """
-    _check("check_guarded_step", fn, hidden, seed)
+    check(CHECKS["check_guarded_step"], fn, hidden, seed)

@@ -1,0 +1,283 @@
+"""The hook protocol: how defenses and monitors join the guarded step, at named moments.
+
+One step, in order (as OLMo-core's ``Callback``); ``TrainStep(hooks=[...])`` calls each
+moment of every hook in the order given, and a plain training loop may call them itself::
+
+    attach(trainer)                             once, when the hook joins a trainer
+    pre_step(trainer, step)                     before the forward (the last step's gradients are gone)
+    post_backward(trainer, step) -> measures    backward done, or stopped at a non-finite loss: device
+                                                tensors read with the record's numbers (no sync of
+                                                their own), written to the record fields they name
+    on_decision(trainer, view) -> Verdict       the loss and the global norm are known: skip, clip
+                                                or annotate the step (``Verdict``), or None
+    pre_optim_step(trainer, step, params)       the optimizer is about to step: the gradients are
+                                                final (unscaled, clipped)
+    post_step(trainer, params, record)          after the optimizer step (or skip) and the scheduler
+    on_record(trainer, record)                  the record's numbers are on the host and the step
+                                                count has moved on (per step; with ``sync_every``,
+                                                at the batched copy)
+    state_key, state_dict(), load_state_dict(state), check_state(state)
+
+``trainer`` is the ``TrainStep`` (or whatever a plain loop passes: only what a hook reads
+must be there). ``params`` is the optimizer's ``[(name, parameter)]``. A hook changes the
+step only through what it returns: a ``Verdict`` from ``on_decision`` (the only moment that
+decides) and measures from ``post_backward``. Every decision must be the same on every rank:
+a verdict computed from the view's loss and norm is (both are global under
+``torch.distributed``); anything decided from local values is all-reduced by the hook (as
+``Rewind`` does with one flag).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
+    from torch import Tensor
+
+__all__ = ["DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict"]
+
+
+@dataclass
+class Verdict:
+    """What a hook's ``on_decision`` asks of the step.
+
+    ``skip``: skip the step for this reason (a ``labkit.reasons.Reason``); the loss scale stays,
+    as a spike is no scaling problem; on a step already skipped it names the reason instead.
+    ``clip_to``: clip the global norm to at most this (the smaller of it and the clipper's
+    limit wins), ``clip_reason`` naming it in the record when it cut deeper (default: the
+    hook's class name). ``fields``: record fields to set (e.g. ``z_loss``).
+
+    >>> Verdict.merge([Verdict(clip_to=3.0, clip_reason="a"),
+    ...                Verdict(skip="spike_grad", fields={"z_grad": 9.0}),
+    ...                Verdict(clip_to=2.0, clip_reason="b")])
+    Verdict(skip='spike_grad', clip_to=2.0, clip_reason='b', fields={'z_grad': 9.0})
+    """
+
+    skip: str | None = None
+    clip_to: float | None = None
+    clip_reason: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def merge(verdicts: Iterable[Verdict | None]) -> Verdict:
+        """Return one verdict: the first skip, the lowest ``clip_to`` (and its reason), every field."""
+        out = Verdict()
+        for v in verdicts:
+            if v is None:
+                continue
+            out.skip = out.skip if out.skip is not None else v.skip
+            if v.clip_to is not None and (out.clip_to is None or v.clip_to < out.clip_to):
+                out.clip_to, out.clip_reason = v.clip_to, v.clip_reason
+            out.fields.update(v.fields)  # a later hook's wins
+        return out
+
+    def measured(self, values: Iterable[tuple[str, float]]) -> Verdict:
+        """Return this verdict with measured record fields added (itself when there are none)."""
+        values = dict(values)
+        if not values:
+            return self
+        return Verdict(self.skip, self.clip_to, self.clip_reason, {**self.fields, **values})
+
+
+
+NO_VERDICT = Verdict()  # what no hook says: shared, never changed (``measured`` makes a new one)
+
+class DecisionView:
+    """What ``on_decision`` sees: this step's loss and global gradient norm, and what is known about them.
+
+    ``loss`` and ``norm`` are host floats; where the step decides on the device they are read
+    from it when first asked, together (one host read, only for a hook that asks). ``norms``
+    holds the per-tensor norms of the unscaled gradients (a device tensor; None when backward
+    was skipped), ``scale`` the loss scale, ``loss_bad`` whether the loss was found non-finite
+    on the host (backward was skipped, the step is skipped), ``batch`` the step's batch.
+
+    >>> import torch
+    >>> view = DecisionView(3, 0.5, torch.tensor(2.0)); view.norm, view.loss
+    (2.0, 0.5)
+    """
+
+    def __init__(
+        self, step: int, loss: float | Tensor, norm: float | Tensor, *, norms: Tensor | None = None,
+        scale: float | Tensor = 1.0, loss_bad: bool = False, batch: Any = None,
+    ) -> None:
+        self.step, self.norms, self.scale, self.loss_bad, self.batch = step, norms, scale, loss_bad, batch
+        self._loss, self._norm = loss, norm
+
+    def _read(self) -> None:
+        if not (isinstance(self._loss, float) and isinstance(self._norm, float)):
+            import torch
+
+            # one host read of both (the spike detector's, on the device path)
+            self._loss, self._norm = torch.stack([torch.as_tensor(self._loss).double().cpu(),
+                                                  torch.as_tensor(self._norm).double().cpu()]).tolist()
+
+    @property
+    def loss(self) -> float:
+        self._read()
+        return self._loss  # type: ignore[return-value]
+
+    @property
+    def norm(self) -> float:
+        self._read()
+        return self._norm  # type: ignore[return-value]
+
+
+class Hook:
+    """One defense or monitor, called at the guarded step's named moments (see the module docstring).
+
+    Every moment does nothing by default: a hook overrides the ones it needs. ``state_key``
+    names its state in ``TrainStep.state_dict()`` (None: not saved there). ``per_step=True``
+    says the hook needs every record before the next step (a rewind, a detector deciding from
+    the windows it keeps): ``TrainStep`` then refuses ``sync_every``. ``device_decision=True``
+    keeps the step's decision on the device path while the hook is there.
+
+    >>> class CountSkips(Hook):
+    ...     state_key = "count_skips"
+    ...     def __init__(self): self.skips = 0
+    ...     def on_record(self, trainer, record): self.skips += record.skipped
+    ...     def state_dict(self): return {"skips": self.skips}
+    ...     def load_state_dict(self, state): self.skips = state["skips"]
+    >>> from labkit.records import StepRecord
+    >>> hook = CountSkips(); hook.on_record(None, StepRecord(0, float('nan'), skipped=True)); hook.skips
+    1
+    """
+
+    state_key: str | None = None
+    per_step: bool = False
+    device_decision: bool = False
+
+    def attach(self, trainer: Any) -> None:
+        """Join ``trainer`` (once, at the end of its constructor)."""
+
+    def pre_step(self, trainer: Any, step: int) -> None:
+        """Before the forward of optimizer step ``step``."""
+
+    def post_backward(self, trainer: Any, step: int) -> Mapping[str, Tensor] | None:
+        """After backward: return ``{record field: 0-dim device tensor}`` to read with the record, or None.
+
+        The tensors join the read the step makes anyway (the norm and the scale, or the record's
+        batched copy); only a step whose loss was not finite, without a loss scale to read, reads
+        them on their own.
+        """
+        return None
+
+    def on_decision(self, trainer: Any, view: DecisionView) -> Verdict | None:
+        """Given this step's loss and norm, return a ``Verdict`` (skip, clip, fields) or None."""
+        return None
+
+    def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
+        """Right before ``optimizer.step()``; the gradients are the ones it will use."""
+
+    def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
+        """After the optimizer step or skip; ``record`` may still be deferred (reading it copies it over)."""
+
+    def on_record(self, trainer: Any, record: Any) -> None:
+        """The record's numbers are on the host; it is about to be appended to the log."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what ``load_state_dict`` needs to resume this hook."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``."""
+
+    def check_state(self, state: Any) -> None:
+        """Raise if ``state`` cannot be loaded, changing nothing (by default: load it into a copy)."""
+        copy.deepcopy(self).load_state_dict(state)
+
+
+class ObserverHook(Hook):
+    """An observer of the older protocol as a hook: ``before_step(params, step)``, ``after_step(params, r)``.
+
+    ``TrainStep(observer=...)`` wraps any such object in it; a ``Hook`` (``StaleMonitor``)
+    goes in as it is.
+    """
+
+    def __init__(self, observer: Any) -> None:
+        self.observer = observer
+
+    def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
+        self.observer.before_step(params, step)
+
+    def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
+        self.observer.after_step(params, record)
+
+
+class Hooks(Hook):
+    """Hooks called in order: one hook to the step, each moment to the members that define it.
+
+    ``decides``: whether any member has an ``on_decision`` (without one the step builds no view).
+
+    >>> Hooks([]).on_decision(None, DecisionView(0, 1.0, 1.0))
+    Verdict(skip=None, clip_to=None, clip_reason=None, fields={})
+    """
+
+    MOMENTS = ("attach", "pre_step", "post_backward", "on_decision", "pre_optim_step", "post_step",
+               "on_record")
+
+    def __init__(self, hooks: Iterable[Hook]) -> None:
+        self.members = list(hooks)
+        for h in self.members:
+            if not isinstance(h, Hook):
+                raise TypeError(f"hooks must be labkit.hooks.Hook objects (SpikeDetector, Rewind, "
+                                f"StaleMonitor, your own subclass), got {type(h).__name__}.")
+        self.per_step = any(h.per_step for h in self.members)
+        self.device_decision = any(h.device_decision for h in self.members)
+        self.decides = any(type(h).on_decision is not Hook.on_decision for h in self.members)
+        # per moment, the members that define it: a step calls no empty method (the alarms define one)
+        self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]
+                    for m in self.MOMENTS}
+
+    def attach(self, trainer: Any) -> None:
+        for h in self._at["attach"]:
+            h.attach(trainer)
+
+    def pre_step(self, trainer: Any, step: int) -> None:
+        for h in self._at["pre_step"]:
+            h.pre_step(trainer, step)
+
+    def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor]:
+        measures: dict[str, Tensor] = {}
+        for h in self._at["post_backward"]:
+            measures.update(h.post_backward(trainer, step) or {})
+        return measures
+
+    def on_decision(self, trainer: Any, view: DecisionView) -> Verdict:
+        verdicts = []
+        for h in self._at["on_decision"]:
+            v = h.on_decision(trainer, view)
+            if v is not None and v.clip_to is not None and v.clip_reason is None:
+                v.clip_reason = type(h).__name__
+            verdicts.append(v)
+        return Verdict.merge(verdicts)
+
+    def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
+        for h in self._at["pre_optim_step"]:
+            h.pre_optim_step(trainer, step, params)
+
+    def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
+        for h in self._at["post_step"]:
+            h.post_step(trainer, params, record)
+
+    def on_record(self, trainer: Any, record: Any) -> None:
+        for h in self._at["on_record"]:
+            h.on_record(trainer, record)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{state_key: state}`` of every member that has a ``state_key``."""
+        return {h.state_key: h.state_dict() for h in self.members if h.state_key is not None}
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise if any member's entry in ``state`` is damaged (entries a member lacks are left alone)."""
+        for h in self.members:
+            if h.state_key is not None and h.state_key in state:
+                h.check_state(state[h.state_key])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for h in self.members:
+            if h.state_key is not None and h.state_key in state:
+                h.load_state_dict(state[h.state_key])
+

@@ -1,0 +1,155 @@
+"""The parts a guarded step is built from, checked before anything is created: a clear error for each.
+
+``check_parts``: the model, optimizer, loss, scheduler and device; ``make_clipper``: the
+clip stage from ``max_norm`` or ``clipper``; ``make_hooks``: the alarms, the older keyword
+arguments (``observer``, ``detector``, ``rewind``) and ``hooks=[...]`` as one ordered list;
+``GuardedParams``: the parameters the step guards, the optimizer's at each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..alarms import ClipAlarm, SkipAlarm
+from ..clip import check_max_norm
+from ..clippers import Clipper, NormClip
+from ..distributed import rank
+from ..hooks import Hook, ObserverHook
+from ..scaler import check_device
+
+__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_parts", "make_clipper", "make_hooks"]
+
+
+class _DefaultMaxNorm(float):
+    """``max_norm``'s default, 1.0: told apart from an explicit ``max_norm=1.0`` given with a ``clipper``."""
+
+
+DEFAULT_MAX_NORM = _DefaultMaxNorm(1.0)
+
+
+def check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, device: Any) -> torch.device:
+    """Raise a clear error for parts ``TrainStep`` cannot drive; return the device to train on."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS needs a closure that re-evaluates the loss, which a guarded step (check, clip, then one "
+            "step) cannot give it: use a first-order optimizer (SGD, Adam...) with TrainStep."
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(output, targets), got {type(loss_fn).__name__}."
+        )
+    if scheduler is not None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric at each step: pass scheduler=None and call "
+                "scheduler.step(metric) yourself after the steps whose record says skipped=False."
+            )
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                f"scheduler must have a step() method (a torch LR scheduler), got {type(scheduler).__name__}."
+            )
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError(
+                "scheduler was built on another optimizer: build it on the optimizer given to TrainStep."
+            )
+    sparse = [type(m).__name__ for m in model.modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(
+            f"{sparse[0]}(sparse=True) gives sparse gradients, which the global norm and clipping do not "
+            "take: build it with sparse=False (the default)."
+        )
+    first = next(model.parameters(), None)
+    home = first.device if first is not None else torch.device("cpu")
+    if device is None:
+        return home
+    dev = check_device(device)
+    missing = dev.type == "cuda" and not torch.cuda.is_available() or \
+        dev.type == "mps" and not torch.backends.mps.is_available()
+    if missing:
+        raise ValueError(
+            f"device={device!r}, but there is no {dev.type} device here: use 'cpu' (or device=None, "
+            "the model's)."
+        )
+    if first is not None and dev.type != home.type:
+        raise ValueError(
+            f"device={device!r}, but the model is on {home}: move it first (model.to({str(dev)!r}))."
+        )
+    return dev
+
+
+def make_clipper(max_norm: float | None, clipper: Clipper | None) -> Clipper | None:
+    """Return the clip stage: ``clipper``, or ``NormClip(max_norm)``, or None (no clipping).
+
+    >>> make_clipper(0.5, None), make_clipper(DEFAULT_MAX_NORM, None), make_clipper(None, None)
+    (NormClip(max_norm=0.5), NormClip(max_norm=1), None)
+    """
+    if clipper is None:
+        return NormClip(check_max_norm(max_norm)) if max_norm is not None else None
+    if max_norm is not None and max_norm is not DEFAULT_MAX_NORM:
+        raise ValueError(f"pass either max_norm ({max_norm!r}) or clipper ({clipper!r}), not both; for a "
+                         f"fixed threshold with a clipper object use clipper=NormClip({max_norm!r}).")
+    if not isinstance(clipper, Clipper):
+        raise TypeError(
+            f"clipper must be one of labkit.clippers (NormClip, ZClip, ...), got {type(clipper).__name__}."
+        )
+    return clipper
+
+
+def make_hooks(
+    skip_alarm: int | None, clip_alarm: float | None, clip_window: int, observer: Any, detector: Hook | None,
+    hooks: Sequence[Hook], rewind: Hook | None,
+) -> tuple[SkipAlarm, ClipAlarm, list[Hook]]:
+    """Return the alarms and every hook in the order the step calls them.
+
+    The alarms first (they number the skip streak the others read), then ``observer`` (a
+    ``Hook``, or an object of the older ``before_step``/``after_step`` protocol), ``detector``,
+    ``hooks``, and ``rewind`` last: it may restore a snapshot of everything the others hold.
+    """
+    skips, clips = SkipAlarm(skip_alarm), ClipAlarm(clip_alarm, clip_window)
+    if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
+        skips.threshold = clips.rate = None
+    if isinstance(hooks, Hook) or not isinstance(hooks, Sequence):
+        raise TypeError(f"hooks must be a list of labkit.hooks.Hook objects, got {type(hooks).__name__}.")
+    watcher = [] if observer is None else [observer if isinstance(observer, Hook) else ObserverHook(observer)]
+    for name, part in (("detector", detector), ("rewind", rewind)):
+        if part is not None and not isinstance(part, Hook):
+            raise TypeError(
+                f"{name} must be a labkit.hooks.Hook (a SpikeDetector, a Rewind), got {type(part).__name__}."
+            )
+    middle = [*watcher, *([detector] if detector else []), *hooks]
+    return skips, clips, [skips, clips, *middle, *([rewind] if rewind else [])]
+
+
+class GuardedParams:
+    """``(name, parameter)`` of every parameter the optimizer holds now (progressive unfreezing too).
+
+    Read from ``optimizer.param_groups`` at each call; the list is rebuilt only when a group is
+    added or its parameter list changes (a tuple compare per step, no pass over the model).
+
+    >>> layer = nn.Linear(2, 1); params = GuardedParams(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    >>> [name for name, _ in params()]
+    ['weight', 'bias']
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.key: tuple = ()
+        self.params: list[tuple[str, nn.Parameter]] = []
+
+    def __call__(self) -> list[tuple[str, nn.Parameter]]:
+        groups = self.optimizer.param_groups
+        key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if key != self.key:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self.params = [(names.get(id(p), f"group{g}.param{i}"), p) for g, group in enumerate(groups)
+                           for i, p in enumerate(group["params"])]
+            self.key = key
+        return self.params

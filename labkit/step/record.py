@@ -1,0 +1,175 @@
+"""A step's record: its numbers read in one batch, why it skipped or clipped, and which layers to blame.
+
+``Outcome`` is what a step leaves for its record (its numbers as floats or as one device
+row, the per-tensor norms, the decision's threshold and reasons). ``build`` turns it into a
+``StepRecord``; ``Pending`` keeps the outcomes of ``sync_every`` steps on the device behind
+``DeferredRecord``s and copies them over in one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..clip import first_nonfinite
+from ..clippers import Clipper
+from ..distributed import ProcessGroup, all_reduce_, is_distributed
+from ..reasons import Reason
+from ..records import FIELDS, LogWriteError, StepRecord
+from ..scaler import F32
+
+__all__ = ["DEVICE_FIELDS", "DeferredRecord", "Outcome", "Pending", "build", "forensics"]
+
+TOP_K = 3
+# What a step leaves on the device for its record, in this order (one batched copy reads them),
+# then the hooks' measures.
+DEVICE_FIELDS = ("loss", "loss_bad", "grad_norm", "clip_coef", "scale", "next_scale", "skipped")
+_LAZY = frozenset(FIELDS) - {"step"}
+
+
+def forensics(
+    named: list[tuple[str, Tensor | None]], norms: Tensor | list[float], group: ProcessGroup | None
+) -> tuple[list[tuple[str, float]], str | None]:
+    """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
+
+    Read from the per-tensor norms already computed, so there is no extra pass over the
+    gradients unless a norm is non-finite (then the gradients themselves are asked, since
+    an inf norm may be an fp32 overflow of finite values). Gradients given as None (gone,
+    with deferred records): the first non-finite norm names the parameter.
+
+    >>> forensics([("a", None), ("b", None)], [1.0, math.inf], None)
+    ([('b', inf), ('a', 1.0)], 'b')
+    """
+    values = norms.tolist() if isinstance(norms, Tensor) else list(norms)
+    finite = [math.isfinite(v) for v in values]
+    ranked = sorted(range(len(values)), key=lambda i: (not finite[i], values[i] if finite[i] else 0.0),
+                    reverse=True)
+    top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
+    if all(finite):
+        return top, None
+    names = [n for n, _ in named]
+    if any(g is None for _, g in named):
+        return top, names[finite.index(False)]
+    culprit = first_nonfinite([g for _, g in named], names)  # type: ignore[misc]
+    if is_distributed():
+        # With FSDP2 the culprit may sit in another rank's shard: agree on the first by position
+        # (one number, on skipped steps only; every rank is here, as the norms are global).
+        where = names.index(culprit) if culprit is not None else len(names)
+        first = torch.tensor([where], device=norms.device)  # type: ignore[union-attr]
+        position = int(all_reduce_(first, "min", group).item())
+        culprit = names[position] if position < len(names) else None
+    return top, culprit
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one step leaves for its record: its numbers and the evidence to explain them."""
+
+    step: int
+    lrs: list[float]
+    fault: str | None
+    values: list[float] | Tensor  # DEVICE_FIELDS then the measures: host floats, or one device row
+    norms: Tensor | list[float] | None = None  # the per-tensor norms (None: backward was skipped)
+    named: list[tuple[str, Tensor | None]] = field(default_factory=list)  # the gradients (None: gone)
+    threshold: float | Tensor | None = None
+    clipper: Clipper | None = None
+    reason: str | None = None  # a hook's skip reason
+    hook_clip: bool | Tensor = False  # a hook's clip cut deeper than the clipper's (a device bool: one read)
+    clip_reason: str | None = None  # that hook's name for it
+    fields: dict[str, Any] = field(default_factory=dict)
+    measures: tuple[str, ...] = ()
+
+
+def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessGroup | None) -> StepRecord:
+    """Return the ``StepRecord`` of ``o`` given its numbers on the host (``DEVICE_FIELDS``, then measures)."""
+    loss, loss_bad, norm, coef, scale, next_scale, skipped = values[: len(DEVICE_FIELDS)]
+    skipped, clipped = bool(skipped), coef < 1.0
+    # a scale below float32's normal range (set by hand: the default floor forbids it) skips every step
+    dead = scaler_enabled and not scale >= F32.tiny
+    reason = (Reason.NONFINITE_LOSS if loss_bad else Reason.DEAD_SCALE if dead else Reason.NONFINITE_GRAD) \
+        if skipped else None
+    record = StepRecord(
+        o.step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped and not skipped, scale=scale,
+        next_scale=next_scale, skipped=skipped, reason=reason.value if reason else None, lr=o.lrs[0],
+        lrs=list(o.lrs), fault=o.fault,
+    )
+    if o.threshold is not None and reason is not Reason.NONFINITE_LOSS:  # adaptive: one small read
+        record.threshold = float(o.threshold)
+    if reason in (Reason.NONFINITE_GRAD, Reason.DEAD_SCALE) or record.clipped:  # a hook's skip too
+        record.top_grads, record.first_nonfinite = forensics(o.named, o.norms, group)  # type: ignore[arg-type]
+    if record.clipped:
+        record.clip_reason = o.clip_reason if o.hook_clip else type(o.clipper).__name__
+        if o.clipper is not None:
+            record.lockin = o.clipper.lockin()
+    if o.reason is not None and skipped:
+        record.reason = str(o.reason)
+    for name, value in o.fields.items():
+        setattr(record, name, value)
+    for name, value in zip(o.measures, values[len(DEVICE_FIELDS):]):
+        setattr(record, name, value)
+    return record
+
+
+class DeferredRecord(StepRecord):
+    """A ``StepRecord`` whose numbers are still on the device (``TrainStep(sync_every=N)``).
+
+    Reading any field but ``step`` first copies every pending record of its ``TrainStep``
+    over, in one batched copy; after that it is a plain ``StepRecord``.
+    """
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LAZY:
+            flush = object.__getattribute__(self, "_flush")
+            if flush is not None:
+                flush()
+        return object.__getattribute__(self, name)
+
+
+class Pending:
+    """The outcomes of deferred steps, on the device until ``flush`` copies them over in one batch."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[DeferredRecord, Outcome]] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def defer(self, o: Outcome, flush: Callable[[], None]) -> DeferredRecord:
+        """Return the ``DeferredRecord`` of ``o``; reading it calls ``flush``."""
+        record = DeferredRecord(o.step, math.nan, lr=o.lrs[0], lrs=o.lrs, fault=o.fault)
+        object.__setattr__(record, "_flush", flush)
+        o.named = [(n, None) for n, _ in o.named]  # names only: the gradients are freed by the next step
+        self.items.append((record, o))
+        return record
+
+    def flush(self, scaler_enabled: bool, finish: Callable[[StepRecord], None]) -> None:
+        """Copy every pending outcome over (one host sync), fill its record and ``finish`` each, in order.
+
+        A ``LogWriteError`` from ``finish`` does not stop the others: every record is finished,
+        then the first such error is raised.
+        """
+        items, self.items = self.items, []
+        if not items:
+            return
+        rows = [torch.cat([o.values, o.norms.to(o.values)]) for _, o in items]  # type: ignore[union-attr, arg-type]
+        flat = torch.cat(rows).tolist()  # the one host sync
+        offset, write_error = 0, None
+        for (record, o), row in zip(items, rows):
+            width = len(o.values)
+            numbers, offset = flat[offset:offset + len(row)], offset + len(row)
+            object.__setattr__(record, "_flush", None)
+            o.norms = numbers[width:]
+            done = build(o, numbers[:width], scaler_enabled, None)
+            for name in _LAZY - {"lr", "lrs", "fault"}:
+                setattr(record, name, getattr(done, name))
+            try:
+                finish(record)
+            except LogWriteError as e:  # every record is still finished and kept; the first error is raised
+                write_error = write_error or e
+        if write_error is not None:
+            raise write_error

@@ -1,0 +1,398 @@
+"""``TrainStep``: the guarded training step, the one place where the AMP order lives, read top to bottom.
+
+Its parts pass data explicitly and never reach back into it: ``batch`` (the batch, its
+micro-batches, the buffers kept), ``decision`` (unscale, check and clip as one pure decision,
+on the host or on the device), ``record`` (the record, forensics, deferred records) and
+``parts`` (what it is built from, checked). Defenses and monitors join through
+``labkit.hooks``; the step imports none of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..alarms import LabkitWarning
+from ..clip import check_norm_type, check_scaled_norm_type, round_to, scale_grads_
+from ..clippers import Clipper
+from ..distributed import ProcessGroup, mean_across
+from ..faults import FaultSchedule
+from ..hooks import NO_VERDICT, DecisionView, Hook, Hooks, Verdict
+from ..records import StepLog, StepRecord
+from ..scaler import GradScaler
+from ..validate import check_int
+from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, check_loss
+from .decision import Decision, decide_on_device, decide_on_host, read, skip_bad_loss, unscaled_norms
+from .parts import DEFAULT_MAX_NORM, GuardedParams, check_parts, make_clipper, make_hooks
+from .record import Outcome, Pending, build
+
+__all__ = ["TrainStep"]
+
+
+class TrainStep:
+    """Run one guarded optimizer step per call and return its ``StepRecord``.
+
+    The order, for every precision (``fp32`` and ``bf16`` use a disabled ``GradScaler``: the
+    same lines): zero grads -> the scheduled fault -> forward and loss under autocast -> **loss
+    not finite: skip** (no backward, no step, the loss scale left alone: a bad batch is not a
+    scaling problem) -> scaled backward -> unscale -> global norm of the unscaled gradients
+    (logged unclipped) -> **gradients not finite: skip** (the scale backs off) -> clip -> step
+    -> scaler update -> scheduler, only if the optimizer stepped -> hooks -> record.
+
+    Unscale, check and clip take three passes over the gradients, not torch's five: one read
+    for the per-tensor norms of the *scaled* gradients (a NaN/inf among them is the inf
+    check), one read-write by ``coef / scale``; a skipped step writes nothing, nor does one
+    known on the host to multiply by 1. A ``fused=True`` optimizer (torch's Adam, AdamW, SGD,
+    Adagrad) does that multiply itself: ``scale / coef`` is its ``grad_scale``.
+
+    Host syncs per step (``sync_every=None``): one per micro-batch for the loss check, one read
+    of the norm and the scale that decides the step (the check, the coefficient and the record
+    are then float arithmetic with the kernels' own bits), one of the next scale (none when
+    the scaler is disabled). A fused optimizer on a GPU, a clipper with state (``ZClip``) or a
+    hook that asks keep the decision on the device. With ``sync_every=N`` the loss check and
+    the skip stay on the device (a NaN/inf loss still skips and leaves the scale alone;
+    backward runs on it), the records are ``DeferredRecord``s copied over in one batch every N
+    steps or when one is read, and the scheduler steps every call, as in torch's AMP recipe.
+
+    Under ``torch.distributed`` (DDP, FSDP2) every rank decides alike: the loss is all-reduced
+    (one number per micro-batch, over ``process_group``) *before* backward, so a NaN on one
+    rank makes every rank skip backward together; the norm is global, and so are the records.
+    Rank 0 alone writes ``log_path`` and raises the alarms.
+
+    The parameters guarded are the optimizer's at each step (groups added later included).
+    Bad arguments raise before anything changes; a skipped or failed step leaves the
+    parameters, the optimizer, the scaler and the module's buffers (BatchNorm's running
+    statistics) as they were. ``log_window=N`` keeps only the last N records in ``log``.
+
+    Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments:
+    ``hooks=[...]`` and the older keywords, which become hooks: ``skip_alarm``, ``clip_alarm``
+    (the alarms, first), ``observer`` (e.g. ``StaleMonitor``), ``detector`` (``SpikeDetector``)
+    and ``rewind`` (``Rewind``, last). The clip stage is ``clipper`` or ``max_norm`` (``NormClip``).
+
+    >>> from labkit.tasks import ToyTask
+    >>> task = ToyTask(); model = task.model()
+    >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16")
+    >>> record = step(*task.batch(0)); record.skipped, record.scale
+    (False, 65536.0)
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[Tensor, Tensor], Tensor],
+        *, precision: str = "fp32", max_norm: float | None = DEFAULT_MAX_NORM, norm_type: float = 2.0,
+        scaler: GradScaler | None = None, scheduler: Any = None, device: str | torch.device | None = None,
+        accumulation_steps: int = 1, skip_alarm: int | None = 8, clip_alarm: float | None = 0.5,
+        clip_window: int = 100, faults: FaultSchedule | dict | list[str] | None = None,
+        log_path: str | os.PathLike | None = None, log_window: int | None = None,
+        process_group: ProcessGroup | None = None, sync_every: int | None = None, observer: Any = None,
+        clipper: Clipper | None = None, detector: Hook | None = None, rewind: Hook | None = None,
+        hooks: Sequence[Hook] = (),
+    ) -> None:
+        self.device = check_parts(model, optimizer, loss_fn, scheduler, device)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
+        self.accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(
+                f"scaler must be a labkit.GradScaler, got {type(scaler).__name__}: torch's GradScaler.step() "
+                "does not say whether it skipped, which TrainStep needs. labkit.GradScaler takes the same "
+                "arguments."
+            )
+        if precision == "bf16" and scaler is not None and scaler.is_enabled():
+            warnings.warn("a loss scaler is not needed with bf16 (its range is fp32's); it only costs time "
+                          "and can skip steps. Pass scaler=None to keep the NaN/Inf checks without scaling.",
+                          LabkitWarning, stacklevel=2)
+        self.model, self.optimizer, self.loss_fn, self.precision = model, optimizer, loss_fn, precision
+        self.sync_every = check_int("sync_every", sync_every, 1, none="read every step")
+        self.clipper = make_clipper(max_norm, clipper)
+        self.skip_alarm, self.clip_alarm, ordered = make_hooks(skip_alarm, clip_alarm, clip_window, observer,
+                                                               detector, hooks, rewind)
+        self.hooks, self.observer, self.detector, self.rewind = Hooks(ordered), observer, detector, rewind
+        stateful = self.clipper is not None and not self.clipper.on_host
+        if sync_every is not None and (self.hooks.per_step or stateful):
+            raise ValueError("sync_every defers the records, but an adaptive clipper, a detector or a rewind "
+                             "decides from them every step: use sync_every=None with clipper=/detector=/"
+                             "rewind=.")
+        self.norm_type = check_norm_type(norm_type)
+        if not self.norm_type > 0:  # the inf check rides on the norms: a p > 0 norm is inf/NaN on inf/NaN
+            raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got "
+                             f"{norm_type!r}.")
+        self.scheduler, self.process_group = scheduler, process_group
+        # a read decides a plain optimizer's step anyway, and on a CPU it costs nothing
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        self._host_can_decide = self.device.type == "cpu" or not fused
+        if scaler is None:
+            scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
+        if scaler.is_enabled():
+            check_scaled_norm_type(self.norm_type)
+        self.scaler, self.faults = scaler, FaultSchedule.coerce(faults)
+        self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, all else valid
+        self.step_count = 0
+        self._named_params = GuardedParams(model, optimizer)
+        self._params: list[tuple[str, nn.Parameter]] = []  # this step's (read once, in _decide)
+        self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
+        self._pending = Pending()
+        self.hooks.attach(self)  # a Rewind takes its first snapshot: a spike in the first steps rewinds here
+
+    def __call__(self, inputs: Tensor | Mapping[str, Any], targets: Tensor | None = None) -> StepRecord:
+        """Train on one batch (split into ``accumulation_steps`` micro-batches) and record it.
+
+        ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors (``model(**inputs)``,
+        e.g. a Hugging Face batch); with ``targets=None`` the loss is ``loss_fn(output)`` (e.g.
+        ``lambda out: out.loss``). Bad arguments raise before anything changes. An error from
+        the model, the loss or the optimizer passes through unchanged, with the parameters,
+        buffers, scaler and counters as they were; the scheduler's error is raised after the
+        step it follows is complete and recorded.
+        """
+        step = self.step_count
+        batch = Batch(inputs, targets, self.accumulation_steps, self.device, self.faults.get(step))
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        buffers = Buffers(self.model)  # the forward changes them before the loss is checked
+        self.hooks.pre_step(self, step)
+        try:
+            loss = self._forward_backward(batch)  # forward and loss check -> scaled backward
+            measures = self.hooks.post_backward(self, step)
+            decision = self._decide(step, loss, batch, measures)  # unscale -> check -> clip, hooks' verdict
+            found = None
+            if not loss.bad:  # a non-finite loss: nothing to step, the scale untouched
+                found = self._step_or_skip(step, decision)  # step, or skip on non-finite gradients
+                self._update_scale(decision, loss)  # back off, keep or grow the scale
+            outcome = self._outcome(step, lrs, batch, loss, decision, found, measures)
+        except BaseException:  # the model, loss or optimizer raised: nothing of this step is kept
+            self.scaler.abandon_iteration()
+            buffers.restore()
+            raise
+        return self._finish(outcome, buffers, stepped=not loss.bad)  # scheduler -> hooks -> record
+
+    def _forward_backward(self, batch: Batch) -> LossCheck:
+        """Forward and loss under autocast, the loss checked, the scaled backward, for each micro-batch."""
+        # the last step's gradients, kept for its forensics: let zero_grad free them, or they would live
+        # through this forward and backward (a second set of gradients, freed late)
+        self._named_grads = []
+        self.optimizer.zero_grad(set_to_none=True)
+        deferred, total, flag = self.sync_every is not None, 0.0, None
+        for x, y, weight in batch.micro_batches():
+            with autocast(self.precision, self.device):
+                out = batch.corrupt_output(self.model(**x) if isinstance(x, Mapping) else self.model(x))
+                loss = check_loss(self.loss_fn(out) if y is None else self.loss_fn(out, y))
+            mean = mean_across(loss.detach(), self.process_group)
+            if deferred:  # the check stays on the device; backward runs on a bad batch, its step is skipped
+                flag = ~torch.isfinite(mean) if flag is None else flag | ~torch.isfinite(mean)
+            else:
+                value = mean.item()  # host sync, needed: on a bad batch backward must not run, on any rank
+                if not math.isfinite(value):
+                    return LossCheck(value, bad=True)
+                mean = value
+            total = total + mean * weight
+            self.scaler.scale(loss if weight == 1 else loss * weight).backward()  # x1 is exact: one op less
+        if deferred:
+            return LossCheck(torch.as_tensor(total).reshape(()), flag=flag)
+        return LossCheck(round_to(float(total), torch.float32))
+
+    def _decide(self, step: int, loss: LossCheck, batch: Batch, measures: dict[str, Tensor]) -> Decision:
+        """Read the gradients once for their norms; decide on the host or the device, with the hooks' say."""
+        scaler, enabled = self.scaler, self.scaler.is_enabled()
+        if loss.bad:  # backward never ran: the hooks may still say why
+            scale, *measured = read(scaler.get_scale_async(), *measures.values()) if measures else \
+                [scaler.get_scale()]
+            verdict = self._verdict(step, loss.value, math.nan, scale=scale, loss_bad=True, batch=batch)
+            verdict = verdict.measured(zip(measures, measured))
+            return skip_bad_loss(scale, verdict, self.device)
+        host = self._decides_on_host()
+        scale = None  # a disabled scaler's is 1: the host path does not ask for it
+        if not host:
+            scale = scaler.get_scale_async().clone()  # update() writes the state; the record reads it after
+        elif enabled:
+            scale = scaler.get_scale_async()  # read with the norm, before update()
+        named, grads = [], []
+        self._params = self._named_params()  # this step's: the hooks and the clipper see the same list
+        for name, p in self._params:
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    raise ValueError("sparse gradients are not supported by the global norm: use "
+                                     "sparse=False in the model.")
+                named.append((name, g))
+                grads.append(g)
+        self._named_grads = named
+        norms, norm, inv_scale = unscaled_norms(grads, scale if enabled else None, self.norm_type)
+        if not host:
+            verdict = self._verdict(step, loss.value, norm, norms=norms, scale=scale, batch=batch)
+            return decide_on_device(norm, norms, scale, inv_scale, self.clipper, verdict, loss.flag)
+        # host sync, needed: a plain optimizer is skipped from the host (on a CPU a read is free). From the
+        # norm and the scale read here, the check, the coefficient and the record are a few float operations
+        # with the kernels' own bits, not ~25 0-dim kernels. The norm is global (DDP's gradients are equal,
+        # FSDP2's norm is all-reduced): so is the decision, with no all-reduce of its own.
+        norm_value, *rest = read(norm, *([scale] if enabled else []), *measures.values())
+        scale_value = rest.pop(0) if enabled else None
+        verdict = self._verdict(step, loss.value, norm_value, norms=norms, batch=batch,
+                                scale=1.0 if scale_value is None else scale_value)
+        verdict = verdict.measured(zip(measures, rest))
+        return decide_on_host(norm_value, norms, scale_value, self.clipper, verdict)
+
+    def _verdict(self, step: int, loss: float | Tensor, norm: float | Tensor, **view: Any) -> Verdict:
+        """Return the hooks' say on this step (no view is built when none of them decides)."""
+        if not self.hooks.decides:
+            return NO_VERDICT
+        return self.hooks.on_decision(self, DecisionView(step, loss, norm, **view))
+
+    def _step_or_skip(self, step: int, d: Decision) -> Tensor:
+        """Step the optimizer on the unscaled, clipped gradients, or skip it; return ``found_inf``."""
+        opt, scaler, clipper, params = self.optimizer, self.scaler, self.clipper, self._params
+        if getattr(opt, "_step_supports_amp_scaling", False):  # fused: its kernel unscales, clips and skips
+            if clipper is not None and not clipper.fused_ok:
+                raise ValueError(f"{type(clipper).__name__} clips the gradients or the update itself: use a "
+                                 "non-fused optimizer with it (fused=False).")
+            scaler.inf_check_(opt, d.skip, unscaled=False)
+            opt.grad_scale = d.grad_scale()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
+            self.hooks.pre_optim_step(self, step, params)  # whether the kernel skips is on the device
+            return scaler.step_async(opt)
+        scaler.inf_check_(opt, d.skip, unscaled=True)
+        if not scaler.will_skip(opt):  # host sync on the device path: a plain optimizer skips from the host
+            factor = d.factor()  # pass 2 (read-write): unscale and clip in one multiply; x1 is left out
+            if factor is not None:
+                scale_grads_([g for _, g in self._named_grads], factor)
+            if clipper is not None and not clipper.fused_ok:  # a per-tensor clip, on the unscaled gradients
+                d.take(clipper.clip_unscaled_([p for _, p in params], d.norms, d.norm))  # type: ignore[arg-type]
+            self.hooks.pre_optim_step(self, step, params)
+        found = scaler.step_async(opt)
+        if clipper is not None and not clipper.fused_ok and not scaler.will_skip(opt):  # a clip of the update
+            d.take(clipper.after_step_([p for _, p in params]))
+        return found
+
+    def _update_scale(self, d: Decision, loss: LossCheck) -> None:
+        """Back off on an overflow, else count to growth; a hook's skip or a bad loss keep the scale."""
+        if not d.keep_scale and loss.flag is None:
+            self.scaler.update()
+            return
+        device = d.scale.device if isinstance(d.scale, Tensor) else self.scaler.get_scale_async().device
+        if d.keep_scale:
+            self.scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=device))
+        else:  # a non-finite loss found on the device is no scaling problem either
+            self.scaler.update(keep_if=loss.flag.to(device))  # type: ignore[union-attr]
+
+    def _outcome(self, step: int, lrs: list[float], batch: Batch, loss: LossCheck, d: Decision,
+                 found: Tensor | None, measures: dict[str, Tensor]) -> Outcome:
+        """Return what the record is made of: its numbers (floats, or one device row) and the evidence."""
+        o = Outcome(step, lrs, batch.label, [], d.norms, self._named_grads, d.threshold, self.clipper,
+                    d.reason, d.hook_clip, d.clip_reason, d.fields)
+        if loss.bad:
+            o.values = [loss.value, 1.0, math.nan, 1.0, d.scale, d.scale, 1.0]
+        elif not isinstance(d.norm, Tensor):  # decided on the host: the next scale is the one read left
+            o.values = [loss.value, 0.0, d.norm, d.coef, d.scale, self.scaler.get_scale(), float(d.skip)]
+        else:
+            dev = d.norm.device
+            flag = loss.flag if loss.flag is not None else torch.zeros((), device=dev)
+            o.values = torch.stack([  # stack promotes the dtypes: one float64 row, read in one copy
+                torch.as_tensor(loss.value).to(dev), flag.to(dev), d.norm, d.coef.to(dev),  # type: ignore[union-attr]
+                d.scale.to(dev), self.scaler.get_scale_async().to(dev), found.to(dev),  # type: ignore[union-attr]
+                *(m.to(dev) for m in measures.values()),
+            ]).double()
+            o.measures = tuple(measures)
+            if self.sync_every is None:
+                o.values = o.values.tolist()  # the record's one read
+        return o
+
+    def _finish(self, o: Outcome, buffers: Buffers, stepped: bool) -> StepRecord:
+        """Put the buffers back on a skip, step the scheduler, call the hooks, log: the step is complete."""
+        deferred, late_error = self.sync_every is not None, None
+        if deferred:  # the skip is known on the device only: the buffers come back by a select, no sync
+            buffers.restore_where(o.values, 6)  # type: ignore[arg-type]
+            record: StepRecord = self._pending.defer(o, self.flush)
+        else:
+            record = build(o, o.values, self.scaler.is_enabled(), self.process_group)  # type: ignore[arg-type]
+            if record.skipped:
+                buffers.restore()
+        if self.scheduler is not None and (deferred or not record.skipped):  # deferred: every call, as torch
+            try:
+                self.scheduler.step()
+            except Exception as e:  # the optimizer has stepped: finish and record the step, then raise it
+                late_error = e
+        try:
+            if deferred or stepped:
+                self.hooks.post_step(self, self._params, record)
+            self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
+            if not deferred:
+                self._append(record)  # raises LogWriteError on a full disk; the record is kept in memory
+            elif len(self._pending) >= self.sync_every:  # type: ignore[operator]
+                self.flush()
+        finally:
+            if late_error is not None:
+                raise late_error
+        return record
+
+    def _append(self, record: StepRecord) -> None:
+        self.hooks.on_record(self, record)  # the alarms, a detector's windows, a rewind (last)
+        self._log.append(record)
+
+    def _decides_on_host(self) -> bool:
+        """Whether the check and the coefficient are done on the host, from one read of the norm and scale.
+
+        With per-step records, where a host sync decides the step anyway (an optimizer that is not
+        ``fused=True``) or costs nothing (a CPU). A clipper whose state is on the device, or a hook
+        that asks for the device path (``device_decision``), keeps it.
+        """
+        clipper = self.clipper
+        return self._host_can_decide and self.sync_every is None and not self.hooks.device_decision and \
+            (clipper is None or clipper.on_host)
+
+    @property
+    def max_norm(self) -> float | None:
+        """The fixed clip threshold (``NormClip``'s, the clipper of now), or None."""
+        return self.clipper.fixed_threshold if self.clipper is not None else None
+
+    @property
+    def log(self) -> StepLog:
+        """The records so far (with ``sync_every``, reading it copies the pending ones over first)."""
+        self.flush()
+        return self._log
+
+    def flush(self) -> None:
+        """Copy every pending ``DeferredRecord`` over in one batch; give each to the hooks and the log."""
+        self._pending.flush(self.scaler.is_enabled(), self._append)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the step counter, the hooks' state (alarms, detector...), the scaler's, the clipper's and
+        the log's summary totals. Save the model, optimizer and scheduler as usual, next to it."""
+        self.flush()
+        state = {"step": self.step_count, **self.hooks.state_dict(), "scaler": self.scaler.state_dict(),
+                 "log": self._log.state_dict()}
+        if self.clipper is not None:
+            state["clipper"] = self.clipper.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next call continues the same step numbering, faults and summary.
+
+        Everything is validated before anything is written: a damaged state raises and leaves
+        this ``TrainStep`` as it was. A state saved without ``"log"`` (older labkit) resumes
+        with a summary that covers the resumed steps only.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"TrainStep state must be a dict from TrainStep.state_dict(), got "
+                            f"{type(state).__name__}.")
+        missing = {"step", "skip_alarm", "clip_alarm", "scaler"} - state.keys()
+        if missing:
+            raise KeyError(f"TrainStep state_dict lacks {sorted(missing)}; pass what TrainStep.state_dict() "
+                           "returned.")
+        step = check_int("TrainStep state['step']", state["step"], 0)
+        self.hooks.check_state(state)  # each part raises on damage; nothing is written yet
+        if self.scaler.is_enabled():
+            GradScaler.parse_state(state["scaler"])
+        if "log" in state:
+            StepLog().load_state_dict(state["log"])
+        if self.clipper is not None and "clipper" in state:  # tried on a copy: a few device numbers
+            copy.deepcopy(self.clipper).load_state_dict(state["clipper"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.hooks.load_state_dict(state)
+        if self.clipper is not None and "clipper" in state:
+            self.clipper.load_state_dict(state["clipper"])
+        if "log" in state:
+            self._log.load_state_dict(state["log"])
+        self.step_count = step

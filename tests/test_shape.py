@@ -1,0 +1,147 @@
+"""The shape of the code, read with ``ast``: no import cycle in labkit, a step package of small parts
+that never reach back into ``TrainStep``, and an AMP order short enough to read at a glance."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+LABKIT = Path(__file__).resolve().parents[1] / "labkit"
+STEP = LABKIT / "step"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(LABKIT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in LABKIT.rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """The labkit modules ``path`` imports when it is loaded: module level, ``if TYPE_CHECKING`` too, not in
+    functions (those run later, by design lazy). ``from package import name`` counts the submodule if
+    ``name`` is one."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("labkit"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.startswith("labkit"):
+                    found.add(base)
+                    found.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+    visit(ast.parse(path.read_text()).body)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def test_no_import_cycle_in_labkit():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                walk(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            walk(node)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    GRAPH["labkit.hooks"].add("labkit.step.train")  # as if the protocol reached back into the step
+    try:
+        with pytest.raises(pytest.fail.Exception, match="import cycle: .*labkit.step.train"):
+            test_no_import_cycle_in_labkit()
+    finally:
+        GRAPH["labkit.hooks"].discard("labkit.step.train")
+
+
+def test_the_parts_never_import_the_step_and_the_step_imports_no_defense():
+    parts = [name for name in GRAPH if name.startswith("labkit.step.") and name != "labkit.step.train"]
+    assert sorted(parts) == [f"labkit.step.{p}" for p in ("batch", "decision", "parts", "record")]
+    for name in parts:
+        assert "labkit.step.train" not in GRAPH[name] and "labkit.step" not in GRAPH[name], name
+    defenses = {"labkit.spikes", "labkit.rewind", "labkit.formats.bf16", "labkit.formats.fp8",
+                "labkit.precision"}
+    for name in [*parts, "labkit.step.train", "labkit.step", "labkit.hooks"]:
+        assert not GRAPH[name] & defenses, (name, GRAPH[name] & defenses)
+    assert "labkit.step" not in GRAPH["labkit.rewind"] and "labkit.rewind" not in GRAPH["labkit.step.train"]
+
+
+@pytest.mark.parametrize("path", sorted(STEP.glob("*.py")), ids=lambda p: p.name)
+def test_step_modules_are_small(path):
+    assert len(path.read_text().splitlines()) <= 400, f"{path.name} has grown past 400 lines: split it"
+
+
+def _method(path: Path, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_amp_order_reads_at_a_glance():
+    call = _method(STEP / "train.py", "TrainStep", "__call__")
+    assert call.end_lineno - call.lineno + 1 <= 40, "TrainStep.__call__ must stay short enough to read"
+    # and it names the order's stages, in order
+    source = ast.get_source_segment((STEP / "train.py").read_text(), call)
+    stages = ["_forward_backward", "post_backward", "_decide", "_step_or_skip", "_update_scale", "_finish"]
+    positions = [source.index(s) for s in stages]
+    assert positions == sorted(positions)
+
+
+def test_the_step_never_asks_a_clipper_its_type():
+    """One clipper interface: no isinstance/type checks against clipper classes anywhere in the step."""
+    clippers = {"Clipper", "GlobalClipper", "NormClip", "ZClip", "AutoClip", "AdaGC", "AGC", "ValueClip",
+                "UpdateNormClip"}
+    for path in STEP.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                assert not named & clippers - {"Clipper"}, f"{path.name}:{node.lineno} asks a clipper's type"
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                assert not named & clippers, f"{path.name}:{node.lineno} compares a clipper's type"
+
+
+def private_reaches(source: str) -> list[str]:
+    """``owner._name`` where the owner is another object (``self.scaler._x``, ``clipper._to``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls", "torch")):
+                found.append(f"{ast.unparse(owner)}.{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_no_part_reaches_into_anothers_privates():
+    """The step's parts and the hooks use the public names of the objects they are given."""
+    assert private_reaches("self.scaler._abandon_iteration()\nclipper._to(d)\nself._log.append(r)") == [
+        "self.scaler._abandon_iteration (line 1)", "clipper._to (line 2)"]
+    for path in [*STEP.glob("*.py"), LABKIT / "hooks.py", LABKIT / "rewind.py", LABKIT / "spikes.py"]:
+        assert private_reaches(path.read_text()) == [], path.name
