@@ -108,10 +108,12 @@ class StepRecord:
     rewind_to: int | None = None
     # the GPT's logits (``labkit.tasks.gpt.LogitMonitor``; empty or None when not measured): per
     # layer the largest attention logit and the entropy of the most peaked head, the output
-    # logits' mean log Z, and the cross-entropy (the loss less its z-loss term)
+    # logits' mean log Z and mean log Z**2 (the z-loss term is its coefficient times that), and
+    # the cross-entropy (the loss less its z-loss term)
     attn_logit_max: dict[str, float] = field(default_factory=dict)
     attn_entropy: dict[str, float] = field(default_factory=dict)
     log_z: float | None = None
+    log_z_sq: float | None = None
     ce_loss: float | None = None
 
     @property

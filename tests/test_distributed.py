@@ -197,7 +197,7 @@ def scenario_gpt(rank, out):
     raw = task.model()
     model = DDP(raw)
     step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), task.loss_fn,
-                     observer=task.monitor(raw))
+                     hooks=[task.monitor(raw)])
     return [step(*shard(task.batch(i), rank)).to_dict() for i in range(3)]
 
 
@@ -408,6 +408,13 @@ def test_the_gpts_logit_measurements_agree_on_every_rank_and_the_largest_logit_i
     assert run0[0]["log_z"] == pytest.approx(whole[2], rel=1e-6)  # the mean of two equal halves' means
     whole_loss = task.loss_fn(logits, task.batch(0)[1]).item()
     assert run0[0]["ce_loss"] == run0[0]["loss"] == pytest.approx(whole_loss)
+    halves = []
+    for rank in range(2):
+        model(shard(task.batch(0), rank)[0])
+        halves.append(model.measurements().tolist())
+    # the most peaked head of either rank's half, and the mean of the halves' mean log Z**2
+    assert run0[0]["attn_entropy"] == {"h.0": min(h[1] for h in halves)}
+    assert run0[0]["log_z_sq"] == pytest.approx((halves[0][3] + halves[1][3]) / 2, rel=1e-6)
 
 
 def test_empty_gradients_have_norm_0_for_every_norm_type():

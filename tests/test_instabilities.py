@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import labkit
 from gpt_before_options import GPTTask as GPTTaskBefore
 from labkit.export.schema import row
-from labkit.lab.demo import describe
+from labkit.lab import describe
 from labkit.lab.experiment import ExperimentConfig, make_optimizer, make_scheduler, run_experiment
 from labkit.lab.sweep import Recipe, lr_grid, lr_sensitivity, main, run_point, stable_lrs, summarize, sweep
 from labkit.records import FIELDS, StepLog, StepRecord
@@ -122,6 +122,58 @@ def test_measurements_are_the_attention_logits_entropy_and_log_z_formed_by_hand(
     assert model.measurements().isnan().all(), "eval forwards (validation) are not measured"
 
 
+HOST_READS = ("tolist", "item", "__float__", "__bool__", "__int__")  # what copies a tensor's value to Python
+
+
+@pytest.mark.parametrize("sync_every", [None, 4], ids=["per_step", "sync_every_4"])
+def test_the_measurements_ride_the_records_one_read(monkeypatch, sync_every):
+    task = GPTTask(n_layer=2, n_head=2, n_embd=16, block_size=16, batch_size=4)
+    x0, _ = task.batch(0)
+    expected = reference_measurements(task.model(), x0)  # step 0's forward: the initial weights
+
+    def train(monitored):
+        model = task.model()
+        step = labkit.TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), task.loss_fn,
+                                sync_every=sync_every, hooks=[task.monitor(model)] if monitored else [])
+        records, reads = [step(*task.batch(0))], [0]  # the first step does one-time work: not counted
+        with monkeypatch.context() as m:
+            for name in HOST_READS:
+                def counted(self, *args, _read=getattr(torch.Tensor, name), **kwargs):
+                    reads[0] += 1
+                    return _read(self, *args, **kwargs)
+                m.setattr(torch.Tensor, name, counted)
+            records += [step(*task.batch(i)) for i in range(1, 8)]
+            step.flush()
+            records = [StepRecord(**r.to_dict()) for r in records]
+        return records, reads[0]
+
+    (plain, plain_reads), (measured, measured_reads) = train(False), train(True)
+    assert measured_reads == plain_reads, "the monitor read the device on its own"
+    assert [bitwise({k: r.to_dict()[k] for k in BEFORE}) for r in measured] == \
+        [bitwise({k: r.to_dict()[k] for k in BEFORE}) for r in plain]
+    maxes, entropies, log_z, log_z_sq = expected
+    first = measured[0]
+    assert list(first.attn_logit_max.values()) == pytest.approx(maxes, rel=1e-4)
+    assert list(first.attn_entropy.values()) == pytest.approx(entropies, rel=1e-4)
+    assert (first.log_z, first.log_z_sq) == pytest.approx((log_z, log_z_sq), rel=1e-5)
+    assert all(r.ce_loss == r.loss and len(r.attn_logit_max) == 2 for r in measured)
+    assert plain[0].attn_logit_max == {} and plain[0].log_z is None
+
+
+def test_a_hook_measuring_a_field_the_record_lacks_is_refused_before_the_step_decides():
+    class Typo(labkit.hooks.Hook):
+        def post_backward(self, trainer, step):
+            return {"attn_logit/h.0": torch.tensor(1.0)}
+
+    task = GPTTask(**TINY)
+    model = task.model()
+    before = copy.deepcopy(model.state_dict())
+    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task.loss_fn, hooks=[Typo()])
+    with pytest.raises(ValueError, match="'attn_logit' is no per-layer field of StepRecord"):
+        step(*task.batch(0))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and step.step_count == 0
+
+
 def test_measurements_of_several_forwards_before_a_read_are_the_worst_and_the_mean():
     task = GPTTask(**TINY)
     model = task.model()
@@ -147,9 +199,15 @@ def test_z_loss_is_palms_and_the_record_carries_log_z_and_the_cross_entropy_apar
     config = ExperimentConfig(task=task, precision="fp32", optimizer="adam", lr=1e-2, steps=3, device="cpu")
     log = run_experiment(config)
     for r in log:
-        term = r.loss - r.ce_loss
-        assert term == pytest.approx(1e-2 * r.log_z**2, rel=0.05)  # mean(log Z**2) ~ mean(log Z)**2 here
-        assert term > 0.1
+        assert r.loss - r.ce_loss == pytest.approx(1e-2 * r.log_z_sq, rel=1e-5) and r.loss - r.ce_loss > 0.1
+        assert r.log_z_sq == pytest.approx(r.log_z**2, rel=0.05)  # log Z varies little over a batch here
+    # the oracle: step 0's cross-entropy, of the initial weights on batch 0, computed apart
+    x, y = task.batch(0)
+    with torch.no_grad():
+        logits = task.model().eval()(x)
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert log[0].ce_loss == pytest.approx(ce, rel=1e-5)
+    assert log[0].log_z_sq == pytest.approx(logits.logsumexp(-1).square().mean().item(), rel=1e-5)
     model = task.model()
     assert task.val_loss(model) == GPTTask(**TINY).val_loss(model), "validation: the cross-entropy alone"
 
@@ -220,7 +278,7 @@ def test_every_option_resumes_exactly_from_state_dict(options):
         model = task.model()
         opt = make_optimizer(config, model.parameters())
         return labkit.TrainStep(model, opt, task.loss_fn, scheduler=make_scheduler(config, opt), max_norm=1.0,
-                                observer=task.monitor(model))
+                                hooks=[task.monitor(model)])
 
     def run(step, start, n):
         return [step(*task.batch(i)) for i in range(start, start + n)]
@@ -274,7 +332,7 @@ def _fp16_steps(variant, lr, steps, until=None):
     opt = make_optimizer(config, model.parameters())
     scaler = labkit.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
-                            scheduler=make_scheduler(config, opt), observer=task.monitor(model),
+                            scheduler=make_scheduler(config, opt), hooks=[task.monitor(model)],
                             skip_alarm=None)
     records = []
     for i in range(steps):
@@ -347,15 +405,23 @@ def test_the_measurements_round_trip_through_jsonl_and_csv_and_reach_the_tracker
         "attention logits inf in h.0: the forward overflowed, no loss scale can help"]
 
 
-def test_the_monitor_writes_what_the_forward_measured_and_refuses_other_models():
+def test_the_monitor_hands_the_step_what_the_forward_measured_and_refuses_other_models():
     task = GPTTask(**TINY)
     model = task.model()
     model(task.batch(0)[0])
     expected = model.measurements(reset=False).tolist()
-    record = StepRecord(0, 3.0)
-    LogitMonitor(model).after_step([], record)
-    assert record.attn_logit_max == {"h.0": expected[0]} and record.attn_entropy == {"h.0": expected[1]}
-    assert record.log_z == expected[2] and record.ce_loss == 3.0
+    monitor = LogitMonitor(model)
+    measures = monitor.post_backward(None, 0)
+    assert all(t.dim() == 0 for t in measures.values())  # device tensors: the step reads them
+    assert {k: t.item() for k, t in measures.items()} == {
+        "attn_logit_max/h.0": expected[0], "attn_entropy/h.0": expected[1], "log_z": expected[2],
+        "log_z_sq": expected[3]}
+    model(task.batch(1)[0])
+    monitor.pre_step(None, 1)  # a forward outside the step (the lesson's fp32 recompute) is forgotten
+    assert model.measurements().isnan().all()
+    record = StepRecord(0, 3.0, log_z_sq=4.0)
+    LogitMonitor(model, z_loss=0.25).on_record(None, record)
+    assert record.ce_loss == 2.0  # the loss less 0.25 * mean log Z**2
     with pytest.raises(TypeError, match="labkit GPT"):
         LogitMonitor(torch.nn.Linear(2, 2))
     assert GPTTask(measure=False).monitor(model) is None

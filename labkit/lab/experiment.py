@@ -17,7 +17,6 @@ from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
-from ..hooks import ObserverHook
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
@@ -64,7 +63,7 @@ class ExperimentConfig:
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
     ``task`` names a built-in task (``"toy"``, ``"gpt"``: ``labkit.tasks.TASKS``, sized for the
     device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``); one
-    with ``monitor(model)`` (``GPTTask``) has that observer write its measurements on each record.
+    with ``monitor(model)`` (``GPTTask``) has that hook write its measurements on each record.
     ``optimizer`` is ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"adamw"`` (torch's, with ``betas``);
     ``weight_decay`` is torch's (AdamW's is decoupled and multiplied by the lr: Wortsman et al.'s
     *independent* decay λ is ``weight_decay=λ / lr``). ``warmup`` steps raise the lr linearly
@@ -282,7 +281,8 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, observer=observer, hooks=[ObserverHook(monitor)] if monitor is not None else [], **extra)
+                     faults=faults, log_path=log_path, observer=observer,
+                     hooks=[monitor] if monitor is not None else [], **extra)
     if observer is not None and hasattr(observer, "attach"):
         observer.attach(step)
     rewind = extra.get("rewind")

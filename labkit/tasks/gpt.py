@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..distributed import all_reduce_, is_distributed
+from ..hooks import Hook
 from .text import TextCorpus
 
 __all__ = ["ATTENTION", "GPT", "GPTTask", "LogitMonitor", "cross_entropy", "cross_entropy_with_z_loss",
@@ -218,10 +219,14 @@ class GPT(nn.Module):
         per_layer = torch.stack([a.stats if a.stats is not None else nan for a in blocks])
         log_z = self.log_z[:2] / self.log_z[2] if self.log_z is not None else nan
         if reset:
-            for a in blocks:
-                a.stats = None
-            self.log_z = None
+            self.reset_measurements()
         return torch.cat([per_layer[:, 0], per_layer[:, 1], log_z.to(per_layer)])
+
+    def reset_measurements(self) -> None:
+        """Forget what the training forwards measured since the last read (no device work)."""
+        for block in self.h:
+            block.attn.stats = None
+        self.log_z = None
 
 
 def _check_attention(attention: str, attn_softcap: float | None) -> None:
@@ -254,24 +259,24 @@ def cross_entropy_with_z_loss(logits: Tensor, targets: Tensor, coef: float) -> T
     return F.cross_entropy(flat, targets.flatten()) + coef * flat.logsumexp(-1).square().mean()
 
 
-class LogitMonitor:
-    """Write a GPT's logit measurements onto each ``StepRecord``: pass it as ``TrainStep(observer=...)``.
+class LogitMonitor(Hook):
+    """Put a GPT's logit measurements on each ``StepRecord``: a hook, ``TrainStep(hooks=[monitor])``.
 
-    ``after_step`` reads ``model.measurements()`` (one small device-to-host copy per step: ``2 *
-    n_layer + 2`` numbers) and sets ``attn_logit_max`` and ``attn_entropy`` (``{"h.<i>": value}``
-    per layer), ``log_z`` and ``ce_loss`` (the record's loss less the z-loss term ``z_loss *
-    mean(log Z**2)``; the loss itself without z-loss). It sees every step, a skipped one too:
-    an attention logit of ``inf`` on a step whose loss is not finite is an fp16 forward overflow.
-    Under ``torch.distributed`` the values are reduced over the ranks, so every rank records the
+    ``post_backward`` returns what the step's training forwards measured (``model.measurements()``)
+    as record fields: ``attn_logit_max`` and ``attn_entropy`` per layer (``{"h.<i>": value}``),
+    ``log_z`` and ``log_z_sq``. They are 0-dim device tensors that the step reads with its own
+    numbers (``2 * n_layer + 2`` more in its one host read, no sync of their own). ``on_record``
+    sets ``ce_loss``, the loss less its z-loss term ``z_loss * log_z_sq`` (host arithmetic; the
+    loss itself without z-loss). Every step is measured, a skipped one too: an attention logit of
+    ``inf`` on a step whose loss is not finite is an fp16 forward overflow. ``pre_step`` forgets
+    what forwards outside the step measured. Under ``torch.distributed`` every rank records the
     same: the largest logit (that of the global batch), the lowest entropy (the most peaked head
-    of any rank's shard) and the mean log Z. With ``TrainStep(sync_every=N)`` reading the record
-    copies it over.
+    of any rank's shard) and the mean log Z, reduced over the ranks in two all-reduces.
 
     >>> task = GPTTask(n_layer=1, n_embd=16, block_size=8, batch_size=2); model = task.model()
-    >>> from labkit.records import StepRecord
-    >>> record = StepRecord(0, 2.5); _ = model(task.batch(0)[0])
-    >>> LogitMonitor(model).after_step([], record); sorted(record.attn_logit_max), record.ce_loss
-    (['h.0'], 2.5)
+    >>> _ = model(task.batch(0)[0])  # a training forward measures, on the device
+    >>> sorted(LogitMonitor(model).post_backward(None, 0))
+    ['attn_entropy/h.0', 'attn_logit_max/h.0', 'log_z', 'log_z_sq']
     """
 
     def __init__(self, model: GPT, z_loss: float = 0.0, process_group: Any = None) -> None:
@@ -279,25 +284,29 @@ class LogitMonitor:
             raise TypeError(f"LogitMonitor measures a labkit GPT (GPTTask.model()), got "
                             f"{type(model).__name__}.")
         self.model, self.z_loss, self.process_group = model, z_loss, process_group
+        n = len(model.h)
+        self.names = [*(f"attn_logit_max/h.{i}" for i in range(n)),
+                      *(f"attn_entropy/h.{i}" for i in range(n)), "log_z", "log_z_sq"]
 
-    def before_step(self, params: Any, step: int) -> None:
-        """Nothing: the forward has measured already."""
+    def pre_step(self, trainer: Any, step: int) -> None:
+        self.model.reset_measurements()
 
-    def after_step(self, params: Any, record: Any) -> None:
-        """Set the record's ``attn_logit_max``, ``attn_entropy``, ``log_z`` and ``ce_loss``."""
+    def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor]:
+        # Costs no host sync: 0-dim device tensors that the step copies with its own numbers in its one
+        # read (``2 * n_layer + 2`` floats more). The device work is the forwards' (under SDPA a q @ k.T
+        # and a softmax per layer again in fp32, and a logsumexp of the logits) and a cat here.
         values = self.model.measurements()
-        n = len(self.model.h)
-        if is_distributed():  # the worst over the ranks and the mean log Z: three small collectives
-            parts = [values[:n].clone(), values[n:2 * n].clone(), values[2 * n:].clone()]
-            all_reduce_(parts[0], "max", self.process_group)
-            all_reduce_(parts[1], "min", self.process_group)
-            all_reduce_(parts[2], "sum", self.process_group)
-            values = torch.cat([parts[0], parts[1], parts[2] / dist.get_world_size(self.process_group)])
-        v = values.tolist()  # host read of 2 * n_layer + 2 numbers
-        record.attn_logit_max = {f"h.{i}": v[i] for i in range(n)}
-        record.attn_entropy = {f"h.{i}": v[n + i] for i in range(n)}
-        record.log_z = v[2 * n]
-        record.ce_loss = record.loss - self.z_loss * v[2 * n + 1] if self.z_loss else record.loss
+        if is_distributed():  # the worst over the ranks and the mean log Z: two small all-reduces
+            n = len(self.model.h)
+            worst = torch.cat([values[:n], -values[n:2 * n]])  # a min is the max of the negated
+            all_reduce_(worst, "max", self.process_group)
+            means = all_reduce_(values[2 * n:].clone(), "sum", self.process_group)
+            values = torch.cat([worst[:n], -worst[n:], means / dist.get_world_size(self.process_group)])
+        return dict(zip(self.names, values.unbind()))
+
+    def on_record(self, trainer: Any, record: Any) -> None:
+        z = record.log_z_sq
+        record.ce_loss = record.loss - self.z_loss * z if self.z_loss and z is not None else record.loss
 
 
 @dataclass(frozen=True)
@@ -373,7 +382,7 @@ class GPTTask:
         return net.to(device)
 
     def monitor(self, model: GPT) -> LogitMonitor | None:
-        """Return the observer that records ``model``'s logit measurements (None with ``measure=False``)."""
+        """Return the hook that records ``model``'s logit measurements (None with ``measure=False``)."""
         return LogitMonitor(model, self.z_loss) if self.measure else None
 
     @property
