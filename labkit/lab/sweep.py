@@ -269,7 +269,7 @@ def run_point(recipe: Recipe, variant: str, lr: float, seed: int = 0, *,
     step leaves the weights its forward used: that forward can be run again, e.g. in fp32).
     """
     from ..alarms import RepeatedClippingWarning
-    from .experiment import run_experiment
+    from .experiment import _one_thread_on_cpu, run_experiment
 
     config = recipe.config(variant, lr, seed)
     kept = _Kept(config.task)
@@ -282,8 +282,9 @@ def run_point(recipe: Recipe, variant: str, lr: float, seed: int = 0, *,
         log = run_experiment(dataclasses.replace(config, task=kept), on_record, log_path=log_path)
     seconds = time.perf_counter() - start
     task, model = config.task, kept.built
-    final = task.val_loss(model, batches=recipe.val_batches)
-    init = task.val_loss(task.model(model.wte.weight.device), batches=recipe.val_batches)
+    with _one_thread_on_cpu(model.wte.weight.device):  # as small as the training's forwards (see there)
+        final = task.val_loss(model, batches=recipe.val_batches)
+        init = task.val_loss(task.model(model.wte.weight.device), batches=recipe.val_batches)
     stepped = [r.loss for r in log if not r.skipped]
     tail = stepped[-max(1, len(log) // 10):]
     point = Point(
