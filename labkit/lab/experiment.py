@@ -250,7 +250,7 @@ def run_experiment(
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
     steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
-    step (``TrainStep(observer=...)``, e.g. ``labkit.precision.StaleMonitor``); one with an
+    step (``TrainStep(observer=...)``, e.g. ``labkit.formats.bf16.StaleMonitor``); one with an
     ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
     reads its optimizer). Where to show a run is not part of its config.
 
