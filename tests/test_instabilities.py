@@ -160,6 +160,39 @@ def test_the_measurements_ride_the_records_one_read(monkeypatch, sync_every):
     assert plain[0].attn_logit_max == {} and plain[0].log_z is None
 
 
+def test_the_monitor_in_a_plain_loop_records_what_it_records_under_trainstep():
+    from labkit.step.record import put
+
+    task = GPTTask(**TINY, z_loss=1e-2)
+    measured = ("attn_logit_max", "attn_entropy", "log_z", "log_z_sq", "ce_loss")
+
+    def run(plain):
+        model = task.model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = task.monitor(model)
+        step = None if plain else labkit.TrainStep(model, opt, task.loss_fn, max_norm=None, hooks=[monitor])
+        out = []
+        for i in range(3):
+            if step is not None:
+                record = step(*task.batch(i))
+                out.append({k: record.to_dict()[k] for k in measured})
+                continue
+            monitor.pre_step(None, i)
+            opt.zero_grad()
+            loss = task.loss_fn(model(task.batch(i)[0]), task.batch(i)[1])
+            loss.backward()
+            record = StepRecord(i, loss.item())
+            for name, value in monitor.post_backward(None, i).items():  # a loop reads them when it likes
+                put(record, name, value.item())
+            monitor.on_record(None, record)
+            opt.step()
+            out.append({k: record.to_dict()[k] for k in measured})
+        return out
+
+    plain, guarded = run(True), run(False)
+    assert bitwise(plain) == bitwise(guarded) and plain[0]["attn_logit_max"] and plain[2]["log_z_sq"] > 0
+
+
 def test_a_hook_measuring_a_field_the_record_lacks_is_refused_before_the_step_decides():
     class Typo(labkit.hooks.Hook):
         def post_backward(self, trainer, step):
