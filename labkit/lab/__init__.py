@@ -16,7 +16,10 @@ _LAZY = {
                  "stagnation_figure"),
     ".gradients": ("GradHistogram", "GradientProbe", "Probed", "plot_layer_heatmap", "plot_sawtooth",
                    "plot_u_curve"),
-    ".plots": ("LiveDashboard", "plot_log"),
+    ".plots": ("LiveDashboard", "plot_log", "plot_scale_and_skips"),
+    # not the function ``sweep``: the name is its module's, which an import sets on this package
+    ".sweep": ("Recipe", "Runs", "SweepPanel", "plot_runs", "plot_sweep", "run_point",
+               "summarize"),
     ".text": ("describe", "format_scale", "title"),
     ".widgets": ("ControlPanel", "episode", "event_rows"),
 }
@@ -31,7 +34,8 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .gradients import (
         GradHistogram, GradientProbe, Probed, plot_layer_heatmap, plot_sawtooth, plot_u_curve,
     )
-    from .plots import LiveDashboard, plot_log
+    from .plots import LiveDashboard, plot_log, plot_scale_and_skips
+    from .sweep import Recipe, Runs, SweepPanel, plot_runs, plot_sweep, run_point, summarize
     from .text import describe, format_scale, title
     from .widgets import ControlPanel, episode, event_rows
 
@@ -50,8 +54,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ControlPanel", "Defenses", "ExperimentConfig", "GradHistogram", "GradientProbe", "GranularityExplorer",
-    "LiveDashboard", "Probed", "default_device", "describe", "episode", "event_rows", "format_scale",
-    "granularity_rows", "ledger", "number_line", "plot_defenses", "plot_layer_heatmap", "plot_log",
-    "plot_sawtooth", "plot_u_curve", "round_trip", "run_experiment", "scaling_figure", "stagnation_figure",
-    "title",
+    "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel", "default_device", "describe", "episode",
+    "event_rows", "format_scale", "granularity_rows", "ledger", "number_line",
+    "plot_defenses", "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips",
+    "plot_sweep", "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure",
+    "stagnation_figure", "summarize", "title",
 ]
