@@ -108,7 +108,7 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:  # type: igno
     return done
 
 
-def as_user(name: str, argv: list[str], **kwargs) -> list[str]:  # type: ignore[no-untyped-def]
+def as_user(name: str, argv: list[str]) -> list[str]:
     """Return ``argv`` run as user ``name`` (its uid, gid and groups, nothing of root's)."""
     gid = pwd.getpwnam(name).pw_gid
     return ["setpriv", f"--reuid={name}", f"--regid={gid}", "--init-groups", "--", *argv]

@@ -1,4 +1,4 @@
-"""``python -m labkit demo|grading|export ...``: the headless demo, the grader, replaying a log into trackers."""
+"""``python -m labkit demo|grading|export|sweep ...``: demo, grader, log into trackers, LR sweep."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {  # name: (module whose main(argv) runs it, what it does); imported 
     "demo": ("labkit.lab.demo", "train the toy task through injected faults"),
     "grading": ("labkit.grading.__main__", "release and grade the exercises"),
     "export": ("labkit.export.replay", "replay a log.jsonl into TensorBoard, trackio, MLflow or W&B"),
+    "sweep": ("labkit.lab.sweep", "final loss against learning rate on the GPT task, per mitigation"),
 }
 
 

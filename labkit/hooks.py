@@ -8,6 +8,7 @@ moment of every hook in the order given, and a plain training loop may call them
     post_backward(trainer, step) -> measures    backward done, or stopped at a non-finite loss: device
                                                 tensors read with the record's numbers (no sync of
                                                 their own), written to the record fields they name
+                                                (``field/key``: one entry of a per-layer field)
     on_decision(trainer, view) -> Verdict       the loss and the global norm are known: skip, clip
                                                 or annotate the step (``Verdict``), or None
     pre_optim_step(trainer, step, params)       the optimizer is about to step: the gradients are
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
     from torch import Tensor
 
-__all__ = ["DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict"]
+__all__ = ["DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict", "check_measure"]
 
 
 @dataclass
@@ -160,7 +161,8 @@ class Hook:
 
         The tensors join the read the step makes anyway (the norm and the scale, or the record's
         batched copy); only a step whose loss was not finite, without a loss scale to read, reads
-        them on their own.
+        them on their own. A name ``field/key`` sets one entry of a per-layer field (a dict, e.g.
+        ``attn_logit_max/h.0``).
         """
         return None
 
@@ -206,6 +208,26 @@ class ObserverHook(Hook):
         self.observer.after_step(params, record)
 
 
+def check_measure(name: str) -> None:
+    """Raise unless ``name`` is a ``StepRecord`` field, or ``field/key`` of a per-layer (dict) field.
+
+    >>> check_measure("attn_logit_max/h.0"); check_measure("log_z")
+    >>> check_measure("loss/h.0")
+    Traceback (most recent call last):
+    ...
+    ValueError: a hook measured 'loss/h.0': 'loss' is no per-layer field of StepRecord (those are \
+stale, attn_logit_max, attn_entropy); name a StepRecord field, or 'field/key' for one of them.
+    """
+    from .records import FIELDS, PER_LAYER  # here: the records import the alarms, which import this module
+
+    field_name, slash, _ = name.partition("/")
+    if (field_name not in PER_LAYER) if slash else (field_name not in FIELDS):
+        what = f"no per-layer field of StepRecord (those are {', '.join(PER_LAYER)})" if slash else \
+            "no StepRecord field"
+        raise ValueError(f"a hook measured {name!r}: {field_name!r} is {what}; name a StepRecord field, or "
+                         "'field/key' for one of them.")
+
+
 class Hooks(Hook):
     """Hooks called in order: one hook to the step, each moment to the members that define it.
 
@@ -230,6 +252,7 @@ class Hooks(Hook):
         # per moment, the members that define it: a step calls no empty method (the alarms define one)
         self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]
                     for m in self.MOMENTS}
+        self._named: set[str] = set()  # measure names already checked
 
     def attach(self, trainer: Any) -> None:
         for h in self._at["attach"]:
@@ -243,6 +266,10 @@ class Hooks(Hook):
         measures: dict[str, Tensor] = {}
         for h in self._at["post_backward"]:
             measures.update(h.post_backward(trainer, step) or {})
+        if not self._named.issuperset(measures):  # each name checked once, before the step decides
+            for name in measures:
+                check_measure(name)
+            self._named.update(measures)
         return measures
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict:

@@ -59,8 +59,9 @@ def parse_line(line: str) -> dict[str, Any]:
         d["top_grads"] = [[n, _from_json(v)] for n, v in d["top_grads"] or []]
     if "lrs" in d:
         d["lrs"] = [_from_json(v) for v in d["lrs"] or []]
-    if isinstance(d.get("stale"), dict):
-        d["stale"] = {k: _from_json(v) for k, v in d["stale"].items()}
+    for name in PER_LAYER:
+        if isinstance(d.get(name), dict):
+            d[name] = {k: _from_json(v) for k, v in d[name].items()}
     return d
 
 
@@ -107,6 +108,15 @@ class StepRecord:
     lockin: bool = False
     rewound: bool = False
     rewind_to: int | None = None
+    # the GPT's logits (``labkit.tasks.gpt.LogitMonitor``; empty or None when not measured): per
+    # layer the largest attention logit and the entropy of the most peaked head, the output
+    # logits' mean log Z and mean log Z**2 (the z-loss term is its coefficient times that), and
+    # the cross-entropy (the loss less its z-loss term)
+    attn_logit_max: dict[str, float] = field(default_factory=dict)
+    attn_entropy: dict[str, float] = field(default_factory=dict)
+    log_z: float | None = None
+    log_z_sq: float | None = None
+    ce_loss: float | None = None
 
     @property
     def post_clip_norm(self) -> float:
@@ -126,7 +136,9 @@ class StepRecord:
         for name in FLOATS:
             d[name] = _to_json(d[name])
         d["top_grads"] = [[n, _to_json(v)] for n, v in d["top_grads"]]
-        d["lrs"], d["stale"] = _to_json(d["lrs"]), _to_json(d["stale"])
+        d["lrs"] = _to_json(d["lrs"])
+        for name in PER_LAYER:
+            d[name] = _to_json(d[name])
         return json.dumps(d, allow_nan=False)
 
     @classmethod
@@ -144,13 +156,15 @@ class StepRecord:
             d[name] = _from_json(d[name])
         d["top_grads"] = [(n, _from_json(v)) for n, v in d.get("top_grads") or []]
         d["lrs"] = [_from_json(v) for v in d.get("lrs") or []]
-        d["stale"] = {k: _from_json(v) for k, v in (d.get("stale") or {}).items()}
+        for name in PER_LAYER:
+            d[name] = {k: _from_json(v) for k, v in (d.get(name) or {}).items()}
         return cls(**d)
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 _KNOWN = frozenset(FIELDS)
-FLOATS = {f.name for f in dataclasses.fields(StepRecord) if f.type == "float"}
+PER_LAYER = ("stale", "attn_logit_max", "attn_entropy")  # {layer: number}
+FLOATS = {f.name for f in dataclasses.fields(StepRecord) if f.type in ("float", "float | None")}
 
 
 class _Totals:
@@ -503,7 +517,9 @@ class StepLog(Sequence[StepRecord]):
             for r in self._records:
                 row = r.to_dict()
                 row["top_grads"] = ";".join(f"{name}={norm:.6g}" for name, norm in r.top_grads)
-                row["stale"] = ";".join(f"{name}={frac:.6g}" for name, frac in r.stale.items())
+                for column in PER_LAYER:
+                    values = getattr(r, column).items()
+                    row[column] = ";".join(f"{name}={value:.6g}" for name, value in values)
                 row["lrs"] = ";".join(f"{lr:.6g}" for lr in r.lrs)
                 writer.writerow(row)
 

@@ -105,9 +105,6 @@ class SpikeDetector(Hook):
 
     state_key = "detector"
     per_step = True  # it decides from windows of every step's values
-    # Its verdict is asked on the device path (one read of the loss and the norm), as before the
-    # hook protocol: tests/test_fused.py holds that path. The host's read would serve it too.
-    device_decision = True
 
     def __init__(self, window: int = 128, skip_z: float | None = 6.0, clip_z: float | None = None,
                  min_count: int | None = None) -> None:

@@ -221,6 +221,17 @@ def as_instructor(hub: Hub, argv: list[str], timeout: float = 180.0) -> str:
     return done.stdout + done.stderr
 
 
+def own_thread(fn, *args):  # type: ignore[no-untyped-def]
+    """Call ``fn(*args)`` in a thread of its own, where no asyncio loop runs.
+
+    In a worker that ran the browser tests first, pytest-playwright's session-wide Playwright keeps
+    an asyncio loop running in the main thread: a second ``sync_playwright()`` there refuses to start
+    and ``asyncio.run()`` raises.
+    """
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def assignments_panel(hub: Hub, student: str, released: list[str]) -> dict:
     """Log ``student`` in with Chromium, open Nbgrader > Assignment List; return what it shows."""
     from playwright.sync_api import sync_playwright
@@ -329,7 +340,7 @@ def lesson(tmp_path_factory):
                                 f"release/{ident}"])
             as_instructor(hub, ["nbgrader", "release_assignment", ident])
         step("release")
-        panel = assignments_panel(hub, s1, released)
+        panel = own_thread(assignments_panel, hub, s1, released)
         step("Chromium: login, Assignments panel")
         admin = hub.token(instructor)
         status, _ = hub.call("POST", f"/hub/api/users/{s2}/server", admin)
@@ -346,7 +357,8 @@ def lesson(tmp_path_factory):
             students = {name: future.result() for name, future in done.items()}
         cross = hub.call("GET", f"/user/{s2}/api/contents/ps1/{PS1}", students[s1]["token"])[0]
         step("fetch, edit, validate, submit")
-        terminal = in_terminal(hub, s1, students[s1]["token"], "command -v python nbgrader; id -un")
+        terminal = own_thread(in_terminal, hub, s1, students[s1]["token"],
+                              "command -v python nbgrader; id -un")
         home = Path(pwd.getpwnam(s2).pw_dir)
         peeks = {what: subprocess.run(classroom.as_user(s1, argv), capture_output=True, text=True, timeout=30)
                  for what, argv in (("home", ["cat", str(home / "ps1" / PS1)]),

@@ -381,6 +381,20 @@ def test_autoclip_takes_both_ends_of_the_quantile_range(q):
     assert got[3] == pytest.approx(3.0 if q == 1.0 else 1.0, rel=1e-5)  # 10: cut to max or min of 1, 3, 2
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([torch.float32, torch.float64]), st.floats(1e-3, 1e3), st.integers(0, 2**31 - 1))
+def test_normclip_clips_as_torchs_clip_grad_norm_bit_for_bit_in_the_gradients_dtype(dtype, max_norm, seed):
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen, dtype=dtype) * 10 for n in (7, 33, 2)]
+    ours, theirs = ([torch.zeros(g.shape, dtype=dtype, requires_grad=True) for g in grads] for _ in range(2))
+    for a, b, g in zip(ours, theirs, grads):
+        a.grad, b.grad = g.clone(), g.clone()
+    norm = NormClip(max_norm).clip_(ours)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert norm.dtype == dtype and torch.equal(norm, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+
+
 def test_trainstep_takes_a_clipper_and_a_float_still_means_normclip():
     task = ToyTask()
     model = task.model()

@@ -244,8 +244,25 @@ def scenario_diagnosis(rank, out):
             "fsdp_culprit": (found.first_nonfinite, found.culprit_module)}
 
 
+GPT_SIZE = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "batch_size": 4}
+
+
+def scenario_gpt(rank, out):
+    """The GPT's logit measurements under DDP: each rank measures its half, the record holds the reduction."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.tasks import GPTTask
+
+    task = GPTTask(**GPT_SIZE)
+    raw = task.model()
+    model = DDP(raw)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-2), task.loss_fn,
+                     hooks=[task.monitor(raw)])
+    return [step(*shard(task.batch(i), rank)).to_dict() for i in range(3)]
+
+
 SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups,
-             "rewind": scenario_rewind, "diagnosis": scenario_diagnosis}
+             "rewind": scenario_rewind, "diagnosis": scenario_diagnosis, "gpt": scenario_gpt}
 
 
 def worker(rank, port, out):
@@ -469,6 +486,28 @@ def test_ranks_agree_on_where_a_nonfinite_gradient_started(ranks):
 
 
 # ---------------------------------------------------------------- single process: nothing changes
+
+
+def test_the_gpts_logit_measurements_agree_on_every_rank_and_the_largest_logit_is_the_global_one(ranks):
+    from labkit.tasks import GPTTask
+
+    run0, run1 = (r["gpt"] for r in ranks[0])
+    assert repr(run0) == repr(run1)  # every rank records the same measurements
+    task = GPTTask(**GPT_SIZE)
+    model = task.model()
+    logits = model(task.batch(0)[0])
+    whole = model.measurements().tolist()
+    assert run0[0]["attn_logit_max"] == {"h.0": whole[0]}  # a max over the halves is the max over the batch
+    assert run0[0]["log_z"] == pytest.approx(whole[2], rel=1e-6)  # the mean of two equal halves' means
+    whole_loss = task.loss_fn(logits, task.batch(0)[1]).item()
+    assert run0[0]["ce_loss"] == run0[0]["loss"] == pytest.approx(whole_loss)
+    halves = []
+    for rank in range(2):
+        model(shard(task.batch(0), rank)[0])
+        halves.append(model.measurements().tolist())
+    # the most peaked head of either rank's half, and the mean of the halves' mean log Z**2
+    assert run0[0]["attn_entropy"] == {"h.0": min(h[1] for h in halves)}
+    assert run0[0]["log_z_sq"] == pytest.approx((halves[0][3] + halves[1][3]) / 2, rel=1e-6)
 
 
 def test_empty_gradients_have_norm_0_for_every_norm_type():

@@ -324,11 +324,11 @@ def set_submission(path, answers, prepend):
                                                        "the z-scores yourself",
                                      "detector_tests": "uses what this part asks you to write yourself: cell 15 "
                                                        "'detector_answer', line 34: labkit.spikes.rolling_z"}),
-    (ga.PS3, PS3_BANNED, PS3_SAVED, {"kahan_tests": "called labkit.precision.kahan_add: this part asks you to write "
+    (ga.PS3, PS3_BANNED, PS3_SAVED, {"kahan_tests": "called labkit.formats.bf16.kahan_add: this part asks you to write "
                                                     "the compensated update yourself",
-                                     "fp8_tests": "called labkit.fp8.quantize: this part asks you to write the cast "
+                                     "fp8_tests": "called labkit.formats.fp8.quantize: this part asks you to write the cast "
                                                   "yourself",
-                                     "stale_tests": "called labkit.precision.stale_fraction: this part asks you to "
+                                     "stale_tests": "called labkit.formats.bf16.stale_fraction: this part asks you to "
                                                     "count the lost updates yourself"}),
 ], ids=["ps2", "ps3"])
 def test_the_new_sets_bans_hold_however_the_library_is_reached(path, banned, prepend, lost):

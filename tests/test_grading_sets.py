@@ -270,7 +270,7 @@ def test_delayed_scaling_names_each_mistake():
 
 def test_the_library_functions_a_part_asks_for_are_trapped_however_reached():
     from labkit.clippers import ZClip
-    from labkit.fp8 import Fp8Guard, quantize
+    from labkit.formats.fp8 import Fp8Guard, quantize
     from labkit.lab.defenses import Defenses
 
     class Subclassed(ZClip):  # a subclass runs ZClip's constructor
@@ -294,18 +294,18 @@ def test_the_library_functions_a_part_asks_for_are_trapped_however_reached():
         return q.data, q.scale, q.saturated, q.flushed
 
     tiles = functools.partial(quantize, fmt="e4m3")  # the library's function itself, as the answer
-    assert "called labkit.fp8.quantize: this part asks you to write the cast yourself" in fails(
+    assert "called labkit.formats.fp8.quantize: this part asks you to write the cast yourself" in fails(
         checks.check_fp8_tiles, swallowed, hidden=False)
-    assert "called labkit.fp8.quantize" in visible(checks.check_fp8_tiles, tiles)
+    assert "called labkit.formats.fp8.quantize" in visible(checks.check_fp8_tiles, tiles)
 
     def guarded(steps, history):
         guard = Fp8Guard(history=history)
         return [round(guard(x) and guard.records[-1].saturated * x.numel()) for x in steps], [0] * len(steps)
 
-    assert "called labkit.fp8.Fp8Guard: this part asks you to keep the history yourself" in fails(
+    assert "called labkit.formats.fp8.Fp8Guard: this part asks you to keep the history yourself" in fails(
         checks.check_delayed_scaling, guarded, hidden=False)
-    assert "called labkit.precision.stale_fraction" in fails(
-        checks.check_stale_fraction, lambda u, w: labkit.precision.stale_fraction(u, w, mask=u != 0),
+    assert "called labkit.formats.bf16.stale_fraction" in fails(
+        checks.check_stale_fraction, lambda u, w: labkit.formats.bf16.stale_fraction(u, w, mask=u != 0),
         hidden=False)
     # outside the part, the library works as ever
     assert ZClip(warmup=2).warmup == 2

@@ -149,8 +149,8 @@ def test_a_hook_clip_cuts_deeper_than_the_clipper_and_names_itself(task):
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("clip_z", [None, 2.0])
 def test_the_detector_decides_alike_on_the_host_and_the_device(task, clip_z, precision):
-    """SpikeDetector keeps the device path (device_decision); moved to the host its verdicts and records
-    are the same to the bit: the two implementations of the decision are one rule."""
+    """SpikeDetector decides on the host's one read; kept on the device path (device_decision) its verdicts
+    and records are the same to the bit: the two implementations of the decision are one rule."""
     def data(i):
         x, y = task.batch(i)
         return (x * 30.0 if i == 30 else x), y
@@ -159,8 +159,7 @@ def test_the_detector_decides_alike_on_the_host_and_the_device(task, clip_z, pre
         torch.manual_seed(0)
         model = task.model()
         det = SpikeDetector(window=16, skip_z=6.0 if clip_z is None else None, clip_z=clip_z)
-        if host:
-            det.device_decision = False
+        det.device_decision = not host
         scaler = GradScaler("cpu", init_scale=256.0, enabled=precision == "fp16")
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         train = TrainStep(model, opt, task.loss_fn, precision=precision, max_norm=5.0, detector=det,

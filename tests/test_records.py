@@ -18,6 +18,7 @@ FIELDS = [
     "skip_streak", "lr", "fault", "top_grads", "first_nonfinite", "culprit_module",
     "stale", "lrs",
     "z_loss", "z_grad", "threshold", "clip_reason", "lockin", "rewound", "rewind_to",  # issue 15
+    "attn_logit_max", "attn_entropy", "log_z", "log_z_sq", "ce_loss",  # the GPT's logits (LogitMonitor)
 ]
 
 

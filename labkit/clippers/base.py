@@ -151,7 +151,7 @@ class Clipper:
         done = self.clip_unscaled_(params, norms, norm)
         if done is not None:
             return done
-        coef = torch.ones_like(norm, dtype=torch.float32) if coef is None else coef
+        coef = torch.ones_like(norm, dtype=torch.float32) if coef is None else coef.to(torch.float32)
         level = threshold if isinstance(threshold, Tensor) else torch.full_like(
             coef, float("nan") if threshold is None else threshold)
         return torch.stack([coef, level.to(coef.dtype)])

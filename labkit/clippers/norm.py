@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 from ..clip import check_max_norm, clip_coef, host_clip_coef
-from .base import GlobalClipper
+from .base import Clipper
 
 __all__ = ["NormClip"]
 
 
-class NormClip(GlobalClipper):
+class NormClip(Clipper):
     """Clip the global L2 norm of the gradients to a fixed ``max_norm`` (Pascanu et al., 2013).
 
     Rule: ``g <- g * min(1, max_norm / (||g|| + 1e-6))``, torch's ``clip_grad_norm_``. No
@@ -24,35 +24,23 @@ class NormClip(GlobalClipper):
     (tensor(5.), tensor([0.6000, 0.8000]))
     """
 
+    on_host = True  # no statistics: the coefficient is a function of the norm alone
+    fused_ok = True  # a global coefficient and nothing else
+
     def __init__(self, max_norm: float = 1.0) -> None:
         self.max_norm = check_max_norm(max_norm)
-        super().__init__("raw", None)
-
-    def initial(self) -> dict[str, Tensor]:
-        return {}
-
-    def threshold(self, state: dict[str, Tensor]) -> Tensor:
-        return torch.tensor(self.max_norm, dtype=torch.float32, device=state["streak"].device)
-
-    on_host = True  # no statistics: the coefficient is a function of the norm alone
 
     @property
     def fixed_threshold(self) -> float:  # type: ignore[override]
         return self.max_norm
 
-    def coef(self, limit: Tensor, norm: Tensor) -> Tensor:
-        # with the Python float, as torch and labkit.clip_grad_norm_ do: bit for bit the same gradients
-        return clip_coef(norm, self.max_norm)
-
     def coef_(self, norms: Tensor, norm: Tensor) -> tuple[Tensor, float]:
-        # in the norm's own dtype (float64 gradients clip as torch's do), and nothing to observe
+        # with the Python float and in the norm's own dtype, as torch's clip_grad_norm_: float64
+        # gradients clip bit for bit as torch's do; nothing to observe
         return clip_coef(norm, self.max_norm), self.max_norm
 
     def host_coef(self, norm: float, dtype: torch.dtype) -> float:
         return host_clip_coef(norm, self.max_norm, dtype)
-
-    def update(self, state: dict[str, Tensor], value: Tensor) -> dict[str, Tensor]:
-        return state
 
     def __repr__(self) -> str:
         return f"NormClip(max_norm={self.max_norm:g})"

@@ -28,6 +28,11 @@ tag                        record field
 ``spikes/rewound``         ``rewound`` (0 or 1: a step later undone by a rewind)
 ``grad/clip_threshold``    ``threshold`` (an adaptive clipper's threshold)
 ``precision/stale_fraction``  ``stale_fraction`` (a number, or ``<tag>/<layer>`` per layer)
+``attn/logit_max/<layer>``  ``attn_logit_max`` (the GPT's largest ``q.k / sqrt(d)``; inf: fp16 overflow)
+``attn/entropy_min/<layer>``  ``attn_entropy`` (the most peaked head's entropy, nats)
+``logits/log_z``           ``log_z`` (the output logits' mean log Z, pulled to 0 by z-loss; None: unmeasured)
+``logits/log_z_sq``        ``log_z_sq`` (their mean log Z**2: the z-loss term is its coefficient times it)
+``train/ce_loss``          ``ce_loss`` (the cross-entropy: ``loss`` less the z-loss term)
 ``record/<field>``         any other field a record carries (numbers and text)
 =========================  =======================================================
 
@@ -67,6 +72,11 @@ SCALARS = {
     "rewound": "spikes/rewound",
     "threshold": "grad/clip_threshold",
     "stale_fraction": "precision/stale_fraction",
+    "attn_logit_max": "attn/logit_max",
+    "attn_entropy": "attn/entropy_min",
+    "log_z": "logits/log_z",
+    "log_z_sq": "logits/log_z_sq",
+    "ce_loss": "train/ce_loss",
 }
 TEXTS = {"reason": "amp/skip_reason", "first_nonfinite": "amp/first_nonfinite", "culprit_module": "amp/culprit_module",
          "fault": "train/fault"}

@@ -17,16 +17,14 @@ with its points out of the score until it is.
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .batch import Submission, find
+from .batch import Submission, _sha, _write, find
 from .notebook import _grade_id, _is_manual, _is_test, _meta, plan, read
 
 __all__ = ["Feedback", "part_label", "render", "write_feedback"]
@@ -43,12 +41,12 @@ class Feedback:
     awaiting: dict[str, list[str]] = field(default_factory=dict)  # student: written parts to grade by hand
 
 
-def part_label(part: dict[str, Any], manual: bool) -> str:
+def part_label(part: dict[str, Any]) -> str:
     """Return how a part's result reads on the page: its verdict, with the grader's hint if it failed.
 
-    >>> part_label({"points": 0, "max_points": 2, "status": "manual", "message": "not answered"}, True)
+    >>> part_label({"points": 0, "max_points": 2, "status": "manual", "message": "not answered"})
     'not answered (0 points)'
-    >>> part_label({"points": 0, "max_points": 2, "status": "manual", "message": "graded by hand"}, True)
+    >>> part_label({"points": 0, "max_points": 2, "status": "manual", "message": "graded by hand"})
     'awaiting grading by hand (not in the score yet)'
     """
     status, message = part["status"], part["message"]
@@ -135,7 +133,7 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
                    f'data-max-points="{_fmt(p["max_points"])}" data-status="{esc(p["status"])}">'
                    f'<td><a href="#cell-{esc(gid)}">{esc(gid)}</a></td><td>{kind}</td>'
                    f'<td class="points">{_fmt(p["points"])} / {_fmt(p["max_points"])}</td>'
-                   f"<td>{esc(part_label(p, gid in manual))}</td></tr>")
+                   f"<td>{esc(part_label(p))}</td></tr>")
     out.append("</table><h2>Your notebook</h2>")
     if submission is None:
         out.append('<p class="notice">The notebook handed in could not be read.</p>')
@@ -152,7 +150,7 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
             out.append(f'<div class="cell graded" id="cell-{esc(gid)}"><div class="heading"><span>{kind}: '
                        f'<code>{esc(gid)}</code></span><span>Score: {_fmt(p["points"])} / '
                        f'{_fmt(p["max_points"])}</span></div>{body}<div class="verdict">'
-                       f"{esc(part_label(p, gid in manual))}</div></div>")
+                       f"{esc(part_label(p))}</div></div>")
         elif _meta(cell).get("solution"):
             out.append(f'<div class="cell answer"><b>Your answer</b> <code>{esc(gid or "")}</code>'
                        f"{body}</div>")
@@ -160,10 +158,6 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
             out.append(f'<div class="cell">{body}</div>')
     out.append("</body></html>")
     return "\n".join(out) + "\n"
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_feedback(source_path: Path, folder: Path, grades: Path, out: Path,
@@ -208,10 +202,8 @@ def write_feedback(source_path: Path, folder: Path, grades: Path, out: Path,
         target.mkdir(parents=True, exist_ok=True)
         page = target / f"{sub.path.stem}.html"
         timestamp = (sub.path.parent / "timestamp.txt").read_text(encoding="utf-8").strip()
-        tmp = page.with_name(page.name + ".tmp")
-        tmp.write_text(render(source, submission, entry, student=sub.student, assignment=sub.path.parent.name,
-                              notebook=sub.path.stem, timestamp=timestamp), encoding="utf-8")
-        os.replace(tmp, page)
+        _write(page, render(source, submission, entry, student=sub.student, assignment=sub.path.parent.name,
+                            notebook=sub.path.stem, timestamp=timestamp))
         for name in COPIED:
             shutil.copyfile(sub.path.parent / name, target / name)
         done.written.append(page)

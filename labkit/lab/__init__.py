@@ -17,7 +17,10 @@ _LAZY = {
     ".gradients": ("GradHistogram", "GradientProbe", "Probed", "plot_flushed_by_tensor", "plot_headroom",
                    "plot_layer_heatmap", "plot_sawtooth", "plot_u_curve"),
     ".moments": ("AdamWatch", "plot_adam_moments"),
-    ".plots": ("LiveDashboard", "plot_log"),
+    ".plots": ("LiveDashboard", "plot_log", "plot_scale_and_skips"),
+    # not the function ``sweep``: the name is its module's, which an import sets on this package
+    ".sweep": ("Recipe", "Runs", "SweepPanel", "plot_runs", "plot_sweep", "run_point",
+               "summarize"),
     ".text": ("culprit", "describe", "format_scale", "title"),
     ".widgets": ("ControlPanel", "episode", "event_rows"),
 }
@@ -34,7 +37,8 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
         plot_sawtooth, plot_u_curve,
     )
     from .moments import AdamWatch, plot_adam_moments
-    from .plots import LiveDashboard, plot_log
+    from .plots import LiveDashboard, plot_log, plot_scale_and_skips
+    from .sweep import Recipe, Runs, SweepPanel, plot_runs, plot_sweep, run_point, summarize
     from .text import culprit, describe, format_scale, title
     from .widgets import ControlPanel, episode, event_rows
 
@@ -53,9 +57,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AdamWatch", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig", "GradHistogram",
-    "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "culprit", "default_device",
-    "describe", "episode", "event_rows", "format_scale", "granularity_rows", "ledger", "number_line",
-    "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom", "plot_layer_heatmap",
-    "plot_log", "plot_sawtooth", "plot_u_curve", "round_trip", "run_experiment", "scaling_figure",
-    "stagnation_figure", "title",
+    "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel",
+    "culprit", "default_device", "describe", "episode", "event_rows", "format_scale", "granularity_rows",
+    "ledger", "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
+    "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips", "plot_sweep",
+    "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure", "stagnation_figure",
+    "summarize", "title",
 ]

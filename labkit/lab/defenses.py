@@ -21,7 +21,7 @@ import io
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from ..reasons import LOSS, Reason
 from ..records import StepLog, StepRecord
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
+from .plots import _positive
 
 __all__ = ["KNOBS", "METHODS", "OUTCOMES", "DefenseExplorer", "Defenses", "ledger", "loss_fn_with_shift",
            "plot_defenses", "rolling_band"]
@@ -247,11 +248,6 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
-
-
-def _positive(values: Iterable[float]) -> list[float]:
-    # NaN where a log axis cannot draw (<= 0, inf, NaN): the line breaks there
-    return [v if math.isfinite(v) and v > 0 else math.nan for v in values]
 
 
 def _data_range(ax: Axes) -> tuple[float, float]:

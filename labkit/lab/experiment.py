@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,9 +25,9 @@ from ..tasks import TASKS, Task, make_task
 from ..validate import check_int, check_number
 from .defenses import Defenses, loss_fn_with_shift
 
-__all__ = ["ExperimentConfig", "default_device", "run_experiment"]
+__all__ = ["ExperimentConfig", "default_device", "make_optimizer", "make_scheduler", "run_experiment"]
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = (None, "cosine")
 PARALLEL = (None, "ddp", "fsdp2")
 
@@ -62,7 +63,15 @@ class ExperimentConfig:
     with the model wrapped by ``parallel`` (``"ddp"``, the default, or ``"fsdp2"``);
     ``fault_rank`` injects the faults on that rank only (``None``: on every rank).
     ``task`` names a built-in task (``"toy"``, ``"gpt"``: ``labkit.tasks.TASKS``, sized for the
-    device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``).
+    device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``); one
+    with ``monitor(model)`` (``GPTTask``) has that hook write its measurements on each record.
+    ``optimizer`` is ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"adamw"`` (torch's, with ``betas``);
+    ``weight_decay`` is torch's (AdamW's is decoupled and multiplied by the lr: Wortsman et al.'s
+    *independent* decay λ is ``weight_decay=λ / lr``). ``warmup`` steps raise the lr linearly
+    to ``lr`` (nanoGPT's ``lr * (t + 1) / (warmup + 1)``), then ``scheduler="cosine"`` decays it to 0.
+    ``triage`` (on by default) says why a loss was not finite (``TrainStep(triage=True)``): bad
+    data (``nonfinite_input``) or an fp16 forward overflow (``forward_overflow``); off, every
+    non-finite loss reads ``nonfinite_loss``.
 
     >>> c = ExperimentConfig(precision="fp32", faults=["60:spike:1000"])
     >>> c.faults, c.fault_schedule().get(60).label
@@ -91,6 +100,9 @@ class ExperimentConfig:
     fault_rank: int | None = None
     task: str | Task = "toy"
     defenses: Defenses | None = None  # clipper, detector, rewind, spike and shift (lab/defenses.py)
+    weight_decay: float = 0.0
+    warmup: int = 0
+    triage: bool = True  # a non-finite loss told apart: nonfinite_input, forward_overflow (labkit.triage)
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -112,14 +124,18 @@ class ExperimentConfig:
         check_int("seed", self.seed, 0, 2**32 - 1)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
+        check_number("weight_decay", self.weight_decay, 0, finite=True, noun="a finite number")
+        if not isinstance(self.triage, bool):
+            raise TypeError(f"triage must be True or False, got {self.triage!r}.")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
                                       for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), Adam's (beta1, beta2), got {self.betas!r}.")
-        if self.optimizer != "adam" and betas != (0.9, 0.999):
-            raise ValueError(f"betas are Adam's; optimizer={self.optimizer!r} has none (SGD uses momentum 0.9). "
-                             "Pass optimizer='adam' or leave betas out.")
+        if self.optimizer == "sgd" and betas != (0.9, 0.999):
+            raise ValueError("betas are Adam's and AdamW's; optimizer='sgd' has none (SGD uses momentum 0.9). "
+                             "Pass optimizer='adam' or 'adamw', or leave betas out.")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        check_int("warmup", self.warmup, 0, self.steps, hint="(steps of linear warm-up, at most steps)")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
         if self.parallel not in PARALLEL:
@@ -188,6 +204,42 @@ def _one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
         torch.set_num_threads(before)
 
 
+def make_optimizer(config: ExperimentConfig, params: Any) -> torch.optim.Optimizer:
+    """Return the optimizer ``config`` names over ``params``, with its lr, betas and weight decay."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
+    adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return adam(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def make_scheduler(config: ExperimentConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """Return the lr schedule ``config`` names (None for a constant lr); it resumes from its ``state_dict``.
+
+    Without warm-up, cosine is torch's ``CosineAnnealingLR`` over ``steps``. With ``warmup=w``
+    the factor of the lr at step ``t`` is ``(t + 1) / (w + 1)`` for ``t < w``, then 1, or with
+    cosine ``(1 + cos(pi * (t - w) / (steps - w))) / 2`` (nanoGPT's ``get_lr``, decaying to 0).
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    >>> s = make_scheduler(ExperimentConfig(steps=10, warmup=4, scheduler="cosine"), opt); lrs = []
+    >>> for _ in range(10): lrs.append(round(opt.param_groups[0]["lr"], 3)); opt.step(); s.step()
+    >>> lrs
+    [0.2, 0.4, 0.6, 0.8, 1.0, 0.933, 0.75, 0.5, 0.25, 0.067]
+    """
+    steps, warmup = config.steps, config.warmup
+    if not warmup:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if config.scheduler else None
+    cosine = config.scheduler == "cosine"
+
+    def factor(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / (warmup + 1)
+        if not cosine:
+            return 1.0
+        return (1 + math.cos(math.pi * min(t - warmup, steps - warmup) / max(steps - warmup, 1))) / 2
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def run_experiment(
     config: ExperimentConfig,
     on_record: Callable[[StepRecord], None] | None = None,
@@ -207,7 +259,8 @@ def run_experiment(
     steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
     step (``TrainStep(observer=...)``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
     ``labkit.lab.moments.AdamWatch``: hooks, attached by the step); an observer of the older
-    protocol with an ``attach(trainer)`` method is first handed the ``TrainStep``. Where to show a run is not part of its config. A non-finite loss is
+    protocol with an ``attach(trainer)`` method is first handed the ``TrainStep``. Where to show a
+    run is not part of its config. With ``config.triage`` (the default) a non-finite loss is
     triaged (``TrainStep(triage=True)``): the record says ``nonfinite_input`` (bad data) or
     ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
@@ -222,13 +275,11 @@ def run_experiment(
     _positive_int("histogram_every", histogram_every)
     task = config.make_task()
     model = task.model(device)
+    monitor = task.monitor(model) if callable(getattr(task, "monitor", None)) else None
     if world > 1:
         model = _parallelize(model, config.parallel or "ddp", device)
-    if config.optimizer == "sgd":
-        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
-    else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, betas=config.betas)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps) if config.scheduler else None
+    optimizer = make_optimizer(config, model.parameters())
+    scheduler = make_scheduler(config, optimizer)
     scaler = GradScaler(device.type, init_scale=config.init_scale, growth_interval=config.growth_interval,
                         enabled=config.precision == "fp16" and config.loss_scaling)
     mse, weight = task.loss_fn, config.loss_weight
@@ -240,7 +291,8 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, observer=observer, triage=True, **extra)
+                     faults=faults, log_path=log_path, observer=observer, triage=config.triage,
+                     hooks=[monitor] if monitor is not None else [], **extra)
     if observer is not None and not isinstance(observer, Hook) and hasattr(observer, "attach"):
         observer.attach(step)  # an observer of the older protocol (a Hook is attached by the step)
     rewind = extra.get("rewind")

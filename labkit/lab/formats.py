@@ -122,7 +122,7 @@ def stagnation_figure(runs: Mapping[str, RemedyRun], stale_by_layer: Mapping[str
     every step) are drawn with distinct dashes and named together in the loss panel's title,
     so no curve hides under another unannounced.
 
-    >>> from labkit.precision import compare_remedies
+    >>> from labkit.formats.bf16 import compare_remedies
     >>> fig = stagnation_figure(compare_remedies(steps=300), {"bf16": {"0.weight": 0.9}})
     >>> fig.axes[1].get_title()
     'loss\\n(fp32, bf16 + Kahan and bf16 + fp32 master coincide)'

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from ..records import StepLog, StepRecord
 from ..validate import check_int
 
-__all__ = ["PANELS", "LiveDashboard", "plot_log"]
+__all__ = ["PANELS", "LiveDashboard", "plot_log", "plot_scale_and_skips"]
 
 PANELS = ("norm", "loss", "scale")
 _YLABELS = {"norm": "grad norm", "loss": "loss", "scale": "loss scale"}
@@ -349,3 +349,43 @@ class LiveDashboard:
         buf = io.BytesIO()
         self.figure.savefig(buf, format="png", dpi=80)
         self._image.value = buf.getvalue()
+
+
+def plot_scale_and_skips(logs: Mapping[str, StepLog], title: str = "") -> Figure:
+    """Return each run's loss scale against step (log2 axis), its skipped steps marked by why they skipped.
+
+    A backward overflow (``nonfinite_grad``) halves the scale and the run goes on: the sawtooth. A
+    forward overflow makes the loss itself not finite (``nonfinite_loss``): backward never runs,
+    the scale is left alone, and every later batch that overflows skips again at the same scale.
+
+    >>> from labkit.records import StepRecord
+    >>> log = StepLog([StepRecord(0, math.nan, scale=4.0, next_scale=4.0, skipped=True,
+    ...                           reason="nonfinite_loss")])
+    >>> fig = plot_scale_and_skips({"storm": log}); [line.get_label() for line in fig.axes[0].get_lines()][:2]
+    ['loss scale', 'skipped: loss not finite (forward): 1']
+    """
+    fig = Figure(figsize=(4.4 * len(logs), 3.0), layout="constrained")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    kinds = {"nonfinite_loss": ("^", "C3", "skipped: loss not finite (forward)"),
+             "nonfinite_grad": ("v", "C1", "skipped: gradient not finite (backward)")}
+    for ax, (name, log) in zip(fig.subplots(1, len(logs), squeeze=False)[0], logs.items()):
+        steps, scales = log.column("step"), log.column("scale")
+        ax.plot(steps, scales, drawstyle="steps-post", color="C4", lw=1.2, label="loss scale")
+        for reason, (marker, color, label) in kinds.items():
+            hit = [r for r in log if r.skipped and (r.reason == reason or reason == "nonfinite_loss" and
+                                                    r.reason not in kinds)]
+            if hit:
+                ax.plot([r.step for r in hit], [r.scale for r in hit], marker, color=color, ms=5, ls="none",
+                        label=f"{label}: {len(hit)}")
+        ax.set_yscale("log", base=2)
+        finite = [x for x in scales if math.isfinite(x) and x > 0]
+        if finite:  # a binade of room above and below, so marks on the edge and the legend stay clear
+            ax.set_ylim(min(finite) / 2, max(finite) * 4)
+        ax.set(xlabel="step", ylabel="loss scale", title=name)
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7, loc="upper right")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig

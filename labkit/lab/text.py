@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..records import StepRecord
     from .experiment import ExperimentConfig
 
-__all__ = ["LOSS_WHY", "SKIP_WHY", "culprit", "describe", "format_scale", "title"]
+__all__ = ["LOSS_WHY", "SKIP_WHY", "attention_note", "culprit", "describe", "format_scale", "title"]
 
 # Why a spike detector skipped, as the event line says it.
 SKIP_WHY = {
@@ -83,7 +83,7 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
             what = f"gradient not finite (first in backward: {culprit(record)})"
         else:
             what = "gradient norm not finite, every gradient finite: their sum of squares overflowed float32"
-        lines.append(f"{at} SKIP  {record.reason}: {what}{tag}")
+        lines.append(f"{at} SKIP  {record.reason}: {what}{attention_note(record)}{tag}")
     elif record.clipped and record.clip_reason not in (None, "NormClip"):  # an adaptive clipper's, a z clip
         level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
         lines.append(f"{at} CLIP  {record.clip_reason}: norm {record.grad_norm:.4g}{level} "
@@ -104,6 +104,22 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
         verb = "backoff" if record.next_scale < record.scale else "growth"
         lines.append(f"{at} SCALE {format_scale(record.scale)} -> {format_scale(record.next_scale)} ({verb})")
     return lines
+
+
+def attention_note(record: StepRecord) -> str:
+    """Name the layers whose attention logits were not finite (a GPT's ``LogitMonitor`` measured them).
+
+    >>> from labkit.records import StepRecord
+    >>> attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": math.nan}))
+    '; attention logits inf in h.0 (then NaN in h.1): the forward overflowed, no loss scale can help'
+    """
+    inf = [layer for layer, v in record.attn_logit_max.items() if v == math.inf]
+    nan = [layer for layer, v in record.attn_logit_max.items() if not math.isfinite(v) and v != math.inf]
+    if inf:
+        then = f" (then NaN in {', '.join(nan)})" if nan else ""
+        return (f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed, "
+                "no loss scale can help")
+    return f"; attention logits not finite in {', '.join(nan)}" if nan else ""
 
 
 def title(config: ExperimentConfig, world: int = 1) -> str:

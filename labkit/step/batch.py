@@ -124,7 +124,7 @@ class Batch:
             return
         for x, y in zip(split(self.inputs, self.k), split(self.targets, self.k)):
             # exact for a mean-reduced loss, even with unequal splits
-            yield x, y, 1.0 if self.k == 1 else batch_size(x, None, 1) / self.n
+            yield x, y, batch_size(x, None, 1) / self.n
 
     def corrupt_output(self, out: Any) -> Any:
         """Return the model's output with the scheduled fault applied (``overflow``), or as it is."""

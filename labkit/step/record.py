@@ -24,7 +24,7 @@ from ..reasons import Reason
 from ..records import FIELDS, LogWriteError, StepRecord
 from ..scaler import F32
 
-__all__ = ["DEVICE_FIELDS", "DeferredRecord", "Forensics", "Outcome", "Pending", "build", "forensics"]
+__all__ = ["DEVICE_FIELDS", "DeferredRecord", "Forensics", "Outcome", "Pending", "build", "forensics", "put"]
 
 TOP_K = 3
 # What a step leaves on the device for its record, in this order (one batched copy reads them),
@@ -141,11 +141,23 @@ def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessG
             record.lockin = o.clipper.lockin()
     if o.reason is not None and skipped:
         record.reason = str(o.reason)
-    for name, value in o.fields.items():
-        setattr(record, name, value)
-    for name, value in zip(o.measures, values[len(DEVICE_FIELDS):]):
-        setattr(record, name, value)
+    for name, value in [*o.fields.items(), *zip(o.measures, values[len(DEVICE_FIELDS):])]:
+        put(record, name, value)
     return record
+
+
+def put(record: StepRecord, name: str, value: Any) -> None:
+    """Set a hook's field on ``record``: ``name``, or ``field/key`` for one entry of a per-layer field.
+
+    >>> r = StepRecord(0, 1.0); put(r, "attn_logit_max/h.0", 4.5); put(r, "log_z", 5.1)
+    >>> r.attn_logit_max, r.log_z
+    ({'h.0': 4.5}, 5.1)
+    """
+    field_name, _, key = name.partition("/")
+    if key:
+        getattr(record, field_name)[key] = value
+    else:
+        setattr(record, field_name, value)
 
 
 class DeferredRecord(StepRecord):

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from labkit.clip import clip_grad_norm_ as ref_clip_grad_norm_
 from labkit.clippers import ZClip
+from labkit.reasons import Reason
 from labkit.records import StepRecord
 from labkit.scaler import GradScaler
 from labkit.spikes import SpikeDetector, rolling_z
@@ -209,7 +210,7 @@ def _backoff_hint(case: _RunCase, got: list[tuple[int, Any]], want: list[tuple[i
     if extra and extra[0] in records and records[extra[0]].skipped:
         r = records[extra[0]]
         why = "a z-score skip is not a scaling problem: the scale stays"
-        if r.reason == "nonfinite_grad":
+        if r.reason == Reason.NONFINITE_GRAD:
             why = "with hysteresis=2 the scaler backs off on every second overflow only"
         return (f"step {r.step} was skipped ({r.reason}) but its scale stayed ({r.scale:g} -> "
                 f"{r.next_scale:g}): {why}. A backoff is next_scale < scale, not skipped=True.")

@@ -1,14 +1,14 @@
 """Problem set 3's checks: precision beyond fp16 (after lesson 06).
 
 1. ``check_stale_fraction``: the fraction of bf16 updates lost to rounding, against
-   ``labkit.precision.stale_fraction`` (round-to-nearest-even, the weight's own ulp in the
+   ``labkit.formats.bf16.stale_fraction`` (round-to-nearest-even, the weight's own ulp in the
    update's direction), on subnormal, zero and negative weights and exact ties;
 2. ``check_kahan_update``: one Kahan-compensated bf16 update against
-   ``labkit.precision.kahan_add``, step by step along its own trajectory;
-3. ``check_fp8_tiles``: per-tile (1x128) e4m3 quantization against ``labkit.fp8.quantize``,
+   ``labkit.formats.bf16.kahan_add``, step by step along its own trajectory;
+3. ``check_fp8_tiles``: per-tile (1x128) e4m3 quantization against ``labkit.formats.fp8.quantize``,
    the amax checked before the cast (non-finite: refuse; zero: keep the previous scale);
 4. ``check_delayed_scaling``: how many values saturate under delayed and under current
-   scaling across a range jump, against ``labkit.fp8.update_amax_history``'s rule.
+   scaling across a range jump, against ``labkit.formats.fp8.update_amax_history``'s rule.
 
 Each judge that finds a wrong answer replays the classic mistakes of its part and names the one
 that gives the student's numbers.
@@ -25,19 +25,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from labkit.fp8 import check_amax, quantize, update_amax_history
-from labkit.precision import kahan_add, stale_fraction
+from labkit.formats.fp8 import check_amax, quantize, update_amax_history
+from labkit.formats.bf16 import kahan_add, stale_fraction
 
 from .core import Check, _call, _close, _forbid, _plain, _raised, _ship, _where, check
 
 __all__ = ["BANNED", "CHECKS", "check_delayed_scaling", "check_fp8_tiles", "check_kahan_update",
            "check_stale_fraction"]
 
-STALE_FUNCS = ("labkit.precision.stale_fraction", "labkit.precision._stale", "labkit.precision.StaleMonitor")
-KAHAN_FUNCS = ("labkit.precision.kahan_add", "labkit.precision.stochastic_round_bf16")
-FP8_FUNCS = ("labkit.fp8.quantize", "labkit.fp8.check_amax", "labkit.fp8.Fp8Guard",
-             "labkit.fp8.update_amax_history", "labkit.fp8._block_amax", "labkit.fp8._block_view",
-             "labkit.fp8._expand")
+STALE_FUNCS = ("labkit.formats.bf16.stale_fraction", "labkit.formats.bf16._stale",
+               "labkit.formats.bf16.StaleMonitor")
+KAHAN_FUNCS = ("labkit.formats.bf16.kahan_add", "labkit.formats.bf16.stochastic_round_bf16")
+FP8_FUNCS = ("labkit.formats.fp8.quantize", "labkit.formats.fp8.check_amax", "labkit.formats.fp8.Fp8Guard",
+             "labkit.formats.fp8.update_amax_history", "labkit.formats.fp8._block_amax",
+             "labkit.formats.fp8._block_view", "labkit.formats.fp8._expand")
 BF16 = torch.bfloat16
 E4M3_MAX = 448.0
 
@@ -568,7 +569,7 @@ def check_stale_fraction(fn: Callable[[Tensor, Tensor], Any], hidden: bool = Fal
     """Check ``fn(update, weight) -> fraction``: of the nonzero fp32 updates, how many bf16 rounds away.
 
     Lost means ``weight + update`` rounded to the nearest bf16 (ties to even) is ``weight``:
-    ``labkit.precision.stale_fraction(update, weight, mask=update != 0)``.
+    ``labkit.formats.bf16.stale_fraction(update, weight, mask=update != 0)``.
 
     >>> import math
     >>> def lost_fraction(update, weight):
@@ -606,7 +607,7 @@ def check_fp8_tiles(fn: Callable[[Tensor, Tensor], tuple], hidden: bool = False,
 
     ``scale = amax / 448`` per tile, the amax checked before the cast: a NaN/inf raises
     ``ValueError``, a zero amax keeps ``previous_scale``'s entry. Graded against
-    ``labkit.fp8.quantize(x, "e4m3", "tile128")`` on shapes with outlier channels.
+    ``labkit.formats.fp8.quantize(x, "e4m3", "tile128")`` on shapes with outlier channels.
 
     >>> def quantize_tiles(x, previous_scale):
     ...     tiles = x.reshape(x.shape[0], -1, 128)
@@ -628,7 +629,7 @@ def check_delayed_scaling(fn: Callable[[list[Tensor], int], tuple], hidden: bool
 
     Delayed: the scale comes from the largest amax of the previous ``history`` steps (this
     step's own when there is none yet), the history updated after the cast
-    (``labkit.fp8.update_amax_history``); current: from this step's amax.
+    (``labkit.formats.fp8.update_amax_history``); current: from this step's amax.
 
     >>> def saturation(steps, history):
     ...     amaxes, delayed, current = [], [], []
