@@ -41,8 +41,8 @@ class DeadScaleWarning(LabkitWarning):
 REMEDIES = {
     Reason.NONFINITE_LOSS: "nonfinite_loss: the loss itself was NaN/inf, which no loss scale can fix: bad batches "
                            "(NaN/inf in the inputs or labels) or, under fp16, a forward pass that overflowed "
-                           "(activations beyond 65504, e.g. attention logits); TrainStep(triage=True) tells them "
-                           "apart.",
+                           "(activations beyond 65504, e.g. attention logits): check the batch for NaN/inf and "
+                           "run its forward in fp32 (TrainStep(triage=True) does both and names the cause).",
     Reason.NONFINITE_INPUT: "nonfinite_input: the batches hold NaN/inf: fix the data pipeline (the loader, the "
                             "normalisation, the labels); no loss scale, learning rate or clipping repairs data.",
     Reason.FORWARD_OVERFLOW: "forward_overflow: the fp16 forward overflowed (activations beyond 65504) while the "

@@ -184,7 +184,7 @@ def test_the_hook_in_a_plain_loop():
 @pytest.mark.parametrize("reason, remedy", [
     ("nonfinite_input", "fix the data pipeline"),
     ("forward_overflow", "the loss scale acts on backward and cannot help"),
-    ("nonfinite_loss", "TrainStep(triage=True) tells them apart"),
+    ("nonfinite_loss", "run its forward in fp32 (TrainStep(triage=True) does both"),
 ])
 def test_a_skip_streak_names_each_reasons_remedy(reason, remedy):
     task = ToyTask()
