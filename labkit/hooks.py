@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
     from torch import Tensor
 
-__all__ = ["DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict", "check_measure"]
+__all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict", "check_measure"]
 
 
 @dataclass
@@ -154,10 +154,10 @@ class Hook:
         """Join ``trainer`` (once, at the end of its constructor)."""
 
     def pre_step(self, trainer: Any, step: int) -> None:
-        """Before the forward of optimizer step ``step``."""
+        """Prepare for optimizer step ``step``, before its forward."""
 
     def post_backward(self, trainer: Any, step: int) -> Mapping[str, Tensor] | None:
-        """After backward: return ``{record field: 0-dim device tensor}`` to read with the record, or None.
+        """Return, after backward, ``{record field: 0-dim device tensor}`` to read with the record, or None.
 
         The tensors join the read the step makes anyway (the norm and the scale, or the record's
         batched copy); only a step whose loss was not finite, without a loss scale to read, reads
@@ -167,17 +167,17 @@ class Hook:
         return None
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict | None:
-        """Given this step's loss and norm, return a ``Verdict`` (skip, clip, fields) or None."""
+        """Return a ``Verdict`` (skip, clip, fields) from this step's loss and norm, or None."""
         return None
 
     def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
-        """Right before ``optimizer.step()``; the gradients are the ones it will use."""
+        """Act right before ``optimizer.step()``, on the gradients it will use."""
 
     def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
-        """After the optimizer step or skip; ``record`` may still be deferred (reading it copies it over)."""
+        """Act after the optimizer step or skip; ``record`` may still be deferred (a read copies it over)."""
 
     def on_record(self, trainer: Any, record: Any) -> None:
-        """The record's numbers are on the host; it is about to be appended to the log."""
+        """Read the record, its numbers on the host, just before it is appended to the log."""
 
     def state_dict(self) -> dict[str, Any]:
         """Return what ``load_state_dict`` needs to resume this hook."""

@@ -163,8 +163,11 @@ class Buffers:
 
 
 class LossCheck:
-    """The forward's loss and its check: a host float (``bad``: it was not finite, backward was skipped),
-    or with deferred records a 0-dim device tensor and ``flag``, the device's "not finite" for the step."""
+    """Hold the forward's loss and its check.
+
+    The loss is a host float (``bad``: it was not finite, backward was skipped), or with deferred
+    records a 0-dim device tensor and ``flag``, the device's "not finite" for the step.
+    """
 
     __slots__ = ("bad", "flag", "value")
 

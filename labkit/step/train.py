@@ -172,7 +172,7 @@ class TrainStep:
         return self._finish(outcome, buffers, stepped=not loss.bad)  # scheduler -> hooks -> record
 
     def _forward_backward(self, batch: Batch) -> LossCheck:
-        """Forward and loss under autocast, the loss checked, the scaled backward, for each micro-batch."""
+        """Run forward and loss under autocast, check the loss, backward the scaled loss, per micro-batch."""
         # the last step's gradients, kept for its forensics: let zero_grad free them, or they would live
         # through this forward and backward (a second set of gradients, freed late)
         self._named_grads = []
