@@ -37,6 +37,24 @@ class DeadScaleWarning(LabkitWarning):
     """The loss scale left float32's normal range: every step from now on skips."""
 
 
+# What a streak of each kind of skip asks of you (the skip-streak warning names those in the streak).
+REMEDIES = {
+    Reason.NONFINITE_LOSS: "nonfinite_loss: the loss itself was NaN/inf, which no loss scale can fix: bad batches "
+                           "(NaN/inf in the inputs or labels) or, under fp16, a forward pass that overflowed "
+                           "(activations beyond 65504, e.g. attention logits): check the batch for NaN/inf and "
+                           "run its forward in fp32 (TrainStep(triage=True) does both and names the cause).",
+    Reason.NONFINITE_INPUT: "nonfinite_input: the batches hold NaN/inf: fix the data pipeline (the loader, the "
+                            "normalisation, the labels); no loss scale, learning rate or clipping repairs data.",
+    Reason.FORWARD_OVERFLOW: "forward_overflow: the fp16 forward overflowed (activations beyond 65504) while the "
+                             "same forward in fp32 is finite; the loss scale acts on backward and cannot help: "
+                             "lower the learning rate, add qk-layernorm (attention logits), train in bf16, or find "
+                             "the layer whose activations grew.",
+    Reason.NONFINITE_GRAD: "nonfinite_grad: gradients overflow at every scale tried: lower the learning rate, "
+                           "check for an fp16 overflow in the forward, or train in bf16; the record's "
+                           "first_nonfinite and culprit_module name where backward first held inf.",
+}
+
+
 def _check_state(state: Any, keys: tuple[str, ...], owner: str) -> None:
     if not isinstance(state, dict) or not set(keys) <= state.keys():
         raise KeyError(f"{owner} state must be a dict with {list(keys)}; pass what {owner}.state_dict() returned.")
@@ -76,14 +94,9 @@ class SkipAlarm(Hook):
             )
         if self.streak == self.threshold:
             kinds = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
+            remedies = " ".join(REMEDIES[r] for r in dict.fromkeys(self.reasons) if r in REMEDIES)
             warnings.warn(
-                f"{self.streak} steps skipped in a row (steps {step - self.streak + 1}-{step}: {kinds}). "
-                "nonfinite_loss means the loss itself was NaN/inf, which no loss scale can fix: bad "
-                "batches (check the data pipeline for NaN/Inf inputs and labels) or, under fp16, a forward "
-                "pass that overflowed (activations beyond 65504, e.g. attention logits): if the batch is "
-                "finite and its forward in fp32 gives a finite loss, train in bf16 or find what grew. "
-                "nonfinite_grad means gradients overflow at every scale tried: lower the learning rate, "
-                "check for an fp16 overflow in the forward, or train in bf16.",
+                f"{self.streak} steps skipped in a row (steps {step - self.streak + 1}-{step}: {kinds}). {remedies}",
                 SkipStreakWarning,
                 stacklevel=3,
             )

@@ -24,8 +24,9 @@ class Reason(str, Enum):
     DEAD_SCALE = "dead_scale"  # the loss scale is below float32's normal range: 1/scale overflows
     SPIKE_LOSS = "spike_loss"  # a spike detector's loss z-score was above its skip_z
     SPIKE_GRAD = "spike_grad"  # a spike detector's gradient-norm z-score was above its skip_z
-    # A non-finite loss told apart by re-running the forward in fp32: the low-precision forward
-    # overflowed (the scale cannot help), or an input holds NaN/inf. No part of labkit sets them yet.
+    # A non-finite loss told apart (``labkit.triage``, ``TrainStep(triage=True)``): an input holds NaN/inf
+    # (bad data), or the fp16/bf16 forward overflowed while the same forward in fp32 is finite (the scale
+    # cannot help). Backward skipped, the scale untouched, as for nonfinite_loss.
     FORWARD_OVERFLOW = "forward_overflow"
     NONFINITE_INPUT = "nonfinite_input"
 
@@ -33,7 +34,11 @@ class Reason(str, Enum):
     __format__ = str.__format__
 
 
-# Counted in every summary, with 0 when they never happened (what the scaler's skips are about).
+# Counted in every summary, with 0 when they never happened (what the scaler's skips are about). The
+# triage's refinements are counted when they happen: without triage they never do. ps1's skip decision
+# returns one of these (labkit.grading.checks.ps1.REASONS), so its contract stays on nonfinite_loss.
 COUNTED = (Reason.NONFINITE_LOSS, Reason.NONFINITE_GRAD)
+# Every reason for a non-finite loss: backward never ran and the scale was left alone.
+LOSS = (Reason.NONFINITE_LOSS, Reason.NONFINITE_INPUT, Reason.FORWARD_OVERFLOW)
 # A spike detector's skips: the trigger of a rewind.
 SPIKES = (Reason.SPIKE_LOSS, Reason.SPIKE_GRAD)

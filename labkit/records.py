@@ -93,7 +93,9 @@ class StepRecord:
     lr: float = math.nan
     fault: str | None = None
     top_grads: list[tuple[str, float]] = field(default_factory=list)
+    # the first gradient in backward order (nearest the loss) holding NaN/inf, and the module that produced it
     first_nonfinite: str | None = None
+    culprit_module: str | None = None
     stale: dict[str, float] = field(default_factory=dict)  # per layer: updates below half an ulp (StaleMonitor)
     lrs: list[float] = field(default_factory=list)  # every param group's lr (``lr`` is group 0's)
     # Spike defenses: z-scores of loss and norm (NaN: no detector, or not enough history),
@@ -141,8 +143,15 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepRecord:
-        """Build a record from ``to_dict()`` or from a parsed ``to_json()`` line (either form of NaN)."""
-        d = dict(d)
+        """Build a record from ``to_dict()`` or from a parsed ``to_json()`` line (either form of NaN).
+
+        Fields this labkit does not know (written by a newer one) are left out, so a log stays
+        readable by the labkit that reads it; a record without ``step`` and ``loss`` is refused.
+
+        >>> StepRecord.from_dict({"step": 1, "loss": "NaN", "from_the_future": 3}).loss
+        nan
+        """
+        d = {k: v for k, v in d.items() if k in _KNOWN}
         for name in FLOATS & d.keys():
             d[name] = _from_json(d[name])
         d["top_grads"] = [(n, _from_json(v)) for n, v in d.get("top_grads") or []]
@@ -153,6 +162,7 @@ class StepRecord:
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
+_KNOWN = frozenset(FIELDS)
 PER_LAYER = ("stale", "attn_logit_max", "attn_entropy")  # {layer: number}
 FLOATS = {f.name for f in dataclasses.fields(StepRecord) if f.type in ("float", "float | None")}
 

@@ -35,16 +35,16 @@ def test_demo_cli_writes_logs_and_figure_and_reports_every_event(tmp_path):
     # the default schedule: a spike that is clipped, a NaN batch that is skipped without
     # touching the scale, and an overflow episode that skips and halves the scale each step
     assert log[50].fault == "spike:10" and log[50].clipped and not log[50].skipped
-    assert log[120].reason == "nonfinite_loss" and log[120].next_scale == log[120].scale
+    assert log[120].reason == "nonfinite_input" and log[120].next_scale == log[120].scale  # triaged: bad data
     assert log.skipped_steps == [120, 200, 201, 202, 203, 204]
     assert [r.next_scale / r.scale for r in log[200:205]] == [0.5] * 5
     # growth every 50 counted clean steps: the NaN step 120 is not counted and not punished
     grew = [r.step for r in log if r.next_scale > r.scale]
     assert grew == [49, 99, 150]
     assert "step   50  CLIP" in proc.stdout
-    assert "step  120  SKIP  nonfinite_loss" in proc.stdout
+    assert "step  120  SKIP  nonfinite_input: loss is not finite, an input holds NaN/inf (bad data)" in proc.stdout
     assert proc.stdout.count("(backoff)") == 5
-    assert "skipped     6 (nonfinite_loss 1, nonfinite_grad 5)" in proc.stdout
+    assert "skipped     6 (nonfinite_loss 0, nonfinite_grad 5, nonfinite_input 1)" in proc.stdout
     csv_lines = (out / "log.csv").read_text().splitlines()
     assert len(csv_lines) == 221 and csv_lines[0].startswith("step,loss,grad_norm")
     png = (out / "demo.png").read_bytes()
@@ -59,7 +59,7 @@ def test_the_progress_bar_draws_on_a_terminal_only(tmp_path, capsys, monkeypatch
         monkeypatch.setattr(stream, "isatty", lambda: terminal)
     assert main(["--out", str(tmp_path), "--steps", "20", "--inject", "5:nan"]) == 0
     out, err = capsys.readouterr()
-    assert "step    5  SKIP  nonfinite_loss" in out
+    assert "step    5  SKIP  nonfinite_input" in out
     assert ("\r" in err and "20/20" in err) is terminal  # tqdm's bar, redrawn in place
     assert ("\nprogress 20/20 steps (100%), loss " in out) is not terminal
     if terminal:
@@ -80,7 +80,7 @@ def test_demo_flags_change_the_run(tmp_path, capsys):
                  "--inject", "5:inf", "--inject", "9:spike:1000", "--seed", "3", "--no-progress"]) == 0
     log = StepLog.read_jsonl(out / "log.jsonl")
     assert log[0].scale == 256.0 and log[4].next_scale == 512.0  # grew after 4 clean steps
-    assert log[5].reason == "nonfinite_loss" and log[5].fault == "inf"
+    assert log[5].reason == "nonfinite_input" and log[5].fault == "inf"
     assert log[9].fault == "spike:1000"
     capsys.readouterr()
 
@@ -133,12 +133,17 @@ def test_jsonl_lines_are_valid_python_json(tmp_path):
 
 
 def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed():
-    from labkit.lab.demo import describe
+    from labkit.lab import describe
     from labkit.records import StepRecord
 
-    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="0.weight")
+    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="4.weight",
+                       culprit_module="4")
+    tied = StepRecord(9, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad",
+                      first_nonfinite="wte.weight", culprit_module="lm_head")
     overflowed = StepRecord(8, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad")
-    assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first: 0.weight)"]
+    assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first in backward: 4.weight)"]
+    assert describe(tied, 1.0) == ["step    9  SKIP  nonfinite_grad: gradient not finite (first in backward: "
+                                   "wte.weight, as used by lm_head)"]
     assert describe(overflowed, 1.0) == ["step    8  SKIP  nonfinite_grad: gradient norm not finite, every gradient "
                                          "finite: their sum of squares overflowed float32"]
 

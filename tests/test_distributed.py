@@ -184,6 +184,66 @@ def scenario_rewind(rank, out):
             "params": {k.removeprefix("module."): v for k, v in full_params(model).items()}}
 
 
+def poison_grad(module, when):
+    """NaN into the gradient arriving at ``module``'s output, on the forwards where ``when()`` holds."""
+
+    def hook(mod, args, out):
+        if when():
+            out.register_hook(lambda g: g.clone().fill_(math.nan))
+
+    module.register_forward_hook(hook)
+
+
+DIAGNOSIS_STEPS = 4
+
+
+def scenario_diagnosis(rank, out):
+    """Rank 1 alone: a NaN batch (step 1), finite inputs whose fp16 forward overflows (step 2), a NaN in a
+    middle layer's gradient (step 3); and a GPT whose middle block's gradient is NaN on rank 1 only."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.blame import BackwardOrder
+    from labkit.clip import per_tensor_norms
+    from labkit.step.record import forensics as _forensics
+    from labkit.tasks import GPTTask
+
+    task = ToyTask()
+    inner = task.model()
+    model = DDP(inner)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
+                     triage=True, skip_alarm=None, clip_alarm=None)
+    poison_grad(inner[2], lambda: rank == 1 and step.step_count == 3)
+    for i in range(DIAGNOSIS_STEPS):
+        x, y = shard(task.batch(i), rank)
+        if rank == 1 and i == 1:
+            x = x.clone().fill_(math.nan)
+        if rank == 1 and i == 2:
+            x = x * 1e5
+        step(x, y)
+    toy = [r.to_dict() for r in step.log]
+
+    gpt_task = GPTTask(n_layer=3, n_head=2, n_embd=16, block_size=8, batch_size=4)
+    gpt = gpt_task.model()
+    model = DDP(gpt)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), gpt_task.loss_fn, skip_alarm=None,
+                     clip_alarm=None)
+    poison_grad(gpt.h[1], lambda: rank == 1)
+    gpt_record = step(*shard(gpt_task.batch(0), rank)).to_dict()
+
+    # FSDP2, backward order: rank 0's shard of 2.weight (nearer the loss) and rank 1's of 0.bias hold a NaN
+    model = fully_sharded(task.model())
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    task.loss_fn(model(shard(task.batch(0), rank)[0]), shard(task.batch(0), rank)[1]).backward()
+    grads = dict((n, p.grad) for n, p in model.named_parameters())
+    grads["2.weight" if rank == 0 else "0.bias"].to_local().view(-1)[0] = math.nan
+    named = list(grads.items())
+    found = _forensics(named, per_tensor_norms([g for _, g in named], 2.0), None, order.positions, order.uses)
+    return {"toy": toy, "gpt": gpt_record, "fsdp_positions": dict(order.positions),
+            "fsdp_culprit": (found.first_nonfinite, found.culprit_module)}
+
+
 GPT_SIZE = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "batch_size": 4}
 
 
@@ -202,7 +262,7 @@ def scenario_gpt(rank, out):
 
 
 SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups,
-             "rewind": scenario_rewind, "gpt": scenario_gpt}
+             "rewind": scenario_rewind, "diagnosis": scenario_diagnosis, "gpt": scenario_gpt}
 
 
 def worker(rank, port, out):
@@ -392,6 +452,39 @@ def test_a_spike_on_one_rank_rewinds_every_rank_together(ranks):
         assert torch.equal(a["params"][k], b["params"][k]), k
 
 
+# ---------------------------------------------------------------- triage and blame
+
+
+def test_triage_on_one_ranks_bad_step_gives_every_rank_the_same_reason(ranks):
+    (r0, r1), _ = ranks
+    a, b = r0["diagnosis"]["toy"], r1["diagnosis"]["toy"]
+    assert [r["reason"] for r in a] == [None, "nonfinite_input", "forward_overflow", "nonfinite_grad"]
+    assert repr(a) == repr(b)  # the same decisions, reasons, culprits and scales on both ranks
+    assert [(r["scale"], r["next_scale"]) for r in a[1:3]] == [(a[0]["next_scale"],) * 2] * 2  # scale untouched
+
+
+def test_ranks_agree_on_where_a_nonfinite_gradient_started(ranks):
+    (r0, r1), _ = ranks
+    # DDP: rank 1's NaN in the middle layer's gradient, all-reduced into both ranks' gradients
+    for r in (r0, r1):  # DDP's parameters are named module.*
+        toy = r["diagnosis"]["toy"][3]
+        assert toy["first_nonfinite"] in ("module.2.weight", "module.2.bias") and toy["culprit_module"] == "module.2"
+    # a tied GPT: on rank 0 every use of the tied weight saw finite gradients; both ranks still name the block
+    gpt = [r["diagnosis"]["gpt"] for r in (r0, r1)]
+    assert repr(gpt[0]) == repr(gpt[1])
+    assert gpt[0]["skipped"] and gpt[0]["culprit_module"].startswith("module.h.1."), gpt[0]["first_nonfinite"]
+    # FSDP2: each rank's shard holds a different NaN; backward order (recorded alike) names 2.weight on both
+    positions = r0["diagnosis"]["fsdp_positions"]
+    assert positions == r1["diagnosis"]["fsdp_positions"] and len(positions) == 6
+    assert positions["2.weight"][0] < positions["0.bias"][0]
+    assert r0["diagnosis"]["fsdp_culprit"] == r1["diagnosis"]["fsdp_culprit"] == ("2.weight", "2")
+    # and the fp16 overflow fault on rank 1 (the output's gradient) is named at the head on every rank
+    for run in ("ddp", "fsdp"):
+        overflow = [r[run]["fp16" if run == "fsdp" else "fp16x1"]["records"][OVERFLOW_STEP] for r in (r0, r1)]
+        head = "module.4" if run == "ddp" else "4"
+        assert overflow[0]["culprit_module"] == overflow[1]["culprit_module"] == head, run
+
+
 # ---------------------------------------------------------------- single process: nothing changes
 
 
@@ -455,7 +548,7 @@ def test_demo_under_torchrun_reports_rank_1s_nan_once(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = StepLog.read_jsonl(out / "log.jsonl")
-    assert len(log) == 125 and log.skipped_steps == [120] and log[120].reason == "nonfinite_loss"
-    assert proc.stdout.count("step  120  SKIP  nonfinite_loss") == 1  # rank 0 speaks for both
+    assert len(log) == 125 and log.skipped_steps == [120] and log[120].reason == "nonfinite_input"
+    assert proc.stdout.count("step  120  SKIP  nonfinite_input") == 1  # rank 0 speaks for both
     assert "ranks       2 (ddp, gloo)" in proc.stdout
     assert (out / "log.csv").exists() and (out / "demo.png").exists()

@@ -32,12 +32,13 @@ def test_run_experiment_is_the_hand_written_trainstep_loop(precision):
     opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
     scaler = labkit.GradScaler("cpu", init_scale=2.0**12, growth_interval=7, enabled=precision == "fp16")
     step = labkit.TrainStep(model, opt, task.loss_fn, precision=precision, max_norm=1.0, scaler=scaler,
-                            faults=labkit.FaultSchedule.parse(config.faults))
+                            faults=labkit.FaultSchedule.parse(config.faults), triage=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", labkit.LabkitWarning)
         for i in range(40):
             step(*task.batch(i))
     assert dicts(quiet(config)) == dicts(step.log)
+    assert step.log[5].reason == "nonfinite_input"  # the lab triages a non-finite loss
 
 
 def test_equal_configs_give_equal_logs_and_on_record_sees_every_record_in_order():

@@ -226,7 +226,7 @@ def read_wandb(out, run_name):
 def test_the_run_kept_skips_clips_and_a_skip_streak(live_run):
     _, records, log = live_run
     assert [r["step"] for r in records] == list(range(24))
-    assert records[3]["reason"] == "nonfinite_loss" and records[8]["reason"] == "nonfinite_grad"
+    assert records[3]["reason"] == "nonfinite_input" and records[8]["reason"] == "nonfinite_grad"
     assert any(r["clipped"] for r in records) and max(r["skip_streak"] for r in records) >= 8
     assert len(log) == len(records)
 
@@ -235,7 +235,7 @@ def test_tensorboard_reads_back_every_value_bit_for_bit(live_run):
     out, records, _ = live_run
     scalars, texts, hists = read_tensorboard(out / "tensorboard" / "live")
     assert_same_bits(scalars, want_all(records), "tensorboard")
-    assert texts[(3, "amp/skip_reason")] == "nonfinite_loss" and texts[(20, "train/fault")] == "spike:50"
+    assert texts[(3, "amp/skip_reason")] == "nonfinite_input" and texts[(20, "train/fault")] == "spike:50"
     assert texts[(8, "amp/skip_reason")] == "nonfinite_grad"
     assert "8 steps skipped in a row" in texts[(15, "alerts/SkipStreakWarning")]  # no alert API: as text
     # a histogram per parameter every 10 steps; its counts cover every finite non-zero gradient entry
@@ -249,7 +249,7 @@ def test_trackio_store_reads_back_every_value_bit_for_bit_and_holds_the_alert(li
     _, records, _ = live_run
     scalars, texts, hists, alerts = read_trackio("labkit", "live")
     assert_same_bits(scalars, want_all(records), "trackio")
-    assert texts[(3, "amp/skip_reason")] == "nonfinite_loss"
+    assert texts[(3, "amp/skip_reason")] == "nonfinite_input"
     assert [(a["title"], a["step"], a["level"]) for a in alerts] == [("SkipStreakWarning", 15, "warn")]
     assert "8 steps skipped in a row (steps 8-15" in alerts[0]["text"]
     assert sorted(s for s, t in hists if t == "layers/0.weight/log2_abs_grad") == [0, 20]
@@ -266,7 +266,7 @@ def test_mlflow_client_reads_back_every_value_bit_for_bit(live_run):
     out, records, _ = live_run
     scalars, files, tags = read_mlflow(out, "live")
     assert_same_bits(scalars, sqlite_clamped(want_all(records)), "mlflow")  # NaN norms and losses as NaN
-    assert "step 3  amp/skip_reason: nonfinite_loss" in files["events.txt"]
+    assert "step 3  amp/skip_reason: nonfinite_input" in files["events.txt"]
     assert "step 15  SkipStreakWarning: 8 steps skipped in a row" in files["alerts.txt"]
     assert tags["labkit.alerts"] == "1"
 
@@ -275,7 +275,7 @@ def test_wandb_offline_run_file_reads_back_every_value_bit_for_bit_and_holds_the
     out, records, _ = live_run
     scalars, texts, hists, alerts = read_wandb(out, "live")
     assert_same_bits(scalars, want_all(records), "wandb")
-    assert texts[(3, "amp/skip_reason")] == "nonfinite_loss"
+    assert texts[(3, "amp/skip_reason")] == "nonfinite_input"
     assert len(alerts) == 1 and alerts[0][0] == "SkipStreakWarning" and alerts[0][1].startswith("step 15: 8 steps")
     assert sorted(s for s, t in hists if t == "layers/0.weight/log2_abs_grad") == [0, 20]
     counts, edges = hists[(20, "layers/0.weight/log2_abs_grad")]
@@ -405,7 +405,7 @@ def test_demo_log_to_writes_the_run_into_the_tracker_under_out(tracker_env, tmp_
                       "--no-progress"]) == 0
     scalars, texts, hists = read_tensorboard(out / "tensorboard" / "demo")
     assert_same_bits(scalars, want_all(read_records(out / "log.jsonl")), "demo --log-to tensorboard")
-    assert texts == {(2, "amp/skip_reason"): "nonfinite_loss", (2, "train/fault"): "nan"}
+    assert texts == {(2, "amp/skip_reason"): "nonfinite_input", (2, "train/fault"): "nan"}
     assert {s for s, _ in hists} == {0}  # every 10 steps, from step 0
 
 

@@ -12,6 +12,7 @@ import torch
 
 from labkit import GradScaler, StepLog, StepRecord, ToyTask, TrainStep
 from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.blame import BackwardOrder
 from labkit.clip import clip_coef, per_tensor_norms, total_norm
 from labkit.clippers import NormClip
 from labkit.formats.bf16 import StaleMonitor
@@ -35,7 +36,12 @@ def parts(task):
     torch.manual_seed(0)
     model = task.model()
     first = next(model.parameters())
-    first.register_hook(lambda g: g * math.inf if first.grad_step == INF_AT else g)  # an overflow in backward
+
+    def overflow_at_the_head(module, args, out):  # an overflow in backward, at the output layer
+        if first.grad_step == INF_AT:
+            out.register_hook(lambda g: g * math.inf)
+
+    model[4].register_forward_hook(overflow_at_the_head)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=16)
     return model, first, opt, scaler, NormClip(0.5), SpikeDetector(window=16, skip_z=6.0)
@@ -45,7 +51,10 @@ def plain_loop(task):
     """nanoGPT's order with labkit's pieces, by hand: what a practitioner's loop looks like."""
     model, first, opt, scaler, clipper, detector = parts(task)
     skips, clips, log = SkipAlarm(8), ClipAlarm(0.5, 100), StepLog()
+    order = BackwardOrder()
+    order.attach(model)
     for step in range(STEPS):
+        order.pre_step(None, step)
         first.grad_step = step
         x, y = batch(task, step)
         lrs = [float(g["lr"]) for g in opt.param_groups]
@@ -79,7 +88,8 @@ def plain_loop(task):
                 record.clipped = record.clip_coef < 1.0 and not record.skipped
                 record.clip_reason = "NormClip" if record.clipped else None
             if record.skipped or record.clipped:  # which layers: from the norms already computed
-                record.top_grads, record.first_nonfinite = forensics(named, norms, None)
+                record.top_grads, record.first_nonfinite, record.culprit_module = forensics(
+                    named, norms, None, order.positions, order.uses)
         for hook in (skips, clips, detector):  # each hook's moment, called by hand
             hook.on_record(None, record)
         log.append(record)
@@ -106,7 +116,10 @@ def test_a_plain_loop_with_labkits_parts_is_trainstep_to_the_bit():
     assert records[NAN_AT].reason == "nonfinite_loss" and records[INF_AT].reason == "nonfinite_grad"
     assert records[SPIKE_AT].reason in ("spike_loss", "spike_grad") and sum(r.clipped for r in log_b) >= 3
     overflow = records[INF_AT]
-    assert overflow.next_scale == overflow.scale / 2 and overflow.first_nonfinite == "0.weight"
+    # every layer's gradient is inf (it spread to the input layer); backward order names where it started
+    assert overflow.next_scale == overflow.scale / 2
+    assert not any(math.isfinite(v) for _, v in overflow.top_grads)
+    assert overflow.first_nonfinite in ("4.weight", "4.bias") and overflow.culprit_module == "4"
     assert [repr(r.to_dict()) for r in log_a] == [repr(r.to_dict()) for r in log_b]
     assert repr(log_a.summary()) == repr(log_b.summary())
     for p, q in zip(model_a.parameters(), model_b.parameters()):

@@ -74,3 +74,38 @@ def test_betas_reach_adam_and_are_refused_for_sgd():
         ExperimentConfig(optimizer="sgd", betas=(0.9, 0.95))
     with pytest.raises(ValueError, match=r"betas must be two numbers in \[0, 1\)"):
         ExperimentConfig(optimizer="adam", betas=(0.9, 1.0))
+
+
+def test_the_watch_is_a_hook_the_step_attaches_and_equals_the_plain_loop():
+    from labkit import ToyTask, TrainStep
+    from labkit.hooks import Hook
+    from labkit.lab import AdamWatch as FromTheFront
+
+    assert FromTheFront is AdamWatch and isinstance(AdamWatch(), Hook)
+    task = ToyTask()
+    watches = {}
+    for how in ("hooks", "loop"):
+        model = task.model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if how == "hooks":  # no attach by hand: the step hands the watch its optimizer
+            watches[how] = watch = AdamWatch()
+            step = TrainStep(model, opt, task.loss_fn, hooks=[watch], faults={2: "nan"}, skip_alarm=None)
+            for i in range(4):
+                step(*task.batch(i))
+        else:
+            watches[how] = watch = AdamWatch(optimizer=opt)
+            params = list(model.named_parameters())
+            for i in range(4):
+                x, y = task.batch(i)
+                opt.zero_grad()
+                if i == 2:  # the step above skips the NaN batch before backward: no optimizer step
+                    continue
+                task.loss_fn(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                watch.before_step(params, i)
+                opt.step()
+                watch.after_step(params, None)
+    assert watches["hooks"].steps == [0, 1, 3]
+    for name in ("v_hat", "step_size", "update"):  # the same steps (the clip may round apart)
+        assert getattr(watches["hooks"], name) == pytest.approx(getattr(watches["loop"], name), rel=1e-5)
+    assert watches["hooks"].update[2] > 0  # the NaN step left no trace: step 3 moved

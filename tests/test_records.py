@@ -15,7 +15,7 @@ NAN = float("nan")
 INF = float("inf")
 FIELDS = [
     "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
-    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite",
+    "skip_streak", "lr", "fault", "top_grads", "first_nonfinite", "culprit_module",
     "stale", "lrs",
     "z_loss", "z_grad", "threshold", "clip_reason", "lockin", "rewound", "rewind_to",  # issue 15
     "attn_logit_max", "attn_entropy", "log_z", "log_z_sq", "ce_loss",  # the GPT's logits (LogitMonitor)
@@ -48,7 +48,7 @@ def log():
                    fault="spike:1000", top_grads=[("0.weight", 2.5), ("2.weight", 1.5), ("0.bias", 0.5)]),
         StepRecord(3, 0.8, grad_norm=INF, scale=2048.0, next_scale=1024.0, skipped=True, reason="nonfinite_grad",
                    skip_streak=1, lr=0.05, fault="overflow", top_grads=[("4.weight", INF), ("2.weight", NAN), ("0.bias", 2.0)],
-                   first_nonfinite="4.weight"),
+                   first_nonfinite="4.weight", culprit_module="4"),
         StepRecord(4, 0.7, grad_norm=2.0, clip_coef=0.5, clipped=True, scale=1024.0, next_scale=1024.0, lr=0.05,
                    top_grads=[("2.bias", 1.25)]),
         StepRecord(5, 0.6, grad_norm=0.4, scale=1024.0, next_scale=512.0, lr=0.05),
@@ -88,6 +88,20 @@ def test_record_defaults():
 )
 def test_post_clip_norm(record, expected):
     assert same_value(record.post_clip_norm, expected)
+
+
+def test_older_and_newer_jsonl_lines_are_read(tmp_path):
+    """A line without culprit_module (written before it existed) reads as None; a field this labkit does
+    not know (written by a newer one) is left out instead of failing the whole file."""
+    older = '{"step": 3, "loss": 0.8, "skipped": true, "reason": "nonfinite_grad", "first_nonfinite": "0.weight"}'
+    newer = '{"step": 4, "loss": 0.7, "first_nonfinite": null, "culprit_module": null, "from_a_newer_labkit": 1}'
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(older + "\n" + newer + "\n")
+    a, b = StepLog.read_jsonl(path)
+    assert (a.first_nonfinite, a.culprit_module, a.reason) == ("0.weight", None, "nonfinite_grad")
+    assert b.step == 4 and not hasattr(b, "from_a_newer_labkit")
+    with pytest.raises(TypeError):  # not a record at all
+        StepRecord.from_dict({"loss": 1.0})
 
 
 def test_to_dict_from_dict_round_trip(log):
@@ -238,7 +252,7 @@ def test_csv_has_a_header_with_every_field_and_one_row_per_record(log, tmp_path)
     assert [float(r["next_scale"]) for r in rows] == log.column("next_scale")
     assert [r["skipped"] for r in rows] == ["False", "True", "False", "True", "False", "False"]
     assert [r["reason"] for r in rows] == ["", "nonfinite_loss", "", "nonfinite_grad", "", ""]
-    assert rows[3]["first_nonfinite"] == "4.weight"
+    assert rows[3]["first_nonfinite"] == "4.weight" and rows[3]["culprit_module"] == "4"
     assert rows[2]["top_grads"] == "0.weight=2.5;2.weight=1.5;0.bias=0.5"
     assert rows[3]["top_grads"] == "4.weight=inf;2.weight=nan;0.bias=2"
     assert rows[0]["top_grads"] == ""

@@ -18,7 +18,8 @@ tag                        record field
 ``amp/skipped``            ``skipped`` (0 or 1)
 ``amp/skip_streak``        ``skip_streak``
 ``amp/skip_reason``        ``reason`` (text)
-``amp/first_nonfinite``    ``first_nonfinite`` (text)
+``amp/first_nonfinite``    ``first_nonfinite`` (text: the first non-finite gradient in backward order)
+``amp/culprit_module``     ``culprit_module`` (text: the module that produced it)
 ``train/fault``            ``fault`` (text: the injected fault)
 ``layers/<name>/grad_norm``  ``top_grads`` (the top-k tensors, on clipped/skipped steps)
 ``spikes/z_loss``          ``z_loss`` (spike detector, when the record has it)
@@ -77,7 +78,8 @@ SCALARS = {
     "log_z_sq": "logits/log_z_sq",
     "ce_loss": "train/ce_loss",
 }
-TEXTS = {"reason": "amp/skip_reason", "first_nonfinite": "amp/first_nonfinite", "fault": "train/fault"}
+TEXTS = {"reason": "amp/skip_reason", "first_nonfinite": "amp/first_nonfinite", "culprit_module": "amp/culprit_module",
+         "fault": "train/fault"}
 _NOT_METRICS = {"step", "top_grads"}
 
 # One bin per binade, 2**-48 .. 2**16: fp16's subnormals start at 2**-24 and its max is

@@ -10,33 +10,36 @@ import importlib
 import typing
 
 _LAZY = {
-    ".defenses": ("Defenses", "ledger", "plot_defenses"),
+    ".defenses": ("DefenseExplorer", "Defenses", "ledger", "plot_defenses"),
     ".experiment": ("ExperimentConfig", "default_device", "run_experiment"),
     ".formats": ("GranularityExplorer", "granularity_rows", "number_line", "round_trip", "scaling_figure",
                  "stagnation_figure"),
-    ".gradients": ("GradHistogram", "GradientProbe", "Probed", "plot_layer_heatmap", "plot_sawtooth",
-                   "plot_u_curve"),
+    ".gradients": ("GradHistogram", "GradientProbe", "Probed", "plot_flushed_by_tensor", "plot_headroom",
+                   "plot_layer_heatmap", "plot_sawtooth", "plot_u_curve"),
+    ".moments": ("AdamWatch", "plot_adam_moments"),
     ".plots": ("LiveDashboard", "plot_log", "plot_scale_and_skips"),
     # not the function ``sweep``: the name is its module's, which an import sets on this package
     ".sweep": ("Recipe", "Runs", "SweepPanel", "plot_runs", "plot_sweep", "run_point",
                "summarize"),
-    ".text": ("describe", "format_scale", "title"),
+    ".text": ("culprit", "describe", "format_scale", "title"),
     ".widgets": ("ControlPanel", "episode", "event_rows"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
-    from .defenses import Defenses, ledger, plot_defenses
+    from .defenses import DefenseExplorer, Defenses, ledger, plot_defenses
     from .experiment import ExperimentConfig, default_device, run_experiment
     from .formats import (
         GranularityExplorer, granularity_rows, number_line, round_trip, scaling_figure, stagnation_figure,
     )
     from .gradients import (
-        GradHistogram, GradientProbe, Probed, plot_layer_heatmap, plot_sawtooth, plot_u_curve,
+        GradHistogram, GradientProbe, Probed, plot_flushed_by_tensor, plot_headroom, plot_layer_heatmap,
+        plot_sawtooth, plot_u_curve,
     )
+    from .moments import AdamWatch, plot_adam_moments
     from .plots import LiveDashboard, plot_log, plot_scale_and_skips
     from .sweep import Recipe, Runs, SweepPanel, plot_runs, plot_sweep, run_point, summarize
-    from .text import describe, format_scale, title
+    from .text import culprit, describe, format_scale, title
     from .widgets import ControlPanel, episode, event_rows
 
 
@@ -53,10 +56,11 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "ControlPanel", "Defenses", "ExperimentConfig", "GradHistogram", "GradientProbe", "GranularityExplorer",
-    "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel", "default_device", "describe", "episode",
-    "event_rows", "format_scale", "granularity_rows", "ledger", "number_line",
-    "plot_defenses", "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips",
-    "plot_sweep", "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure",
-    "stagnation_figure", "summarize", "title",
+    "AdamWatch", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig", "GradHistogram",
+    "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel",
+    "culprit", "default_device", "describe", "episode", "event_rows", "format_scale", "granularity_rows",
+    "ledger", "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
+    "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips", "plot_sweep",
+    "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure", "stagnation_figure",
+    "summarize", "title",
 ]

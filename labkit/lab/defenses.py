@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, ZClip
 from ..clippers.base import FEEDS
-from ..reasons import Reason
+from ..reasons import LOSS, Reason
 from ..records import StepLog, StepRecord
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
@@ -147,8 +147,8 @@ def ledger(log: Sequence[StepRecord]) -> list[str]:
         if r.rewound and r.rewind_to is None:  # the step that triggered the rewind keeps its own outcome
             out.append("rewound")
         elif r.skipped:
-            out.append({Reason.NONFINITE_LOSS: OUTCOMES[2], Reason.NONFINITE_GRAD: OUTCOMES[3]}.get(r.reason or "",
-                                                                                            OUTCOMES[4]))
+            out.append(OUTCOMES[2] if r.reason in LOSS else OUTCOMES[3] if r.reason == Reason.NONFINITE_GRAD
+                       else OUTCOMES[4])
         else:
             out.append("clipped" if r.clipped else "stepped")
     return out

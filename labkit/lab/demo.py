@@ -16,7 +16,6 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
-from ..reasons import Reason
 from .text import describe as _describe
 from .text import format_scale as _format_scale
 from .text import title as _title
@@ -187,8 +186,8 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
     rows = [
         ("steps", s["steps"]),
         *([("ranks", f"{world} ({config.parallel or 'ddp'}, {dist.get_backend()})")] if world > 1 else []),
-        ("skipped", f"{s['skipped']} ({Reason.NONFINITE_LOSS} {s['skips_by_reason'][Reason.NONFINITE_LOSS]}, "
-                    f"{Reason.NONFINITE_GRAD} {s['skips_by_reason'][Reason.NONFINITE_GRAD]})"),
+        ("skipped", f"{s['skipped']} (" + ", ".join(f"{reason} {count}" for reason, count in
+                                                   s["skips_by_reason"].items()) + ")"),
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
         ("loss scale", f"min {_format_scale(s['min_scale'])}, max {_format_scale(s['max_scale'])}, "
                        f"final {_format_scale(s['final_scale'])}" if scaler else f"none ({config.precision} runs "

@@ -17,6 +17,7 @@ from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
+from ..hooks import Hook
 from ..records import StepLog, StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
@@ -68,6 +69,9 @@ class ExperimentConfig:
     ``weight_decay`` is torch's (AdamW's is decoupled and multiplied by the lr: Wortsman et al.'s
     *independent* decay λ is ``weight_decay=λ / lr``). ``warmup`` steps raise the lr linearly
     to ``lr`` (nanoGPT's ``lr * (t + 1) / (warmup + 1)``), then ``scheduler="cosine"`` decays it to 0.
+    ``triage`` (on by default) says why a loss was not finite (``TrainStep(triage=True)``): bad
+    data (``nonfinite_input``) or an fp16 forward overflow (``forward_overflow``); off, every
+    non-finite loss reads ``nonfinite_loss``.
 
     >>> c = ExperimentConfig(precision="fp32", faults=["60:spike:1000"])
     >>> c.faults, c.fault_schedule().get(60).label
@@ -98,6 +102,7 @@ class ExperimentConfig:
     defenses: Defenses | None = None  # clipper, detector, rewind, spike and shift (lab/defenses.py)
     weight_decay: float = 0.0
     warmup: int = 0
+    triage: bool = True  # a non-finite loss told apart: nonfinite_input, forward_overflow (labkit.triage)
 
     def __post_init__(self) -> None:
         # Validate everything here, so a bad slider value fails before a model is built.
@@ -120,6 +125,8 @@ class ExperimentConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}.")
         check_number("weight_decay", self.weight_decay, 0, finite=True, noun="a finite number")
+        if not isinstance(self.triage, bool):
+            raise TypeError(f"triage must be True or False, got {self.triage!r}.")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
                                       for b in betas):
@@ -250,13 +257,16 @@ def run_experiment(
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
     steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
-    step (``TrainStep(observer=...)``, e.g. ``labkit.formats.bf16.StaleMonitor``); one with an
-    ``attach(trainer)`` method is first handed the ``TrainStep`` (``labkit.lab.moments.AdamWatch``
-    reads its optimizer). Where to show a run is not part of its config.
+    step (``TrainStep(observer=...)``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
+    ``labkit.lab.moments.AdamWatch``: hooks, attached by the step); an observer of the older
+    protocol with an ``attach(trainer)`` method is first handed the ``TrainStep``. Where to show a
+    run is not part of its config. With ``config.triage`` (the default) a non-finite loss is
+    triaged (``TrainStep(triage=True)``): the record says ``nonfinite_input`` (bad data) or
+    ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
     >>> len(log), log.skipped_steps, log[5].reason
-    (20, [5], 'nonfinite_loss')
+    (20, [5], 'nonfinite_input')
     """
     device = config.resolved_device()
     world, me = (dist.get_world_size(), rank()) if is_distributed() else (1, 0)
@@ -281,10 +291,10 @@ def run_experiment(
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, observer=observer,
+                     faults=faults, log_path=log_path, observer=observer, triage=config.triage,
                      hooks=[monitor] if monitor is not None else [], **extra)
-    if observer is not None and hasattr(observer, "attach"):
-        observer.attach(step)
+    if observer is not None and not isinstance(observer, Hook) and hasattr(observer, "attach"):
+        observer.attach(step)  # an observer of the older protocol (a Hook is attached by the step)
     rewind = extra.get("rewind")
     telemetry = None
     try:

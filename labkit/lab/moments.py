@@ -25,17 +25,19 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from ..hooks import Hook
 from ..records import StepLog
 
 __all__ = ["AdamWatch", "plot_adam_moments"]
 
 
-class AdamWatch:
+class AdamWatch(Hook):
     """Record, per optimizer step, Adam's ``v_hat``, the step size it allows, and the update applied.
 
-    Pass it as an observer (``run_experiment(config, observer=watch)`` or
-    ``TrainStep(observer=watch)`` with ``watch.attach(step)``; a plain loop passes
-    ``optimizer=`` and calls ``before_step``/``after_step`` around ``optimizer.step()``). After
+    A ``labkit.hooks.Hook``: pass it to the step (``run_experiment(config, observer=watch)``,
+    ``TrainStep(observer=watch)`` or ``hooks=[watch]``), which attaches it to its optimizer and
+    calls it around every optimizer step; a plain loop passes ``optimizer=`` and calls
+    ``before_step``/``after_step`` around ``optimizer.step()``. After
     each step it reads the optimizer's own ``exp_avg_sq`` and ``step`` (nothing is recomputed)
     and records, over every coordinate of every parameter:
 
@@ -68,6 +70,14 @@ class AdamWatch:
     def attach(self, trainer: Any) -> None:
         """Watch ``trainer.optimizer`` (a ``TrainStep``'s)."""
         self.optimizer = trainer.optimizer
+
+    def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
+        """The step's moment before ``optimizer.step()``: ``before_step``."""
+        self.before_step(params, step)
+
+    def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
+        """The step's moment after the optimizer step or skip: ``after_step``."""
+        self.after_step(params, record)
 
     def before_step(self, params: Sequence[tuple[str, Tensor]], step: int) -> None:
         """Keep a copy of the weights the optimizer is about to change."""

@@ -14,13 +14,38 @@ if TYPE_CHECKING:
     from ..records import StepRecord
     from .experiment import ExperimentConfig
 
-__all__ = ["SKIP_WHY", "attention_note", "describe", "format_scale", "title"]
+__all__ = ["LOSS_WHY", "SKIP_WHY", "attention_note", "culprit", "describe", "format_scale", "title"]
 
 # Why a spike detector skipped, as the event line says it.
 SKIP_WHY = {
     Reason.SPIKE_LOSS: "loss z-score above skip_z",
     Reason.SPIKE_GRAD: "grad-norm z-score above skip_z",
 }
+
+
+# Why a loss was not finite, as the event line says it (the triage's refinements: labkit.triage).
+LOSS_WHY = {
+    Reason.NONFINITE_LOSS: "loss is not finite",
+    Reason.NONFINITE_INPUT: "loss is not finite, an input holds NaN/inf (bad data)",
+    Reason.FORWARD_OVERFLOW: "loss is not finite in fp16, finite in fp32 (the forward overflowed)",
+}
+
+
+def culprit(record: StepRecord) -> str | None:
+    """Return where a skipped step's non-finite gradient started: the parameter, and its module if another.
+
+    A tied weight is named with the module whose use produced its gradient first in backward.
+
+    >>> from labkit.records import StepRecord
+    >>> culprit(StepRecord(0, 1.0, first_nonfinite="4.weight", culprit_module="4"))
+    '4.weight'
+    >>> culprit(StepRecord(0, 1.0, first_nonfinite="wte.weight", culprit_module="lm_head"))
+    'wte.weight, as used by lm_head'
+    """
+    name, module = record.first_nonfinite, record.culprit_module
+    if name is None or module is None or name.rpartition(".")[0] == module:
+        return name
+    return f"{name}, as used by {module}"
 
 
 def format_scale(scale: float) -> str:
@@ -52,10 +77,10 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
         z = record.z_loss if record.reason == Reason.SPIKE_LOSS else record.z_grad
         lines.append(f"{at} SKIP  {record.reason}: {SKIP_WHY[record.reason]} at {z:+.1f} sigma{tag}")
     elif record.skipped:
-        if record.reason == Reason.NONFINITE_LOSS:
-            what = "loss is not finite: backward skipped, scale untouched"
+        if record.reason in LOSS_WHY:
+            what = f"{LOSS_WHY[record.reason]}: backward skipped, scale untouched"
         elif record.first_nonfinite is not None:
-            what = f"gradient not finite (first: {record.first_nonfinite})"
+            what = f"gradient not finite (first in backward: {culprit(record)})"
         else:
             what = "gradient norm not finite, every gradient finite: their sum of squares overflowed float32"
         lines.append(f"{at} SKIP  {record.reason}: {what}{attention_note(record)}{tag}")

@@ -20,8 +20,9 @@ from ..clippers import Clipper, NormClip
 from ..distributed import rank
 from ..hooks import Hook, ObserverHook
 from ..scaler import check_device
+from ..triage import Triage
 
-__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_parts", "make_clipper", "make_hooks"]
+__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_deferred", "check_parts", "make_clipper", "make_hooks"]
 
 
 class _DefaultMaxNorm(float):
@@ -105,14 +106,18 @@ def make_clipper(max_norm: float | None, clipper: Clipper | None) -> Clipper | N
 
 def make_hooks(
     skip_alarm: int | None, clip_alarm: float | None, clip_window: int, observer: Any, detector: Hook | None,
-    hooks: Sequence[Hook], rewind: Hook | None,
+    hooks: Sequence[Hook], rewind: Hook | None, triage: bool = False,
 ) -> tuple[SkipAlarm, ClipAlarm, list[Hook]]:
     """Return the alarms and every hook in the order the step calls them.
 
-    The alarms first (they number the skip streak the others read), then ``observer`` (a
-    ``Hook``, or an object of the older ``before_step``/``after_step`` protocol), ``detector``,
-    ``hooks``, and ``rewind`` last: it may restore a snapshot of everything the others hold.
+    The alarms first (they number the skip streak the others read), then ``Triage`` if
+    ``triage`` (its skip reason is the first verdict), ``observer`` (a ``Hook``, or an object of
+    the older ``before_step``/``after_step`` protocol), ``detector``, ``hooks``, and ``rewind``
+    last: it may restore a snapshot of everything the others hold.
     """
+    if not isinstance(triage, bool):
+        raise TypeError(f"triage must be True or False (for your own labkit.triage.Triage, pass "
+                        f"hooks=[...]), got {triage!r}.")
     skips, clips = SkipAlarm(skip_alarm), ClipAlarm(clip_alarm, clip_window)
     if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
         skips.threshold = clips.rate = None
@@ -124,8 +129,18 @@ def make_hooks(
             raise TypeError(
                 f"{name} must be a labkit.hooks.Hook (a SpikeDetector, a Rewind), got {type(part).__name__}."
             )
-    middle = [*watcher, *([detector] if detector else []), *hooks]
+    middle = [*([Triage()] if triage else []), *watcher, *([detector] if detector else []), *hooks]
     return skips, clips, [skips, clips, *middle, *([rewind] if rewind else [])]
+
+
+def check_deferred(sync_every: int | None, hooks: Sequence[Hook], clipper: Clipper | None) -> None:
+    """Refuse ``sync_every`` with the parts that need the host's numbers every step, naming them."""
+    needs = [type(h).__name__ for h in hooks if h.per_step]
+    needs += [type(clipper).__name__] if clipper is not None and not clipper.on_host else []
+    if sync_every is not None and needs:
+        raise ValueError(f"sync_every defers the records and keeps the loss check on the device, but "
+                         f"{', '.join(needs)} decide(s) from them on the host every step (an adaptive "
+                         "clipper, a detector, a rewind, triage): use sync_every=None with them.")
 
 
 class GuardedParams:

@@ -9,13 +9,14 @@ row, the per-tensor norms, the decision's threshold and reasons). ``build`` turn
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ..blame import module_of, placed
 from ..clip import first_nonfinite
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, all_reduce_, is_distributed
@@ -23,7 +24,7 @@ from ..reasons import Reason
 from ..records import FIELDS, LogWriteError, StepRecord
 from ..scaler import F32
 
-__all__ = ["DEVICE_FIELDS", "DeferredRecord", "Outcome", "Pending", "build", "forensics", "put"]
+__all__ = ["DEVICE_FIELDS", "DeferredRecord", "Forensics", "Outcome", "Pending", "build", "forensics", "put"]
 
 TOP_K = 3
 # What a step leaves on the device for its record, in this order (one batched copy reads them),
@@ -32,18 +33,36 @@ DEVICE_FIELDS = ("loss", "loss_bad", "grad_norm", "clip_coef", "scale", "next_sc
 _LAZY = frozenset(FIELDS) - {"step"}
 
 
+class Forensics(NamedTuple):
+    """Which layers a skipped or clipped step's record names (``StepRecord`` fields of the same names)."""
+
+    top_grads: list[tuple[str, float]]
+    first_nonfinite: str | None
+    culprit_module: str | None
+
+
 def forensics(
-    named: list[tuple[str, Tensor | None]], norms: Tensor | list[float], group: ProcessGroup | None
-) -> tuple[list[tuple[str, float]], str | None]:
-    """Return the top-3 ``(name, norm)`` (non-finite first) and the first non-finite gradient's name.
+    named: list[tuple[str, Tensor | None]], norms: Tensor | list[float], group: ProcessGroup | None,
+    order: Mapping[str, tuple[int, str]] | None = None, uses: Mapping[str, Mapping[str, list]] | None = None,
+) -> Forensics:
+    """Return the top-3 ``(name, norm)`` (non-finite first), the first non-finite gradient and its module.
 
-    Read from the per-tensor norms already computed, so there is no extra pass over the
-    gradients unless a norm is non-finite (then the gradients themselves are asked, since
-    an inf norm may be an fp32 overflow of finite values). Gradients given as None (gone,
-    with deferred records): the first non-finite norm names the parameter.
+    "First" is in backward order when ``order`` is given (``labkit.blame.BackwardOrder``'s
+    ``positions``: the gradient produced nearest the loss, where the ``inf`` started, since it
+    spreads into every gradient upstream), else, and for parameters it did not place, in
+    registration order. The module is the one that produced that gradient (a tied weight's
+    use whose share was non-finite: ``uses``, ``labkit.blame.placed``), else the parameter's
+    own. Read from the per-tensor norms already
+    computed, so there is no extra pass over the gradients unless a norm is non-finite (then
+    those gradients themselves are asked, in that order, since an inf norm may be an fp32
+    overflow of finite values). Gradients given as None (gone, with deferred records): the
+    first non-finite norm names the parameter.
 
-    >>> forensics([("a", None), ("b", None)], [1.0, math.inf], None)
-    ([('b', inf), ('a', 1.0)], 'b')
+    >>> forensics([("a", None), ("b", None), ("c", None)], [1.0, math.inf, math.nan], None)
+    Forensics(top_grads=[('b', inf), ('c', nan), ('a', 1.0)], first_nonfinite='b', culprit_module='')
+    >>> order = {"4.w": (0, "4"), "0.w": (1, "0")}  # backward produced 4.w first
+    >>> forensics([("0.w", None), ("4.w", None)], [math.inf, math.inf], None, order)
+    Forensics(top_grads=[('0.w', inf), ('4.w', inf)], first_nonfinite='4.w', culprit_module='4')
     """
     values = norms.tolist() if isinstance(norms, Tensor) else list(norms)
     finite = [math.isfinite(v) for v in values]
@@ -51,19 +70,30 @@ def forensics(
                     reverse=True)
     top = [(named[i][0], values[i]) for i in ranked[:TOP_K]]
     if all(finite):
-        return top, None
+        return Forensics(top, None, None)
     names = [n for n, _ in named]
+    order = order or {}
+    if uses:  # a tied weight: placed at the use that made it non-finite (a read on this skipped step)
+        order = placed(order, uses, [names[i] for i, f in enumerate(finite) if not f], group)
+    # the candidates, in backward order (a gradient with a finite norm holds no inf/NaN)
+    bad = sorted((i for i, f in enumerate(finite) if not f),
+                 key=lambda i: (order[names[i]][0] if names[i] in order else math.inf, i))
     if any(g is None for _, g in named):
-        return top, names[finite.index(False)]
-    culprit = first_nonfinite([g for _, g in named], names)  # type: ignore[misc]
-    if is_distributed():
-        # With FSDP2 the culprit may sit in another rank's shard: agree on the first by position
-        # (one number, on skipped steps only; every rank is here, as the norms are global).
-        where = names.index(culprit) if culprit is not None else len(names)
-        first = torch.tensor([where], device=norms.device)  # type: ignore[union-attr]
-        position = int(all_reduce_(first, "min", group).item())
-        culprit = names[position] if position < len(names) else None
-    return top, culprit
+        where = 0
+    else:
+        grads = [named[i][1] for i in bad]
+        culprit = first_nonfinite(grads, [names[i] for i in bad])  # type: ignore[arg-type]
+        where = [names[i] for i in bad].index(culprit) if culprit is not None else len(bad)
+        if is_distributed():
+            # With FSDP2 the culprit may sit in another rank's shard: agree on the first by its place in
+            # backward order, which every rank recorded alike (one number, on skipped steps only; every
+            # rank is here, as the norms are global)
+            first = torch.tensor([where], device=norms.device)  # type: ignore[union-attr]
+            where = int(all_reduce_(first, "min", group).item())
+    if where == len(bad):
+        return Forensics(top, None, None)
+    name = names[bad[where]]
+    return Forensics(top, name, order[name][1] if name in order else module_of(name))
 
 
 @dataclass(slots=True)
@@ -83,6 +113,8 @@ class Outcome:
     clip_reason: str | None = None  # that hook's name for it
     fields: dict[str, Any] = field(default_factory=dict)
     measures: tuple[str, ...] = ()
+    order: Mapping[str, tuple[int, str]] | None = None  # where backward produced each gradient
+    uses: Mapping[str, Mapping[str, list]] | None = None  # a tied weight's uses (labkit.blame)
 
 
 def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessGroup | None) -> StepRecord:
@@ -101,7 +133,8 @@ def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessG
     if o.threshold is not None and reason is not Reason.NONFINITE_LOSS:  # adaptive: one small read
         record.threshold = float(o.threshold)
     if reason in (Reason.NONFINITE_GRAD, Reason.DEAD_SCALE) or record.clipped:  # a hook's skip too
-        record.top_grads, record.first_nonfinite = forensics(o.named, o.norms, group)  # type: ignore[arg-type]
+        record.top_grads, record.first_nonfinite, record.culprit_module = forensics(
+            o.named, o.norms, group, o.order, o.uses)  # type: ignore[arg-type]
     if record.clipped:
         record.clip_reason = o.clip_reason if o.hook_clip else type(o.clipper).__name__
         if o.clipper is not None:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..alarms import LabkitWarning
+from ..blame import BackwardOrder
 from ..clip import check_norm_type, check_scaled_norm_type, round_to, scale_grads_
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, mean_across
@@ -30,7 +31,7 @@ from ..scaler import GradScaler
 from ..validate import check_int
 from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, check_loss
 from .decision import Decision, decide_on_device, decide_on_host, read, skip_bad_loss, unscaled_norms
-from .parts import DEFAULT_MAX_NORM, GuardedParams, check_parts, make_clipper, make_hooks
+from .parts import DEFAULT_MAX_NORM, GuardedParams, check_deferred, check_parts, make_clipper, make_hooks
 from .record import Outcome, Pending, build
 
 __all__ = ["TrainStep"]
@@ -73,8 +74,10 @@ class TrainStep:
 
     Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments:
     ``hooks=[...]`` and the older keywords, which become hooks: ``skip_alarm``, ``clip_alarm``
-    (the alarms, first), ``observer`` (e.g. ``StaleMonitor``), ``detector`` (``SpikeDetector``)
-    and ``rewind`` (``Rewind``, last). The clip stage is ``clipper`` or ``max_norm`` (``NormClip``).
+    (the alarms, first), ``triage`` (``labkit.triage``: why a loss was not finite), ``observer``
+    (e.g. ``StaleMonitor``), ``detector`` (``SpikeDetector``) and ``rewind`` (``Rewind``, last). The
+    clip stage is ``clipper`` or ``max_norm`` (``NormClip``). Skips name the first non-finite gradient
+    in backward order (``labkit.blame``).
 
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
@@ -92,7 +95,7 @@ class TrainStep:
         log_path: str | os.PathLike | None = None, log_window: int | None = None,
         process_group: ProcessGroup | None = None, sync_every: int | None = None, observer: Any = None,
         clipper: Clipper | None = None, detector: Hook | None = None, rewind: Hook | None = None,
-        hooks: Sequence[Hook] = (),
+        hooks: Sequence[Hook] = (), triage: bool = False,
     ) -> None:
         self.device = check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
@@ -112,13 +115,11 @@ class TrainStep:
         self.sync_every = check_int("sync_every", sync_every, 1, none="read every step")
         self.clipper = make_clipper(max_norm, clipper)
         self.skip_alarm, self.clip_alarm, ordered = make_hooks(skip_alarm, clip_alarm, clip_window, observer,
-                                                               detector, hooks, rewind)
-        self.hooks, self.observer, self.detector, self.rewind = Hooks(ordered), observer, detector, rewind
-        stateful = self.clipper is not None and not self.clipper.on_host
-        if sync_every is not None and (self.hooks.per_step or stateful):
-            raise ValueError("sync_every defers the records, but an adaptive clipper, a detector or a rewind "
-                             "decides from them every step: use sync_every=None with clipper=/detector=/"
-                             "rewind=.")
+                                                               detector, hooks, rewind, triage)
+        self.backward_order = BackwardOrder()  # where backward produced each gradient: the record's culprit
+        self.hooks = Hooks([self.backward_order, *ordered])
+        self.observer, self.detector, self.rewind = observer, detector, rewind
+        check_deferred(sync_every, self.hooks.members, self.clipper)
         self.norm_type = check_norm_type(norm_type)
         if not self.norm_type > 0:  # the inf check rides on the norms: a p > 0 norm is inf/NaN on inf/NaN
             raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got "
@@ -281,7 +282,8 @@ class TrainStep:
                  found: Tensor | None, measures: dict[str, Tensor]) -> Outcome:
         """Return what the record is made of: its numbers (floats, or one device row) and the evidence."""
         o = Outcome(step, lrs, batch.label, [], d.norms, self._named_grads, d.threshold, self.clipper,
-                    d.reason, d.hook_clip, d.clip_reason, d.fields)
+                    d.reason, d.hook_clip, d.clip_reason, d.fields, order=self.backward_order.positions,
+                    uses=self.backward_order.uses)
         if loss.bad:
             o.values = [loss.value, 1.0, math.nan, 1.0, d.scale, d.scale, 1.0]
         elif not isinstance(d.norm, Tensor):  # decided on the host: the next scale is the one read left

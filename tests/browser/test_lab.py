@@ -243,7 +243,7 @@ def test_03_run_button_runs_the_new_settings_and_the_table_gains_the_skip(notebo
     expect(events).not_to_contain_text(re.compile(r"step\s+150\s+SKIP"))
     panel.locator(".labkit-run").click()
     after = finished(status, before_text)
-    expect(events).to_contain_text(re.compile(r"step\s+150\s+SKIP\s+nonfinite_loss"))
+    expect(events).to_contain_text(re.compile(r"step\s+150\s+SKIP\s+nonfinite_input"))
     assert "run: 1 skipped" in after, after
     assert nb.value("panel.logs['run'].skipped_steps") == [150]
     assert nb.value("panel.dashboard.draws") - draws >= 200 // 40  # live: redrawn while it trained

@@ -1,0 +1,225 @@
+"""Where a non-finite gradient started: the order in which backward produces the gradients.
+
+An ``inf`` that appears in backward spreads into every gradient computed from it, i.e. into
+every layer between it and the input. The first parameter in *registration* order holding one
+is therefore the input layer, whatever overflowed; the first in *backward* order, the one
+produced nearest the loss, is where it started. ``BackwardOrder`` records that order while
+backward runs (a Python hook per parameter, on the host: no kernel, no host sync), and
+``labkit.step.record.forensics`` names the first non-finite gradient in it
+(``StepRecord.first_nonfinite``, with the module that produced it, ``culprit_module``).
+
+Where a gradient is placed:
+
+- a parameter, when its gradient is complete (``register_post_accumulate_grad_hook``: FSDP2
+  calls these hooks itself when it assigns a sharded gradient, where a ``Tensor.register_hook``
+  on the sharded parameter would never fire);
+- a parameter used by several modules (a head tied to the token embedding), at the use whose
+  share made it non-finite: its gradient is complete only after the last use (the embedding, at
+  the very end of backward), so its own hook would place it last. A forward hook on each module
+  holding it marks when that module's output gradient arrives, right before the module's
+  backward computes its share, and keeps that gradient's largest magnitude (one reduction, on
+  the device). The parameter is placed at its first use (``lm_head``: an fp16 head's share can
+  overflow from finite inputs, 04's sawtooth), unless that use's output gradient was finite and
+  a later use's was not: then the non-finite value came from upstream of the first use (a
+  block in between) and reached the later use's share (the embedding's), so it is placed there.
+  ``culprit_module`` names that module (``lm_head``, not ``wte``). An overflow of the first
+  share *and* a non-finite value further down in the same step reads as the latter;
+- inside a compiled region (``torch.compile``): the region is one node to autograd and hands
+  all its gradients over at once, in an order that says nothing about its inside. Its
+  parameters share the region's position, ties broken by registration order.
+
+With ``accumulation_steps > 1`` the first micro-batch's backward decides (each hook keeps its
+first firing of the step). Under DDP and FSDP2 every rank runs the same backward, so every rank
+records the same order; ``forensics`` agrees on the culprit with one all-reduce on skipped steps
+(two when a tied parameter is among the non-finite: its uses' output gradients are each rank's own).
+
+Cost: one Python call per parameter per backward (and one per tied use per forward, with one
+reduction over that use's output gradient).
+
+>>> import torch
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+>>> order = BackwardOrder(); order.attach(model); order.pre_step(None, 0)
+>>> model(torch.ones(4, 2)).sum().backward()
+>>> sorted(order.positions, key=lambda n: order.positions[n][0])
+['2.bias', '2.weight', '0.bias', '0.weight']
+>>> order.positions["2.weight"][1]
+'2'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .distributed import all_reduce_, is_distributed
+from .hooks import Hook
+
+__all__ = ["BackwardOrder", "module_of", "placed"]
+
+
+def module_of(name: str) -> str:
+    """Return the module path of a parameter's name (``""`` for a parameter of the root module).
+
+    >>> module_of("h.0.attn.c_proj.weight"), module_of("weight")
+    ('h.0.attn.c_proj', '')
+    """
+    return name.rpartition(".")[0]
+
+
+def _compiled(module: nn.Module) -> bool:
+    # torch.compile(model) wraps it (the original is ``_orig_mod``); model.compile() compiles in place
+    return isinstance(getattr(module, "_orig_mod", None), nn.Module) or \
+        getattr(module, "_compiled_call_impl", None) is not None
+
+
+class BackwardOrder(Hook):
+    """Record, per step, where each gradient came in backward: ``positions[name] = (rank, module)``.
+
+    ``rank`` orders the gradients from the loss (0) towards the input; ``module`` is the path
+    of the module that produced the gradient (for a tied parameter, its first use in backward;
+    ``uses[name]`` holds each use's ``(rank, module, largest |output gradient|)``, from which
+    ``placed`` moves it to a later use). A parameter that got no gradient this step is missing.
+    ``TrainStep`` keeps one and hands ``positions`` and ``uses`` to the record; in a plain loop
+    call ``attach(model)`` once and ``pre_step(None, step)`` before each forward, then pass both
+    to ``forensics`` (after unfreezing parameters there, call ``attach`` again: a frozen
+    parameter takes no hook).
+    """
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.positions: dict[str, tuple[int, str]] = {}
+        self.uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [rank, amax]
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self._regions: dict[str, str] = {}  # parameter -> the compiled region it is in
+        self._region_rank: dict[str, int] = {}
+        self._key: tuple = ()
+
+    def attach(self, trainer: Any) -> None:
+        """Hook ``trainer.model`` (or ``trainer`` itself, a module); attaching again unhooks the old one."""
+        model = trainer if isinstance(trainer, nn.Module) else trainer.model
+        self.detach()
+        self.model = model
+        self._key = self._optimizer_key(trainer)
+        regions = [path for path, m in model.named_modules() if _compiled(m)]
+        named = list(model.named_parameters())
+        self._regions = {}
+        for name, _ in named:
+            inside = [r for r in regions if r == "" or name.startswith(r + ".")]
+            if inside:
+                self._regions[name] = min(inside, key=len)  # the outermost region
+        for name, p in named:
+            self._hook_param(name, p)
+        # a parameter held by several modules: place it at its first use's contribution
+        first_name = {id(p): n for n, p in named}
+        owners: dict[int, list[str]] = {}
+        for path, m in model.named_modules():
+            for _, p in m.named_parameters(recurse=False):
+                owners.setdefault(id(p), []).append(path)
+        for path, m in model.named_modules():
+            tied = [first_name[id(p)] for _, p in m.named_parameters(recurse=False)
+                    if len(owners.get(id(p), ())) > 1 and id(p) in first_name]
+            if tied and not any(n in self._regions for n in tied):  # no hooks inside a compiled graph
+                self._handles.append(m.register_forward_hook(
+                    lambda mod, args, out, names=tuple(tied), path=path: self._used(names, path, out)))
+
+    def detach(self) -> None:
+        """Remove every hook (the records fall back to registration order)."""
+        for h in self._handles:
+            h.remove()
+        self._handles, self._hooked, self.positions, self.uses = [], set(), {}, {}
+
+    def pre_step(self, trainer: Any, step: int) -> None:
+        """Start a new step's order (the last step's ``positions`` dict is left as it was, for its record)."""
+        self.positions, self.uses, self._region_rank = {}, {}, {}
+        if trainer is not None and self.model is not None:
+            key = self._optimizer_key(trainer)
+            if key != self._key:  # a group added (progressive unfreezing): hook what trains now
+                self._key = key
+                for name, p in self.model.named_parameters():
+                    self._hook_param(name, p)
+
+    @staticmethod
+    def _optimizer_key(trainer: Any) -> tuple:
+        groups = getattr(getattr(trainer, "optimizer", None), "param_groups", ())
+        return tuple((id(g["params"]), len(g["params"])) for g in groups)
+
+    def _hook_param(self, name: str, p: Tensor) -> None:
+        if id(p) in self._hooked or not p.requires_grad:
+            return
+        self._hooked.add(id(p))
+        self._handles.append(p.register_post_accumulate_grad_hook(
+            lambda _, name=name, module=module_of(name): self._fired(name, module)))
+
+    def _fired(self, name: str, module: str) -> None:
+        if name in self.positions:  # a later micro-batch, or a tied parameter's last use
+            return
+        region = self._regions.get(name)
+        if region is None:
+            self.positions[name] = (len(self.positions), module)
+            return
+        # one node to autograd: its gradients arrive together, ranked as one (ties: registration order)
+        rank = self._region_rank.setdefault(region, len(self.positions))
+        self.positions[name] = (rank, module)
+
+    def _used(self, names: Sequence[str], path: str, out: Any) -> None:
+        if isinstance(out, Tensor) and out.requires_grad:
+            # on the node, not the tensor: a node's pre-hook sees the gradient after every tensor hook
+            # (another hook's change of it is what this module's backward multiplies)
+            node = out.grad_fn
+            if node is None:
+                out.register_hook(lambda g: self._use(names, path, g))
+            else:
+                node.register_prehook(lambda grads: self._use(names, path, grads[out.output_nr]))
+
+    def _use(self, names: Sequence[str], path: str, g: Tensor) -> None:
+        # NaN/inf in the gradient reaching this use's output is in its share of the weight too; the
+        # inf-norm is NaN/inf exactly then (one reduction on the device, read only on a skipped step)
+        amax = torch.linalg.vector_norm(g.detach(), math.inf)
+        for name in names:
+            seen = self.uses.setdefault(name, {})
+            if path in seen:  # a later micro-batch: the order stays the first's, a NaN anywhere counts
+                seen[path][1] = torch.maximum(seen[path][1], amax)
+            else:
+                seen[path] = [len(self.positions), amax]
+            self._fired(name, path)
+
+
+def placed(positions: Mapping[str, tuple[int, str]], uses: Mapping[str, Mapping[str, list[Any]]],
+           names: Sequence[str], group: Any = None) -> dict[str, tuple[int, str]]:
+    """Return ``positions`` with each tied parameter of ``names`` placed at the use that made it non-finite.
+
+    At its first use, unless that use's output gradient was finite and a later use's was not
+    (see the module docstring). Reads the uses' flags in one host read (call it on a skipped
+    step only); under ``torch.distributed`` the flags are all-reduced over ``group`` first
+    (each rank's activations are its own), so every rank places it alike.
+
+    >>> import torch
+    >>> positions = {"wte.weight": (0, "lm_head"), "h.1.w": (3, "h.1")}
+    >>> uses = {"wte.weight": {"lm_head": [0, torch.tensor(1.0)], "wte": [9, torch.tensor(float("nan"))]}}
+    >>> placed(positions, uses, ["wte.weight", "h.1.w"])["wte.weight"]
+    (9, 'wte')
+    """
+    tied = [n for n in names if len(uses.get(n, ())) > 1]
+    if not tied:
+        return dict(positions)
+    rows = [sorted(uses[n].items(), key=lambda kv: kv[1][0]) for n in tied]
+    amaxes = [amax for row in rows for _, (_, amax) in row]
+    device = amaxes[0].device
+    bad = torch.stack([~torch.isfinite(a.to(device)) for a in amaxes]).float()
+    if is_distributed():
+        bad = all_reduce_(bad, "sum", group)
+    flags = iter(bad.tolist())  # host sync: on a skipped step, and only with a tied parameter non-finite
+    out = dict(positions)
+    for name, row in zip(tied, rows):
+        seen = [(rank, path, next(flags) > 0) for path, (rank, _) in row]
+        if not seen[0][2]:  # the first use's share came from finite gradients
+            later = next(((rank, path) for rank, path, nonfinite in seen[1:] if nonfinite), None)
+            if later is not None:
+                out[name] = later
+    return out

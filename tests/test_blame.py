@@ -1,0 +1,214 @@
+"""Where a non-finite gradient started: backward order (``labkit.blame``) against registration order.
+
+Each test injects the non-finite value at a known place (a tensor hook on one module's output
+gradient: the value enters backward there and spreads to every layer upstream), so the oracle is
+the place chosen; registration order (``labkit.clip.first_nonfinite`` over ``named_parameters``)
+is computed alongside to show it would blame the wrong layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from labkit import ToyTask, TrainStep
+from labkit.blame import BackwardOrder
+from labkit.clip import first_nonfinite, per_tensor_norms
+from labkit.lab import describe
+from labkit.step.record import forensics
+from labkit.tasks import GPTTask
+
+
+def poison_output(module: nn.Module, value: float, when=lambda: True):
+    """Make the gradient arriving at ``module``'s output hold ``value`` (inf or NaN) in one entry."""
+
+    def hook(mod, args, out):
+        if when():
+            def poison(g):
+                g = g.clone()
+                g.view(-1)[0] = value
+                return g
+            out.register_hook(poison)
+
+    return module.register_forward_hook(hook)
+
+
+def registration_order_culprit(model: nn.Module) -> str | None:
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    return first_nonfinite([g for _, g in named], [n for n, _ in named])
+
+
+def toy_step(**kw):
+    task = ToyTask()
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
+                     clip_alarm=None, **kw)
+    return task, model, step
+
+
+def tiny_gpt():
+    return GPTTask(n_layer=3, n_head=2, n_embd=16, block_size=8, batch_size=2)
+
+
+def gpt_step(**kw):
+    task = tiny_gpt()
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
+                     clip_alarm=None, **kw)
+    return task, model, step
+
+
+def test_an_overflow_at_the_output_layer_is_blamed_on_the_head_not_the_input_layer():
+    task, model, step = toy_step()
+    poison_output(model[4], math.inf)
+    record = step(*task.batch(0))
+    assert record.skipped and record.reason == "nonfinite_grad"
+    assert not any(math.isfinite(v) for _, v in record.top_grads)  # the inf reached every layer
+    assert registration_order_culprit(model) == "0.weight"  # what registration order would say
+    assert record.first_nonfinite in ("4.weight", "4.bias") and record.culprit_module == "4"
+    assert describe(record, 1.0) == ["step    0  SKIP  nonfinite_grad: gradient not finite "
+                                      f"(first in backward: {record.first_nonfinite})"]
+
+
+def test_a_nan_in_a_middle_activation_gradient_is_blamed_on_that_block():
+    task, model, step = toy_step()
+    poison_output(model[2], math.nan)  # the middle Linear's output: the head's gradients stay finite
+    record = step(*task.batch(0))
+    finite = {n: bool(torch.isfinite(p.grad).all()) for n, p in model.named_parameters()}
+    assert finite == {"0.weight": False, "0.bias": False, "2.weight": False, "2.bias": False,
+                      "4.weight": True, "4.bias": True}
+    assert registration_order_culprit(model) == "0.weight"
+    assert record.first_nonfinite in ("2.weight", "2.bias") and record.culprit_module == "2"
+
+
+def test_a_nan_in_a_middle_transformer_block_is_blamed_on_that_block_not_the_tied_embedding():
+    # wte's gradient is non-finite too (the NaN reaches the embedding's use), but the head's use of
+    # the tied weight saw finite gradients: the block is where it started
+    task, model, step = gpt_step()
+    poison_output(model.h[1], math.nan)
+    record = step(*task.batch(0))
+    assert record.skipped and not torch.isfinite(model.wte.weight.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.h[2].parameters())
+    assert registration_order_culprit(model) == "wte.weight"
+    assert record.culprit_module.startswith("h.1."), record.first_nonfinite
+    assert record.first_nonfinite.startswith("h.1.")
+
+
+def test_the_tied_head_weight_is_blamed_on_lm_head():
+    task, model, step = gpt_step()
+    poison_output(model.lm_head, math.inf)
+    record = step(*task.batch(0))
+    assert registration_order_culprit(model) == "wte.weight"  # one tensor, named by its first owner
+    assert (record.first_nonfinite, record.culprit_module) == ("wte.weight", "lm_head")
+    assert describe(record, 1.0)[0].endswith("(first in backward: wte.weight, as used by lm_head)")
+
+
+def test_the_tied_head_weight_alone_overflowing_is_blamed_on_lm_head():
+    # the head's share of the tied weight overflows while every activation gradient stays finite (04's
+    # sawtooth): nothing upstream is non-finite, the head is where it started
+    task = tiny_gpt()
+    model = task.model()
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model.lm_head.weight.register_hook(lambda g: g * math.inf)  # the whole tied gradient, on completion
+    x, y = task.batch(0)
+    task.loss_fn(model(x), y).backward()
+    named = [(n, p.grad) for n, p in model.named_parameters()]
+    bad = [n for n, g in named if not torch.isfinite(g).all()]
+    assert bad == ["wte.weight"]
+    found = forensics(named, per_tensor_norms([g for _, g in named], 2.0), None, order.positions, order.uses)
+    assert (found.first_nonfinite, found.culprit_module) == ("wte.weight", "lm_head")
+
+
+def test_accumulation_keeps_the_first_micro_batchs_order():
+    task, model, step = toy_step(accumulation_steps=2)
+    _, one_model, one = toy_step()
+    calls = {"n": 0}
+
+    def second_micro_batch():
+        calls["n"] += 1
+        return calls["n"] == 2
+
+    poison_output(model[4], math.inf, when=second_micro_batch)  # the head overflows in micro-batch 2 only
+    record = step(*task.batch(0))
+    one(*task.batch(0))
+    assert step.backward_order.positions == one.backward_order.positions  # the first micro-batch's order
+    ranks = sorted(step.backward_order.positions.items(), key=lambda kv: kv[1][0])
+    assert [name for name, _ in ranks][:2] in (["4.bias", "4.weight"], ["4.weight", "4.bias"])
+    assert [module for _, (_, module) in ranks] == ["4", "4", "2", "2", "0", "0"]
+    assert record.skipped and record.culprit_module == "4"
+
+
+def test_a_plain_torch_loop_with_backward_order_alone():
+    task = ToyTask()
+    model = task.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    order = BackwardOrder()
+    order.attach(model)
+    now = {"step": 0}
+    poison_output(model[2], math.inf, when=lambda: now["step"] == 2)
+    culprits = []
+    for step in range(4):
+        order.pre_step(None, step)
+        now["step"] = step
+        opt.zero_grad()
+        x, y = task.batch(step)
+        task.loss_fn(model(x), y).backward()
+        named = [(n, p.grad) for n, p in model.named_parameters()]
+        norms = per_tensor_norms([g for _, g in named], 2.0)
+        found = forensics(named, norms, None, order.positions, order.uses)
+        culprits.append(found.culprit_module)
+        if found.first_nonfinite is None:
+            opt.step()
+    assert culprits == [None, None, "2", None]
+    assert sorted(order.positions, key=lambda n: order.positions[n][0])[-2:] in (["0.bias", "0.weight"],
+                                                                               ["0.weight", "0.bias"])
+    order.detach()
+    order.pre_step(None, 4)
+    model(task.batch(4)[0]).sum().backward()
+    assert order.positions == {}  # unhooked
+
+
+def test_the_fp16_sawtooth_names_the_tensor_the_probe_saw_overflow_first():
+    """04's sawtooth (its settings, 30 steps): on every backoff the record's culprit is the first weight
+    gradient, in the probe's backward-order trace, whose value times the scale passed fp16's 65504."""
+    from labkit.lab.experiment import ExperimentConfig, run_experiment
+    from labkit.lab.gradients import GradientProbe, Probed
+    from labkit.tasks import make_task
+
+    probe = GradientProbe()
+    log = run_experiment(ExperimentConfig(task=Probed(make_task("gpt"), probe), optimizer="adam", lr=3e-3,
+                                          steps=30, device="cpu", precision="fp16", init_scale=2.0**16,
+                                          growth_interval=3))
+    skips = [r for r in log if r.skipped]
+    assert len(skips) >= 3 and all(r.reason == "nonfinite_grad" for r in skips)
+    modules = set()
+    for r in skips:
+        i = probe.steps.index(r.step)
+        s = probe.loss_scale[i]
+        first = next(g.name for g in probe.trace[i]
+                     if g.kind == "weight" and not (math.isfinite(g.amax) and g.amax * s < 65520))
+        if first.endswith(" (this use)"):  # the tied weight's share computed by that module
+            expected = ("wte.weight", first.removesuffix(".weight (this use)"))
+        else:
+            expected = (first.split(" = ")[0], first.split(" = ")[0].rpartition(".")[0])
+        assert (r.first_nonfinite, r.culprit_module) == expected, r.step
+        modules.add(r.culprit_module)
+    assert "lm_head" in modules  # the head's share of the tied weight overflowed, not the embedding
+
+
+@pytest.mark.parametrize("bad", ["head", "middle"])
+def test_deferred_records_name_the_same_culprit(bad):
+    task, model, step = toy_step(sync_every=2)
+    _, ref_model, ref = toy_step()
+    for m in (model, ref_model):
+        poison_output(m[4] if bad == "head" else m[2], math.inf)
+    records = [step(*task.batch(i)) for i in range(2)]
+    expected = [ref(*task.batch(i)) for i in range(2)]
+    assert [(r.first_nonfinite, r.culprit_module) for r in records] == \
+        [(r.first_nonfinite, r.culprit_module) for r in expected]
+    assert expected[0].culprit_module == ("4" if bad == "head" else "2")

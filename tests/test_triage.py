@@ -1,0 +1,239 @@
+"""Why a loss was not finite (``labkit.triage``): bad data, a low-precision forward that overflowed, or
+neither.
+
+The oracles: the batch itself (NaN put in it), torch's own fp32 forward of the same model (finite
+where fp16's is not), and a run without triage, which every later step must equal bit for bit.
+fp16 is emulated on most CPUs: the models here are ToyTask's (64 x 16 inputs) and a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import labkit
+from labkit import SkipStreakWarning, StepRecord, ToyTask, TrainStep
+from labkit.alarms import REMEDIES
+from labkit.hooks import DecisionView
+from labkit.lab import describe
+from labkit.lab.defenses import OUTCOMES, ledger
+from labkit.reasons import Reason
+from labkit.triage import Triage, _fp32_loss, rng_state, triage
+
+NAN = float("nan")
+
+
+def step_for(model, task, precision="fp16", **kw):
+    kw = {"skip_alarm": None, "clip_alarm": None, **kw}
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return TrainStep(model, opt, task.loss_fn, precision=precision, **kw)
+
+
+def overflowing_head(task):
+    """ToyTask's model with its output layer x1e6: outputs ~1e5, inf in fp16, finite (MSE ~1e10) in fp32."""
+    model = task.model()
+    with torch.no_grad():
+        model[4].weight.mul_(1e6)
+    return model
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_a_nan_batch_reads_nonfinite_input(precision):
+    task = ToyTask()
+    model = task.model()
+    step = step_for(model, task, precision, triage=True, faults={1: "nan"})
+    forwards = []
+    model.register_forward_pre_hook(lambda m, args: forwards.append(step.step_count))
+    records = [step(*task.batch(i)) for i in range(3)]
+    assert [r.reason for r in records] == [None, "nonfinite_input", None]
+    assert forwards == [0, 1, 2]  # bad data is told without a second forward
+    bad = records[1]
+    assert bad.skipped and math.isnan(bad.loss) and bad.next_scale == bad.scale  # the scale untouched
+    assert bad.first_nonfinite is None and bad.top_grads == []  # backward never ran
+    x, y = task.batch(1)
+    x = x.clone()
+    x.view(-1)[0] = NAN
+    assert not torch.isfinite(task.loss_fn(step.model(x), y))  # torch agrees: the loss is NaN on that batch
+
+
+def test_an_fp16_forward_overflow_on_finite_data_reads_forward_overflow():
+    task = ToyTask()
+    model = overflowing_head(task)
+    x, y = task.batch(0)
+    with torch.no_grad():  # the oracle: torch's forward, in fp32 and under fp16 autocast
+        assert torch.isfinite(task.loss_fn(model(x), y)) and torch.isfinite(x).all()
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert not torch.isfinite(task.loss_fn(model(x), y))
+    step = step_for(model, task, triage=True)
+    record = step(x, y)
+    assert (record.skipped, record.reason) == (True, "forward_overflow")
+    assert record.next_scale == record.scale  # the scale cannot help: it is left alone
+    assert step_for(overflowing_head(task), task)(x, y).reason == "nonfinite_loss"  # without triage
+
+
+def test_nan_weights_read_nonfinite_loss():
+    task = ToyTask()
+    model = task.model()
+    with torch.no_grad():
+        model[2].weight[0, 0] = NAN
+    record = step_for(model, task, triage=True)(*task.batch(0))
+    assert (record.skipped, record.reason) == (True, "nonfinite_loss")
+
+
+def test_triage_is_off_by_default_and_ps1_sees_nonfinite_loss():
+    from labkit.grading.checks.ps1 import REASONS
+
+    task = ToyTask()
+    step = step_for(task.model(), task, faults={0: "nan"})
+    assert not any(isinstance(h, Triage) for h in step.hooks.members)
+    assert step(*task.batch(0)).reason == "nonfinite_loss" and "nonfinite_loss" in REASONS
+    assert "nonfinite_input" not in REASONS  # a student's skip decision is graded on the two reasons
+
+
+def test_triage_true_is_refused_with_deferred_records_and_a_wrong_type():
+    task = ToyTask()
+    with pytest.raises(ValueError, match="Triage"):
+        step_for(task.model(), task, triage=True, sync_every=4)
+    with pytest.raises(TypeError, match="triage must be True or False"):
+        step_for(task.model(), task, triage="yes")
+    with pytest.raises(ValueError, match="precision"):
+        Triage(precision="fp8")
+
+
+class DropoutNet(nn.Module):
+    """Dropout and BatchNorm: the re-run must replay the step's masks and leave the running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5),
+                                 nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def batches(task, n, overflow_at):
+    """ToyTask's batches; at ``overflow_at`` the inputs x1e5: finite, but past fp16's range in the forward."""
+    return [(x * 1e5 if i == overflow_at else x, y) for i, (x, y) in ((i, task.batch(i)) for i in range(n))]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_fp32_rerun_leaves_dropout_and_batchnorm_as_a_run_without_triage(accumulation):
+    # with 2 micro-batches the step stops at the first one's bad loss while the re-run runs both: the
+    # random state must still be the one the step left
+    task = ToyTask()
+    runs = {}
+    for on in (True, False):
+        torch.manual_seed(1)  # the dropout masks come from the global generator
+        model = DropoutNet()
+        step = step_for(model, task, triage=on, accumulation_steps=accumulation)
+        records = [step(x, y) for x, y in batches(task, 5, overflow_at=2)]
+        runs[on] = (records, model.state_dict(), torch.get_rng_state())
+    (with_t, params_t, rng_t), (without, params, rng) = runs[True], runs[False]
+    assert [r.reason for r in with_t] == [None, None, "forward_overflow", None, None]
+    assert [r.reason for r in without] == [None, None, "nonfinite_loss", None, None]
+    for a, b in zip(with_t, without):
+        if a.step != 2:
+            assert repr(a.to_dict()) == repr(b.to_dict())  # every later step, to the bit (repr: NaN == NaN)
+    for k in params:
+        assert torch.equal(params_t[k], params[k]), k
+    assert torch.equal(rng_t, rng)
+
+
+def test_the_rerun_replays_the_steps_dropout_masks_and_puts_the_buffers_back():
+    task = ToyTask()
+    model = DropoutNet()
+    x, y = task.batch(0)
+    rng = rng_state(None)
+    with torch.no_grad():
+        want = task.loss_fn(model(x), y).double()  # the step's forward (it moves the running statistics)
+    stats = {k: v.clone() for k, v in model.state_dict().items()}
+    after = torch.get_rng_state()
+    got = _fp32_loss(model, task.loss_fn, (x, y), rng)
+    assert got.item() == want.item()  # the same masks: the same loss, to the bit
+    assert torch.equal(torch.get_rng_state(), after)  # the re-run drew nothing from the run's generator
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, stats[k]), k  # the running statistics are the step's, not the re-run's
+    other = _fp32_loss(model, task.loss_fn, (x, y), None)  # other masks: another loss
+    assert other.item() != want.item()
+
+
+def test_the_hook_in_a_plain_loop():
+    task = ToyTask()
+    model = overflowing_head(task)
+    hook = Triage(model, task.loss_fn, "fp16")
+    x, y = task.batch(0)
+    hook.pre_step(None, 0)
+    assert hook.on_decision(None, DecisionView(0, 1.0, 1.0, batch=(x, y))) is None  # a finite loss: no say
+    verdict = hook.on_decision(None, DecisionView(0, math.inf, NAN, loss_bad=True, batch=(x, y)))
+    assert verdict.skip == Reason.FORWARD_OVERFLOW
+    inf = x.clone().fill_(math.inf)
+    assert triage(model, task.loss_fn, (inf, y), precision="fp16") == Reason.NONFINITE_INPUT
+    # an fp32 forward is not re-run: it would give the same loss
+    assert triage(model, task.loss_fn, (x, y), precision="fp32") == Reason.NONFINITE_LOSS
+    with pytest.raises(RuntimeError, match="attach"):
+        Triage().on_decision(None, DecisionView(0, NAN, NAN, loss_bad=True, batch=(x, y)))
+
+
+@pytest.mark.parametrize("reason, remedy", [
+    ("nonfinite_input", "fix the data pipeline"),
+    ("forward_overflow", "the loss scale acts on backward and cannot help"),
+    ("nonfinite_loss", "run its forward in fp32 (TrainStep(triage=True) does both"),
+])
+def test_a_skip_streak_names_each_reasons_remedy(reason, remedy):
+    task = ToyTask()
+    model = overflowing_head(task) if reason == "forward_overflow" else task.model()
+    faults = {i: "nan" for i in range(3)} if reason != "forward_overflow" else None
+    step = step_for(model, task, triage=reason != "nonfinite_loss", faults=faults, skip_alarm=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = [step(*task.batch(i)) for i in range(3)]
+    assert [r.reason for r in records] == [reason] * 3
+    messages = [str(w.message) for w in caught if issubclass(w.category, SkipStreakWarning)]
+    assert len(messages) == 1
+    assert f"steps 0-2: {reason} x3" in messages[0] and remedy in messages[0]
+    assert messages[0].endswith(REMEDIES[Reason(reason)])  # only the reasons in the streak
+
+
+@pytest.mark.parametrize("reason, line", [
+    ("nonfinite_loss", "loss is not finite: backward skipped, scale untouched"),
+    ("nonfinite_input", "loss is not finite, an input holds NaN/inf (bad data): backward skipped, "
+                        "scale untouched"),
+    ("forward_overflow", "loss is not finite in fp16, finite in fp32 (the forward overflowed): "
+                         "backward skipped, scale untouched"),
+])
+def test_describe_says_why_the_loss_was_not_finite(reason, line):
+    record = StepRecord(5, NAN, skipped=True, reason=reason, fault="nan")
+    assert describe(record, 1.0) == [f"step    5  SKIP  {reason}: {line} [fault nan]"]
+    assert ledger([record]) == [OUTCOMES[2]]  # the ledger's "loss not finite" row
+
+
+def test_summary_counts_the_new_reasons_and_the_trackers_take_them(tmp_path):
+    from labkit.export import replay
+
+    from test_export import read_tensorboard
+
+    task = ToyTask()
+    step = step_for(task.model(), task, triage=True, faults={1: "nan"}, log_path=tmp_path / "run.jsonl")
+    for i in range(3):
+        step(*task.batch(i))
+    step.log.append(StepRecord(3, NAN, skipped=True, reason="forward_overflow"))
+    step.log.append(StepRecord(4, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad",
+                               first_nonfinite="wte.weight", culprit_module="lm_head"))
+    assert step.log.summary()["skips_by_reason"] == {"nonfinite_loss": 0, "nonfinite_grad": 1,
+                                                    "nonfinite_input": 1, "forward_overflow": 1}
+    step.log.close()
+    path = tmp_path / "all.jsonl"
+    path.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in step.log))
+    replay(path, "tensorboard", tmp_path)
+    _, texts, _ = read_tensorboard(tmp_path / "tensorboard" / "all")
+    assert texts[(1, "amp/skip_reason")] == "nonfinite_input"
+    assert texts[(3, "amp/skip_reason")] == "forward_overflow"
+    assert (texts[(4, "amp/first_nonfinite")], texts[(4, "amp/culprit_module")]) == ("wte.weight", "lm_head")
+    assert labkit.StepLog.read_jsonl(tmp_path / "run.jsonl")[1].reason == "nonfinite_input"
