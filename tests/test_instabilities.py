@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
+from labkit.reasons import LOSS
 from gpt_before_options import GPTTask as GPTTaskBefore
 from labkit.export.schema import row
 from labkit.lab import describe
@@ -357,22 +358,34 @@ def test_z_loss_keeps_log_z_near_zero_where_the_baseline_drifts():
     assert abs(pinned[0].log_z - base[0].log_z) < 1e-6  # the same start: ln(vocabulary) with logits near 0
 
 
-def _fp16_steps(variant, lr, steps, until=None):
+def _fp16_steps(variant, lr, steps, until=None, triage=False):
     """Train the lesson's GPT in fp16, explicit attention, on the 100-step schedule, for ``steps`` steps."""
-    config = Recipe(**LESSON, steps=100, precision="fp16", attention="explicit").config(variant, lr)
+    recipe = Recipe(**LESSON, steps=100, precision="fp16", attention="explicit", triage=triage)
+    config = recipe.config(variant, lr)
+    assert config.triage is triage
     task = config.task
     model = task.model()
     opt = make_optimizer(config, model.parameters())
     scaler = labkit.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
                             scheduler=make_scheduler(config, opt), hooks=[task.monitor(model)],
-                            skip_alarm=None)
+                            skip_alarm=None, triage=config.triage)
     records = []
     for i in range(steps):
         records.append(step(*task.batch(i)))
         if until is not None and until(records[-1]):
             break
     return task, model, step, records
+
+
+def test_with_triage_the_gpts_fp16_overflow_reads_forward_overflow_and_keeps_what_the_step_measured():
+    loss_skip = lambda r: r.reason in LOSS  # noqa: E731  # backward overflows come first, as in the test below
+    task, model, step, records = _fp16_steps("baseline", 1.0, 60, until=loss_skip, triage=True)
+    record = records[-1]
+    assert record.reason == "forward_overflow", f"step {record.step}: {record.reason}"
+    assert record.next_scale == record.scale and not math.isfinite(record.loss)
+    assert record.attn_logit_max["h.0"] == math.inf  # the fp32 re-run's measurements stay out of the record
+    assert "forward overflowed" in describe(record, 1.0)[0]
 
 
 def test_fp16_forward_overflow_skips_losses_that_the_fp32_forward_of_the_same_step_does_not_have():
@@ -501,6 +514,12 @@ def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_g
     # another recipe in the same folder is refused, with the way out
     assert main([a if a != "4" else "5" for a in args]) == 2
     assert "another recipe (differs in ['steps'])" in capsys.readouterr().err
+    # a sweep.json written before a recipe field existed resumes, the field at its default
+    meta = json.loads((tmp_path / "sweep.json").read_text())
+    del meta["triage"]
+    (tmp_path / "sweep.json").write_text(json.dumps(meta))
+    assert main(args) == 0 and "resuming: 4 of 4 points" in capsys.readouterr().out
+    assert main([a if a != "4" else "5" for a in args]) == 2  # and another one is still refused
     with pytest.raises(SystemExit) as e:
         main(["--variants", "adam"])
     assert e.value.code == 2

@@ -113,7 +113,8 @@ class Recipe:
     the global gradient norm clipped at 1; the z-loss variants use PaLM's coefficient 1e-4. The
     model is far smaller than theirs: 2 layers, width 64, 4 heads, a 64-byte context and batches
     of 16, 300 steps. ``attention="explicit"`` forms the attention logits as a tensor (in fp16,
-    where they can overflow).
+    where they can overflow). ``triage=True`` tells a non-finite loss apart (``forward_overflow``
+    or ``nonfinite_input``, ``labkit.triage``); off by default, as the README's grid was run.
 
     >>> Recipe().config("qk_norm", lr=0.1, seed=1).task.qk_norm, Recipe().config("baseline", 0.1).weight_decay
     (True, 0.001)
@@ -135,6 +136,7 @@ class Recipe:
     init_scale: float = 2.0**16
     val_batches: int = 16
     device: str | None = None
+    triage: bool = False  # True: a non-finite loss reads forward_overflow or nonfinite_input (labkit.triage)
 
     def __post_init__(self) -> None:
         self.config("baseline", 1e-3)  # a bad setting raises here, in ExperimentConfig's and GPTTask's words
@@ -189,7 +191,7 @@ class Recipe:
             warmup=int(self.warmup * self.steps),
             scheduler="cosine", max_norm=self.max_norm, steps=self.steps, seed=seed, device=self.device,
             init_scale=self.init_scale, growth_interval=2000,
-            triage=False,  # the sweep and lesson 07 record a forward overflow as nonfinite_loss, as measured
+            triage=self.triage,
         )
 
 
@@ -393,8 +395,8 @@ def sweep(
         meta = os.path.join(out, "sweep.json")
         mine = dataclasses.asdict(recipe)
         if os.path.exists(meta):
-            with open(meta, encoding="utf-8") as f:
-                theirs = json.load(f)
+            with open(meta, encoding="utf-8") as f:  # a field added since reads as its default
+                theirs = {fld.name: fld.default for fld in dataclasses.fields(Recipe)} | json.load(f)
             if theirs != mine:
                 changed = sorted(k for k in mine if theirs.get(k) != mine[k])
                 raise ValueError(f"{out} holds a sweep of another recipe (differs in {changed}): give "

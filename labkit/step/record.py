@@ -24,12 +24,14 @@ from ..reasons import Reason
 from ..records import FIELDS, LogWriteError, StepRecord
 from ..scaler import F32
 
-__all__ = ["DEVICE_FIELDS", "DeferredRecord", "Forensics", "Outcome", "Pending", "build", "forensics", "put"]
+__all__ = ["DEVICE_FIELDS", "SKIPPED", "DeferredRecord", "Forensics", "Outcome", "Pending", "build",
+           "forensics", "put"]
 
 TOP_K = 3
 # What a step leaves on the device for its record, in this order (one batched copy reads them),
 # then the hooks' measures.
 DEVICE_FIELDS = ("loss", "loss_bad", "grad_norm", "clip_coef", "scale", "next_scale", "skipped")
+SKIPPED = DEVICE_FIELDS.index("skipped")  # where a device row holds the skip
 _LAZY = frozenset(FIELDS) - {"step"}
 
 

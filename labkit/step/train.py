@@ -32,7 +32,7 @@ from ..validate import check_int
 from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, check_loss
 from .decision import Decision, decide_on_device, decide_on_host, read, skip_bad_loss, unscaled_norms
 from .parts import DEFAULT_MAX_NORM, GuardedParams, check_deferred, check_parts, make_clipper, make_hooks
-from .record import Outcome, Pending, build
+from .record import SKIPPED, Outcome, Pending, build
 
 __all__ = ["TrainStep"]
 
@@ -159,10 +159,10 @@ class TrainStep:
         try:
             loss = self._forward_backward(batch)  # forward and loss check -> scaled backward
             measures = self.hooks.post_backward(self, step)
-            decision = self._decide(step, loss, batch, measures)  # unscale -> check -> clip, hooks' verdict
+            decision = self._decide(step, loss, batch, measures)  # unscaled norms -> check -> clip, verdict
             found = None
             if not loss.bad:  # a non-finite loss: nothing to step, the scale untouched
-                found = self._step_or_skip(step, decision)  # step, or skip on non-finite gradients
+                found = self._step_or_skip(step, decision)  # unscale and clip (one multiply) -> step, or skip
                 self._update_scale(decision, loss)  # back off, keep or grow the scale
             outcome = self._outcome(step, lrs, batch, loss, decision, found, measures)
         except BaseException:  # the model, loss or optimizer raised: nothing of this step is kept
@@ -305,7 +305,7 @@ class TrainStep:
         """Put the buffers back on a skip, step the scheduler, call the hooks, log: the step is complete."""
         deferred, late_error = self.sync_every is not None, None
         if deferred:  # the skip is known on the device only: the buffers come back by a select, no sync
-            buffers.restore_where(o.values, 6)  # type: ignore[arg-type]
+            buffers.restore_where(o.values, SKIPPED)  # type: ignore[arg-type]
             record: StepRecord = self._pending.defer(o, self.flush)
         else:
             record = build(o, o.values, self.scaler.is_enabled(), self.process_group)  # type: ignore[arg-type]
