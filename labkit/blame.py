@@ -26,7 +26,8 @@ Where a gradient is placed:
   share *and* a non-finite value further down in the same step reads as the latter;
 - inside a compiled region (``torch.compile``): the region is one node to autograd and hands
   all its gradients over at once, in an order that says nothing about its inside. Its
-  parameters share the region's position, ties broken by registration order.
+  parameters share the region's position, ties broken by the order of the step's parameters (the
+  optimizer's, usually registration order).
 
 With ``accumulation_steps > 1`` the first micro-batch's backward decides (each hook keeps its
 first firing of the step). Under DDP and FSDP2 every rank runs the same backward, so every rank
@@ -50,6 +51,7 @@ reduction over that use's output gradient).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,6 +73,27 @@ def module_of(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def _weak(method: Any) -> Any:
+    """Return a function that calls the bound ``method`` while its object lives, and does nothing after.
+
+    The hooks live on the model, which outlives a ``TrainStep``: held strongly, each dropped
+    step's ``BackwardOrder`` would keep firing (and keep its hooks) on every later backward.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 def _compiled(module: nn.Module) -> bool:
     # torch.compile(model) wraps it (the original is ``_orig_mod``); model.compile() compiles in place
     return isinstance(getattr(module, "_orig_mod", None), nn.Module) or \
@@ -82,7 +105,7 @@ class BackwardOrder(Hook):
 
     ``rank`` orders the gradients from the loss (0) towards the input; ``module`` is the path
     of the module that produced the gradient (for a tied parameter, its first use in backward;
-    ``uses[name]`` holds each use's ``(rank, module, largest |output gradient|)``, from which
+    ``uses[name]`` maps each module using it to ``[rank, largest |output gradient|]``, from which
     ``placed`` moves it to a later use). A parameter that got no gradient this step is missing.
     ``TrainStep`` keeps one and hands ``positions`` and ``uses`` to the record; in a plain loop
     call ``attach(model)`` once and ``pre_step(None, step)`` before each forward, then pass both
@@ -95,6 +118,7 @@ class BackwardOrder(Hook):
         self.positions: dict[str, tuple[int, str]] = {}
         self.uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [rank, amax]
         self._handles: list[Any] = []
+        weakref.finalize(self, _remove, self._handles)  # a dropped BackwardOrder unhooks the model
         self._hooked: set[int] = set()
         self._regions: dict[str, str] = {}  # parameter -> the compiled region it is in
         self._region_rank: dict[str, int] = {}
@@ -126,35 +150,36 @@ class BackwardOrder(Hook):
                     if len(owners.get(id(p), ())) > 1 and id(p) in first_name]
             if tied and not any(n in self._regions for n in tied):  # no hooks inside a compiled graph
                 self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, names=tuple(tied), path=path: self._used(names, path, out)))
+                    lambda mod, args, out, names=tuple(tied), path=path, used=_weak(self._used):
+                    used(names, path, out)))
 
     def detach(self) -> None:
         """Remove every hook (the records fall back to registration order)."""
-        for h in self._handles:
-            h.remove()
-        self._handles, self._hooked, self.positions, self.uses = [], set(), {}, {}
+        _remove(self._handles)  # the same list: the finalizer holds it
+        self._hooked, self.positions, self.uses = set(), {}, {}
 
     def pre_step(self, trainer: Any, step: int) -> None:
         """Start a new step's order (the last step's ``positions`` dict is left as it was, for its record)."""
         self.positions, self.uses, self._region_rank = {}, {}, {}
         if trainer is not None and self.model is not None:
             key = self._optimizer_key(trainer)
-            if key != self._key:  # a group added (progressive unfreezing): hook what trains now
+            if key != self._key:  # progressive unfreezing: hook what trains now
                 self._key = key
                 for name, p in self.model.named_parameters():
                     self._hook_param(name, p)
 
-    @staticmethod
-    def _optimizer_key(trainer: Any) -> tuple:
+    def _optimizer_key(self, trainer: Any) -> tuple:
+        # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter
         groups = getattr(getattr(trainer, "optimizer", None), "param_groups", ())
-        return tuple((id(g["params"]), len(g["params"])) for g in groups)
+        training = sum(p.requires_grad for p in self.model.parameters()) if self.model is not None else 0
+        return (*((id(g["params"]), len(g["params"])) for g in groups), training)
 
     def _hook_param(self, name: str, p: Tensor) -> None:
         if id(p) in self._hooked or not p.requires_grad:
             return
         self._hooked.add(id(p))
         self._handles.append(p.register_post_accumulate_grad_hook(
-            lambda _, name=name, module=module_of(name): self._fired(name, module)))
+            lambda _, name=name, module=module_of(name), fired=_weak(self._fired): fired(name, module)))
 
     def _fired(self, name: str, module: str) -> None:
         if name in self.positions:  # a later micro-batch, or a tied parameter's last use
@@ -163,7 +188,7 @@ class BackwardOrder(Hook):
         if region is None:
             self.positions[name] = (len(self.positions), module)
             return
-        # one node to autograd: its gradients arrive together, ranked as one (ties: registration order)
+        # one node to autograd: its gradients arrive together, ranked as one (ties: the parameters' order)
         rank = self._region_rank.setdefault(region, len(self.positions))
         self.positions[name] = (rank, module)
 
@@ -175,7 +200,10 @@ class BackwardOrder(Hook):
             if node is None:
                 out.register_hook(lambda g: self._use(names, path, g))
             else:
-                node.register_prehook(lambda grads: self._use(names, path, grads[out.output_nr]))
+                # the output's index, not the output: a hook holding it would keep the graph's node and
+                # the tensor alive through each other, a cycle through C++ that no gc collects
+                nr = out.output_nr
+                node.register_prehook(lambda grads: self._use(names, path, grads[nr]))
 
     def _use(self, names: Sequence[str], path: str, g: Tensor) -> None:
         # NaN/inf in the gradient reaching this use's output is in its share of the weight too; the

@@ -20,7 +20,7 @@ forward in fp32 on a bad step, none on any other (an fp32 run re-runs nothing: i
 was already fp32). Under ``torch.distributed`` every rank re-runs its own part and the ranks
 agree with one all-reduce of two numbers: any rank's bad input makes it ``nonfinite_input``,
 else a finite fp32 global loss makes it ``forward_overflow``. A model whose weights are
-themselves fp16/bf16 re-runs in their precision (only autocast is turned off), so its
+themselves fp16/bf16 has no fp32 forward to compare with: nothing is re-run, and its
 overflow reads ``nonfinite_loss``.
 
 ``Triage`` is the hook (``TrainStep(triage=True)``, or ``hooks=[Triage()]``): its
@@ -40,7 +40,7 @@ from .distributed import ProcessGroup, all_reduce_, is_distributed
 from .hooks import DecisionView, Hook, Verdict
 from .reasons import Reason
 
-__all__ = ["Triage", "nonfinite_input", "triage"]
+__all__ = ["Triage", "nonfinite_input", "rng_state", "triage"]
 
 _AUTOCAST = {"fp32": False, "bf16": True, "fp16": True}
 
@@ -99,10 +99,11 @@ def _fp32_loss(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any,
     device = first.device if first is not None else torch.device("cpu")
     corrupt = getattr(batch, "corrupt_output", lambda out: out)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cuda = [device] if rng is not None and rng[1] is not None else []
+    cuda = [device] if device.type == "cuda" else []
     total = torch.zeros((), dtype=torch.float64, device=device)
     try:
-        with torch.random.fork_rng(devices=cuda, enabled=rng is not None), \
+        # forked whether or not the step's state is given: the re-run's dropout never moves the run's RNG
+        with torch.random.fork_rng(devices=cuda), \
                 torch.autocast(device.type, enabled=False):
             if rng is not None:  # the step's own dropout masks
                 torch.set_rng_state(rng[0])
@@ -140,16 +141,21 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
     """
     if precision not in _AUTOCAST:
         raise ValueError(f"precision must be one of {list(_AUTOCAST)}, got {precision!r}.")
-    bad = nonfinite_input(*_inputs(batch))
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    bad = nonfinite_input(*_inputs(batch)).to(device)  # on the model's device: NCCL reduces no CPU tensor
     distributed = is_distributed()
     if not distributed and bool(bad):  # host sync, on a bad step only: no forward needed for bad data
         return Reason.NONFINITE_INPUT
-    if _AUTOCAST[precision]:
+    # fp16/bf16 weights have no fp32 forward to compare with (and fp32 inputs would not fit them); the
+    # same on every rank, as the weights' dtypes are
+    low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    if _AUTOCAST[precision] and not low:
         loss = _fp32_loss(model, loss_fn, batch, rng)
-    else:  # the forward was fp32 already: a re-run would give the same loss
-        loss = torch.full((), float("nan"), dtype=torch.float64, device=bad.device)
+    else:  # the forward was fp32 already (a re-run would give the same loss), or cannot be
+        loss = torch.full((), float("nan"), dtype=torch.float64, device=device)
     # every rank re-ran its own part (a rank that skipped it would leave FSDP's gathers unmatched)
-    both = all_reduce_(torch.stack([bad.to(loss.device, torch.float64), loss]), "sum", process_group)
+    both = all_reduce_(torch.stack([bad.to(torch.float64), loss]), "sum", process_group)
     inputs, fp32_loss = both.tolist()  # host sync: one read of both
     if inputs > 0:
         return Reason.NONFINITE_INPUT

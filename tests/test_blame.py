@@ -212,3 +212,54 @@ def test_deferred_records_name_the_same_culprit(bad):
     assert [(r.first_nonfinite, r.culprit_module) for r in records] == \
         [(r.first_nonfinite, r.culprit_module) for r in expected]
     assert expected[0].culprit_module == ("4" if bad == "head" else "2")
+
+
+def test_the_hooks_keep_no_step_output_alive():
+    """A hook on the graph must not hold the output it hooks (a cycle through C++ that no gc frees)."""
+    import gc
+    import weakref
+
+    task, model, step = gpt_step()
+    outputs = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+    for i in range(3):
+        step(*task.batch(i))
+    gc.collect()
+    assert len(outputs) == 3 and all(ref() is None for ref in outputs)
+
+
+def test_a_dropped_trainstep_takes_its_hooks_off_the_model():
+    import gc
+
+    task = tiny_gpt()
+    model = task.model()
+    for _ in range(3):  # three runs on one model, as a lesson's re-runs would
+        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
+                         clip_alarm=None)
+        step(*task.batch(0))
+        del step
+        gc.collect()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn)
+    assert len(model.lm_head._forward_hooks) == 1
+    assert len(model.wpe.weight._post_accumulate_grad_hooks) == 1
+    del step
+    gc.collect()
+    assert not model.lm_head._forward_hooks and not model.wpe.weight._post_accumulate_grad_hooks
+
+
+def test_parameters_unfrozen_in_place_are_put_in_backward_order():
+    task = ToyTask()
+    model = task.model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in model[4].parameters():
+        p.requires_grad_(True)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
+                     clip_alarm=None)
+    step(*task.batch(0))
+    for p in model.parameters():  # unfrozen in place: the optimizer already holds them
+        p.requires_grad_(True)
+    poison_output(model[2], math.inf)
+    record = step(*task.batch(1))
+    assert record.skipped and registration_order_culprit(model) == "0.weight"
+    assert record.culprit_module == "2"

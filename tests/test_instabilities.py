@@ -523,3 +523,14 @@ def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_g
     with pytest.raises(SystemExit) as e:
         main(["--variants", "adam"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("flag, value, message", [("--heads", "3", "multiple of n_head"),
+                                                  ("--layers", "0", "n_layer must be an int >= 1"),
+                                                  ("--context", "0", "block_size must be an int >= 1")])
+def test_a_model_size_that_cannot_be_built_is_refused_before_the_sweep_writes_anything(tmp_path, capsys, flag,
+                                                                                     value, message):
+    with pytest.raises(SystemExit) as e:
+        main([flag, value, "--out", str(tmp_path / "grid"), "--no-progress"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "grid").exists()

@@ -237,3 +237,22 @@ def test_summary_counts_the_new_reasons_and_the_trackers_take_them(tmp_path):
     assert texts[(3, "amp/skip_reason")] == "forward_overflow"
     assert (texts[(4, "amp/first_nonfinite")], texts[(4, "amp/culprit_module")]) == ("wte.weight", "lm_head")
     assert labkit.StepLog.read_jsonl(tmp_path / "run.jsonl")[1].reason == "nonfinite_input"
+
+
+def test_fp16_weights_have_no_fp32_forward_and_read_nonfinite_loss_without_raising():
+    task = ToyTask()
+    model = overflowing_head(task).half()
+    x, y = task.batch(0)  # fp32: autocast casts them for the fp16 weights; an fp32 re-run could not
+    assert triage(model, task.loss_fn, (x, y), precision="fp16") is Reason.NONFINITE_LOSS
+    record = step_for(model, task, triage=True)(x, y)
+    assert record.skipped and record.reason == "nonfinite_loss"
+
+
+def test_the_rerun_never_moves_the_runs_random_state_even_without_the_steps():
+    task = ToyTask()
+    model = nn.Sequential(overflowing_head(task), nn.Dropout(0.5))
+    x, y = task.batch(0)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    assert triage(model, task.loss_fn, (x, y), precision="fp16") is Reason.FORWARD_OVERFLOW  # no rng given
+    assert torch.equal(torch.get_rng_state(), before)

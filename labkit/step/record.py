@@ -75,12 +75,16 @@ def forensics(
         return Forensics(top, None, None)
     names = [n for n, _ in named]
     order = order or {}
-    if uses:  # a tied weight: placed at the use that made it non-finite (a read on this skipped step)
+    gone = any(g is None for _, g in named)
+    # a tied weight: placed at the use that made it non-finite (a read on this skipped step). Not from a
+    # deferred record's flush, which one rank may start alone (a collective there could hang): such a
+    # record keeps the tied weight at its first use
+    if uses and not gone:
         order = placed(order, uses, [names[i] for i, f in enumerate(finite) if not f], group)
     # the candidates, in backward order (a gradient with a finite norm holds no inf/NaN)
     bad = sorted((i for i, f in enumerate(finite) if not f),
                  key=lambda i: (order[names[i]][0] if names[i] in order else math.inf, i))
-    if any(g is None for _, g in named):
+    if gone:
         where = 0
     else:
         grads = [named[i][1] for i in bad]

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ..distributed import all_reduce_, is_distributed
 from ..hooks import Hook
+from ..validate import check_int
 from .text import TextCorpus
 
 __all__ = ["ATTENTION", "GPT", "GPTTask", "LogitMonitor", "cross_entropy", "cross_entropy_with_z_loss",
@@ -344,6 +345,10 @@ class GPTTask:
     measure: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size"):
+            check_int(name, getattr(self, name), 1)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head}).")
         for name in ("qk_norm", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
