@@ -502,9 +502,9 @@ def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_g
                                                               ("qk_norm", 0.01), ("qk_norm", 0.1)]
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     assert len(StepLog.read_jsonl(tmp_path / "runs" / "qk_norm_lr0.1_seed0.jsonl")) == 4
-    # stop it half-way: the last row torn, the third gone
+    # stop it half-way: the third row gone, the last torn mid-number (it still parses: it must run again)
     lines = (tmp_path / "sweep.csv").read_text().splitlines()
-    (tmp_path / "sweep.csv").write_text("\n".join(lines[:3]) + "\n" + lines[4][:9])
+    (tmp_path / "sweep.csv").write_text("\n".join(lines[:3]) + "\n" + lines[4][:-1])
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "resuming: 2 of 4 points" in out and out.count("final loss") == 2

@@ -411,8 +411,8 @@ def sweep(
             if header != _COLUMNS:
                 raise ValueError(f"{csv_path} has the columns {header}, not this labkit's {_COLUMNS}: give "
                                  "another --out, or delete the folder to start over.")
+        _cut_torn_row(csv_path)  # first: a torn row that still parses is no finished point
         done = {(p.variant, p.lr, p.seed): p for p in _read_points(csv_path)}
-        _cut_torn_row(csv_path)
         if not os.path.exists(csv_path) or os.path.getsize(csv_path) == 0:
             with open(csv_path, "w", encoding="utf-8", newline="") as f:
                 csv.writer(f).writerow(_COLUMNS)
@@ -803,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant, s in summary.items():
         stable = s["stable_lrs"]
         print(f"  {variant:<15} best {s['best_loss']:.3f} at lr {s['best_lr']:g}, LR sensitivity "
-              f"{s['sensitivity']:.3f}, within 0.1 of best for lr {stable[0]:g} .. {stable[-1]:g}, "
+              f"{s['sensitivity']:.3f}, within 0.1 of best for lr "
+              f"{f'{stable[0]:g} .. {stable[-1]:g}' if stable else 'none'}, "
               f"largest attention logit at lr {max(args.lrs):g}: {s['attn_logit_max_top_lr']:.3g}")
     traces, trace_lr = _traces(out, points, seeds[0])
     fig = plot_sweep(points, traces, trace_lr=trace_lr, overflow_at=recipe.fp16_logit_limit)
