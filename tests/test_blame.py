@@ -41,12 +41,16 @@ def registration_order_culprit(model: nn.Module) -> str | None:
     return first_nonfinite([g for _, g in named], [n for n, _ in named])
 
 
-def toy_step(**kw):
-    task = ToyTask()
+def step_on(task, **kw):
+    """Return ``(task, model, step)``: a fresh model of ``task`` under a quiet SGD ``TrainStep``."""
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
                      clip_alarm=None, **kw)
     return task, model, step
+
+
+def toy_step(**kw):
+    return step_on(ToyTask(), **kw)
 
 
 def tiny_gpt():
@@ -54,11 +58,7 @@ def tiny_gpt():
 
 
 def gpt_step(**kw):
-    task = tiny_gpt()
-    model = task.model()
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
-                     clip_alarm=None, **kw)
-    return task, model, step
+    return step_on(tiny_gpt(), **kw)
 
 
 def test_an_overflow_at_the_output_layer_is_blamed_on_the_head_not_the_input_layer():

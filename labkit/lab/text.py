@@ -43,6 +43,7 @@ def culprit(record: StepRecord) -> str | None:
     'wte.weight, as used by lm_head'
     """
     name, module = record.first_nonfinite, record.culprit_module
+    # blame.module_of's rule, written out: this module must not import torch (`demo --help` is instant)
     if name is None or module is None or name.rpartition(".")[0] == module:
         return name
     return f"{name}, as used by {module}"
