@@ -7,6 +7,9 @@ so notebook kernels started by nbval and the browser tests inherit it. LABKIT_TE
 import os
 
 os.environ["OMP_NUM_THREADS"] = os.environ.get("LABKIT_TEST_THREADS", "1")
+# A lesson's hidden check (labkit.lab.expect) prints one line in a student's kernel and goes on; in the
+# test suite (nbval, the browser tests, the portability pass: kernels inherit this) it raises.
+os.environ.setdefault("LABKIT_STRICT", "1")
 
 # The old names of labkit.formats.bf16 and .fp8, kept one release: each file replaces itself in
 # sys.modules with the new module (so monkeypatching and pickles see one module), which pytest's

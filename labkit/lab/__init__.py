@@ -10,6 +10,7 @@ import importlib
 import typing
 
 _LAZY = {
+    ".checks": ("expect",),
     ".defenses": ("DefenseExplorer", "Defenses", "ledger", "plot_defenses"),
     ".experiment": ("ExperimentConfig", "default_device", "run_experiment"),
     ".formats": ("GranularityExplorer", "granularity_rows", "number_line", "round_trip", "scaling_figure",
@@ -27,6 +28,7 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
+    from .checks import expect
     from .defenses import DefenseExplorer, Defenses, ledger, plot_defenses
     from .experiment import ExperimentConfig, default_device, run_experiment
     from .formats import (
@@ -58,7 +60,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AdamWatch", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig", "GradHistogram",
     "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel",
-    "culprit", "default_device", "describe", "episode", "event_rows", "format_scale", "granularity_rows",
+    "culprit", "default_device", "describe", "episode", "expect", "event_rows", "format_scale", "granularity_rows",
     "ledger", "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
     "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips", "plot_sweep",
     "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure", "stagnation_figure",

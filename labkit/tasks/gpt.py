@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from ..distributed import all_reduce_, is_distributed
 from ..hooks import Hook
 from ..validate import check_int
+from .perturb import perturb_
 from .text import TextCorpus
 
 __all__ = ["ATTENTION", "GPT", "GPTTask", "LogitMonitor", "cross_entropy", "cross_entropy_with_z_loss",
@@ -377,14 +378,15 @@ class GPTTask:
         return self.corpus.sha256
 
     def model(self, device: str | torch.device = "cpu") -> GPT:
-        """Return a freshly initialised GPT; the same seed gives the same weights (qk_norm or not)."""
+        """Return a freshly initialised GPT; the same seed gives the same weights (qk_norm or not; and see
+        ``LABKIT_PERTURB`` in ``labkit.tasks.perturb``)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             net = GPT(self.corpus.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd,
                       qk_norm=self.qk_norm, attn_softcap=self.attn_softcap, logit_softcap=self.logit_softcap,
                       attention=self.attention)
         net.measure = self.measure
-        return net.to(device)
+        return perturb_(net).to(device)
 
     def monitor(self, model: GPT) -> LogitMonitor | None:
         """Return the hook that records ``model``'s logit measurements (None with ``measure=False``)."""

@@ -14,6 +14,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from .perturb import perturb_
+
 __all__ = ["ToyTask"]
 
 
@@ -42,10 +44,11 @@ class ToyTask:
         )
 
     def model(self, device: str | torch.device = "cpu") -> nn.Sequential:
-        """Return a freshly initialised student; the same seed gives the same weights."""
+        """Return a freshly initialised student; the same seed gives the same weights (``LABKIT_PERTURB``)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            return self._net().to(device)
+            net = self._net()
+        return perturb_(net).to(device)
 
     @property
     def loss_fn(self) -> nn.MSELoss:
