@@ -60,7 +60,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "AdamWatch", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig", "GradHistogram",
     "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel",
-    "culprit", "default_device", "describe", "episode", "expect", "event_rows", "format_scale", "granularity_rows",
+    "culprit", "default_device", "describe", "episode", "event_rows", "expect", "format_scale",
+    "granularity_rows",
     "ledger", "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
     "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips", "plot_sweep",
     "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure", "stagnation_figure",
