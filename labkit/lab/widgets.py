@@ -35,6 +35,7 @@ __all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows", "
 
 CONTROLS = ("max_norm", "fault", "fault_step", "fault_count", "fault_magnitude",
             "init_scale", "growth_interval", "precision", "loss_scaling", "lr")
+LRS = tuple(float(f"{m}e{e}") for e in range(-4, 1) for m in (1, 2, 3, 5, 8)) + (10.0,)  # 1e-4 ... 10
 MAX_NORMS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
 EPISODE = {"fault": "spike", "fault_step": 50, "fault_count": 1, "fault_magnitude": 1000.0}
 _FAULT_KEYS = tuple(EPISODE)
@@ -138,9 +139,10 @@ def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
         return W.ToggleButtons(options=["fp32", "bf16", "fp16"], value=value, description="precision")
     if name == "loss_scaling":
         return W.Checkbox(value=value, description="loss scaling")
-    if name == "lr":
-        return W.FloatLogSlider(value=value, base=10, min=-4, max=1, step=0.05, description="learning rate",
-                                continuous_update=False)
+    if name == "lr":  # a grid of exact values, with the given one on it: a student can always return to it
+        options = sorted(set(LRS) | {float(value)})
+        return W.SelectionSlider(options=[(f"{v:g}", v) for v in options], value=float(value),
+                                 description="learning rate", continuous_update=False)
     raise KeyError(f"unknown control {name!r}; known: {', '.join(CONTROLS)}.")
 
 
