@@ -318,3 +318,28 @@ def test_clear_leaves_no_run_on_screen_that_the_controls_do_not_describe(runs):
     legend = panel.dashboard.figure.axes[0].get_legend()  # only the threshold line is still drawn and listed
     assert [t.get_text() for t in legend.get_texts()] == ["max_norm"]
     assert panel.config.precision == "fp16" and len(runs) == 1 and panel.figure_mismatches() == []
+
+
+def test_a_skip_in_a_run_without_a_scaler_says_nothing_of_a_scale():
+    # issue 32 #26: an fp32 run's event table said "scale untouched" where no scaler ran
+    panel = ControlPanel(ExperimentConfig(precision="fp16", steps=6, device="cpu"),
+                         {"precision": "fp16"}, fixed={"fault": "nan", "fault_step": 2}, panels=("loss",))
+    panel.run()
+    assert "backward skipped, scale untouched" in panel.table.value
+    panel.controls["precision"].value = "fp32"
+    assert "SKIP" in panel.table.value and "backward skipped" in panel.table.value
+    assert "scale" not in panel.table.value
+    rows = event_rows(panel.logs, 1.0, scaler={"run": False})
+    assert rows and all("scale" not in line for _, line in rows)
+    assert any("scale untouched" in line for _, line in event_rows(panel.logs, 1.0))  # the default: a scaler ran
+
+
+def test_the_lr_slider_holds_its_value_exactly_on_its_grid():
+    # issue 32 #28: lesson 04's slider offered 0.794 and 0.891, never the text's 0.8
+    for lr in (0.8, 3e-3, 0.3, 0.0123):
+        slider = widgets._control("lr", lr, 10)
+        assert slider.value == lr and lr in [v for _, v in slider.options]
+    panel = ControlPanel(BASE, {"lr": 0.8})
+    panel.controls["lr"].value = 0.3
+    panel.controls["lr"].value = 0.8  # a student's drag back to the text's value
+    assert panel.config.lr == 0.8 and panel.logs["run"][0].lr == 0.8

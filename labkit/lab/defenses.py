@@ -44,7 +44,8 @@ __all__ = ["KNOBS", "METHODS", "OUTCOMES", "DefenseExplorer", "Defenses", "ledge
 METHODS = ("norm", "zclip", "autoclip", "adagc", "agc", "update", "none")
 OUTCOMES = ("stepped", "clipped", "skip: loss not finite", "skip: overflow", "skip: z-score spike", "rewound")
 _COLORS = ("#d9d9d9", "#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#555555")
-# Each method's one knob: its name, the values that make sense for it, and its published default.
+# Each method's one knob: its name, the values that make sense for it, and its default: the paper's, or its
+# reference code's (AutoClip's 0.9 is the `autoclip` package's QuantileClip default; the paper's knob is a percentile p).
 KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
     "norm": ("max_norm", (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0), 1.0),
     "zclip": ("z_thresh", (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0), 2.5),
@@ -268,7 +269,7 @@ class DefenseExplorer:
     """The "Try it" panel: a method with its own knob, the window, feed, spike and shift sizes; the figure follows.
 
     Choosing a method puts *its* knob on the slider (``KNOBS``: its name, the values that make
-    sense for it, its published default), so a quantile never receives a z-score. The feed
+    sense for it, its default), so a quantile never receives a z-score. The feed
     dropdown is off for the methods without statistics (``norm``, ``agc``). A setting the
     method cannot act on (a warm-up that lasts past the spike) is said in one line under the
     controls, and an error is shown in that line, never as a traceback. Each change re-runs

@@ -3,13 +3,16 @@
 Adam divides each coordinate's update by ``sqrt(v_hat) + eps``, with ``v`` an EMA of the
 squared gradients (``beta2``) and ``v_hat = v / (1 - beta2**t)`` (Kingma & Ba 2015, Alg. 1;
 ``torch.optim.Adam``). So a constant factor on every gradient cancels (up to ``eps``): clipping
-every step to a fixed norm under Adam is close to normalising the gradient (Seetharaman et
-al. 2020, AutoClip), not a learning-rate cut as it is under SGD. What does hurt is one
+every step to a fixed norm under Adam is close to normalising the gradient, not a
+learning-rate cut as it is under SGD (lesson 05 measures both). What does hurt is one
 huge gradient entering ``v``: ``v`` then decays by ``beta2`` per step, a factor ``e`` every
 ``1 / (1 - beta2)`` steps (20 for LLM runs' 0.95, 1000 for torch's default 0.999), and every
 update is shrunk by ``sqrt(v_hat)`` until it has. A clipped spike still enters ``v`` (at the
 clip's norm) and ``m`` (its direction); a skipped step enters neither, which is why OLMo-core
-skips outliers (``SkipStepAdamW``: the step is multiplied by 0) on top of clipping at 1.0.
+skips outliers on top of clipping at 1.0. Its ``SkipStepAdamW`` (``optim/adamw.py``,
+``adamw_step``) still runs the whole AdamW math with a 0/1 ``step_factor`` multiplied into the
+moments' new terms and the update: that saves a host sync, not the arithmetic, and keeps a
+spike out, not a NaN (``step_factor * grad * grad`` is NaN when ``grad`` is).
 
 ``AdamWatch`` reads Adam's own state after every step; ``plot_adam_moments`` draws it.
 """

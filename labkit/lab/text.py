@@ -63,14 +63,17 @@ def format_scale(scale: float) -> str:
     return text
 
 
-def describe(record: StepRecord, max_norm: float | None, fault: str | None = None) -> list[str]:
+def describe(record: StepRecord, max_norm: float | None, fault: str | None = None, *, scaler: bool = True) -> list[str]:
     """Return the event lines for one record: a skip, a clip, a fault that did neither, a change of scale.
 
-    ``fault`` names the fault when the record cannot (injected on another rank).
+    ``fault`` names the fault when the record cannot (injected on another rank). ``scaler=False``
+    (an fp32 or bf16 run: no loss scaler) leaves out what a skip did or could do to a scale.
 
     >>> from labkit.records import StepRecord
     >>> describe(StepRecord(50, 0.3, grad_norm=34.5, fault="spike:10"), None)
     ['step   50  FAULT spike:10 injected: norm 34.5, not clipped (max_norm none)']
+    >>> describe(StepRecord(7, math.nan, skipped=True, reason="nonfinite_loss"), 1.0, scaler=False)
+    ['step    7  SKIP  nonfinite_loss: loss is not finite: backward skipped']
     """
     fault = record.fault or fault
     at, lines, tag = f"step {record.step:4d} ", [], f" [fault {fault}]" if fault else ""
@@ -79,12 +82,12 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
         lines.append(f"{at} SKIP  {record.reason}: {SKIP_WHY[record.reason]} at {z:+.1f} sigma{tag}")
     elif record.skipped:
         if record.reason in LOSS_WHY:
-            what = f"{LOSS_WHY[record.reason]}: backward skipped, scale untouched"
+            what = f"{LOSS_WHY[record.reason]}: backward skipped" + (", scale untouched" if scaler else "")
         elif record.first_nonfinite is not None:
             what = f"gradient not finite (first in backward: {culprit(record)})"
         else:
             what = "gradient norm not finite, every gradient finite: their sum of squares overflowed float32"
-        lines.append(f"{at} SKIP  {record.reason}: {what}{attention_note(record)}{tag}")
+        lines.append(f"{at} SKIP  {record.reason}: {what}{attention_note(record, scaler=scaler)}{tag}")
     elif record.clipped and record.clip_reason not in (None, "NormClip"):  # an adaptive clipper's, a z clip
         level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
         lines.append(f"{at} CLIP  {record.clip_reason}: norm {record.grad_norm:.4g}{level} "
@@ -107,8 +110,10 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
     return lines
 
 
-def attention_note(record: StepRecord) -> str:
+def attention_note(record: StepRecord, *, scaler: bool = True) -> str:
     """Name the layers whose attention logits were not finite (a GPT's ``LogitMonitor`` measured them).
+
+    ``scaler=False``: no loss scale ran, so none is said to be unable to help.
 
     >>> from labkit.records import StepRecord
     >>> attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": math.nan}))
@@ -118,8 +123,8 @@ def attention_note(record: StepRecord) -> str:
     nan = [layer for layer, v in record.attn_logit_max.items() if not math.isfinite(v) and v != math.inf]
     if inf:
         then = f" (then NaN in {', '.join(nan)})" if nan else ""
-        return (f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed, "
-                "no loss scale can help")
+        return (f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed"
+                + (", no loss scale can help" if scaler else ""))
     return f"; attention logits not finite in {', '.join(nan)}" if nan else ""
 
 

@@ -35,6 +35,7 @@ __all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows", "
 
 CONTROLS = ("max_norm", "fault", "fault_step", "fault_count", "fault_magnitude",
             "init_scale", "growth_interval", "precision", "loss_scaling", "lr")
+LRS = tuple(float(f"{m}e{e}") for e in range(-4, 1) for m in (1, 2, 3, 5, 8)) + (10.0,)  # 1e-4 ... 10
 MAX_NORMS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0)
 EPISODE = {"fault": "spike", "fault_step": 50, "fault_count": 1, "fault_magnitude": 1000.0}
 _FAULT_KEYS = tuple(EPISODE)
@@ -83,10 +84,12 @@ def config_from(base: ExperimentConfig, values: Mapping[str, Any]) -> Experiment
 
 
 def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str, float | None],
-               last: int = 8) -> list[tuple[str, str]]:
+               last: int = 8, *, scaler: bool | Mapping[str, bool] = True) -> list[tuple[str, str]]:
     """Return the last ``last`` events (skips, clips, faults, scale changes) as ``(run, line)`` rows.
 
-    ``max_norm`` is the threshold the runs clipped at, or ``{run: threshold}`` where they differ.
+    ``max_norm`` is the threshold the runs clipped at, or ``{run: threshold}`` where they differ;
+    ``scaler`` whether a loss scaler ran (``scaler_runs``), or ``{run: bool}``: a run without one
+    is not told what a skip did to a scale.
 
     With several runs each keeps a fair share: one run's many skips do not push out the other
     run's one clip (the rows are cut from whichever run has the most, oldest first).
@@ -98,7 +101,9 @@ def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str
     if last <= 0:
         return []
     thresholds = max_norm if isinstance(max_norm, Mapping) else {run: max_norm for run in logs}
-    per_run = {run: [(r.step, i, run, line) for r in log for line in describe(r, thresholds[run])][-last:]
+    scaled = scaler if isinstance(scaler, Mapping) else {run: scaler for run in logs}
+    per_run = {run: [(r.step, i, run, line) for r in log
+                     for line in describe(r, thresholds[run], scaler=scaled[run])][-last:]
                for i, (run, log) in enumerate(logs.items())}
     while sum(map(len, per_run.values())) > last:
         del max(per_run.values(), key=lambda rows: (len(rows), -rows[0][0] if rows else 0))[0]  # ties: the oldest
@@ -138,9 +143,10 @@ def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
         return W.ToggleButtons(options=["fp32", "bf16", "fp16"], value=value, description="precision")
     if name == "loss_scaling":
         return W.Checkbox(value=value, description="loss scaling")
-    if name == "lr":
-        return W.FloatLogSlider(value=value, base=10, min=-4, max=1, step=0.05, description="learning rate",
-                                continuous_update=False)
+    if name == "lr":  # a grid of exact values, with the given one on it: a student can always return to it
+        options = sorted(set(LRS) | {float(value)})
+        return W.SelectionSlider(options=[(f"{v:g}", v) for v in options], value=float(value),
+                                 description="learning rate", continuous_update=False)
     raise KeyError(f"unknown control {name!r}; known: {', '.join(CONTROLS)}.")
 
 
@@ -316,7 +322,8 @@ class ControlPanel:
         self.logs, self.alarms, self.error = logs, alarms, None
         self.shown_values = dict(values)
         self.status.value = self._status_html(config)
-        rows = event_rows(logs, {name: c.max_norm for name, c in configs.items()}, self.table_rows)
+        rows = event_rows(logs, {name: c.max_norm for name, c in configs.items()}, self.table_rows,
+                          scaler={name: scaler_runs(c) for name, c in configs.items()})
         self.table.value = _table_html(rows, multi=len(logs) > 1)
 
     def _status_html(self, config: ExperimentConfig) -> str:
