@@ -63,7 +63,9 @@ def format_scale(scale: float) -> str:
     return text
 
 
-def describe(record: StepRecord, max_norm: float | None, fault: str | None = None, *, scaler: bool = True) -> list[str]:
+def describe(
+    record: StepRecord, max_norm: float | None, fault: str | None = None, *, scaler: bool = True
+) -> list[str]:
     """Return the event lines for one record: a skip, a clip, a fault that did neither, a change of scale.
 
     ``fault`` names the fault when the record cannot (injected on another rank). ``scaler=False``
