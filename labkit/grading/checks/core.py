@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import linecache
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -310,18 +312,90 @@ def _joined(name: str, problems: list[str]) -> str:
     return text if text.startswith(name) else f"{name}: {text}"
 
 
-def check(spec: Check, fn: Callable, hidden: bool, seed: int | None) -> None:
-    """Run and judge case by case in this process (the notebook's test cells); raise AssertionError."""
-    seed = _seed(hidden, seed)
+_GRADER = os.path.dirname(os.path.abspath(__file__))
+
+
+def _student_view(error: AssertionError) -> list[str]:
+    """Return what IPython shows for a check's failure: its message, and the student's frames if they raised.
+
+    The grader's frames (this package) say nothing a student can act on: a stub's
+    ``NotImplementedError`` used to print 20 lines through them (issue 32, point 25).
+    """
+    lines = []
+    cause = error.__cause__
+    if cause is not None:
+        frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(_GRADER)]
+        lines.append("Traceback of your code (the grader's own frames left out):")
+        lines += [line.rstrip("\n") for line in traceback.format_list(frames)]
+        lines += [line.rstrip("\n") for line in traceback.format_exception_only(type(cause), cause)]
+        lines.append("")
+    return [*lines, f"AssertionError: {error}"]
+
+
+def _failure(message: str) -> AssertionError:
+    """Return the AssertionError a test cell raises; IPython renders it with ``_student_view``."""
+    error = AssertionError(message)
+    error._render_traceback_ = functools.partial(_student_view, error)  # type: ignore[attr-defined]
+    return error
+
+
+def _cell(fn: Callable) -> str | None:
+    """Return the source of the notebook cell that defined ``fn`` (a function or class); None outside IPython.
+
+    IPython caches each cell it runs in ``linecache`` under the cell's own name, with no mtime
+    (``IPython.core.compilerop.CachingCompiler.cache``); a file on disk has one.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None and isinstance(fn, type):
+        code = next((f.__code__ for f in vars(fn).values() if hasattr(f, "__code__")), None)
+    entry = linecache.cache.get(code.co_filename) if code is not None else None
+    if not entry or len(entry) != 4 or entry[1] is not None:
+        return None
+    return "".join(entry[2])
+
+
+def _scan(name: str, fn: Callable, banned: tuple[str, ...]) -> str | None:
+    """Return what the grader's reading of ``fn``'s cell would refuse, as the student's message, or None.
+
+    The same reading as the grader's (``labkit.grading.static``): a cell that could reach into
+    the grader is not run, and its part is not scored; a banned library function loses the part.
+    """
+    from .. import static
+
+    source = _cell(fn)
+    if source is None:
+        return None
+    found = static.tampering(source)
+    if found:
+        return (f"{name}'s cell cannot be graded as written: the grader never runs a cell that could reach "
+                "into it, so this part would score 0 (the other parts are graded as usual). "
+                + "; ".join(static.explain(f) for f in found) + ".")
+    hits = static.banned_calls(source, banned)
+    if hits:
+        return f"{name}'s cell uses what this part asks you to write yourself: {'; '.join(hits)}."
+    return None
+
+
+def check(spec: Check, fn: Callable, hidden: bool, seed: int | None, banned: tuple[str, ...] = ()) -> None:
+    """Run and judge case by case in this process (the notebook's test cells); raise AssertionError.
+
+    First it reads ``fn``'s cell as the grader will (``_scan``): what the grader would refuse
+    fails the visible test too, with the line and why. ``banned`` names the library functions
+    the part asks the student to write.
+    """
     name = getattr(fn, "__name__", "your function")
+    refused = _scan(name, fn, banned)
+    if refused is not None:
+        raise _failure(refused) from None
+    seed = _seed(hidden, seed)
     problems, cause = [], None
     for case in spec.cases(hidden, seed):
         out = spec.run(fn, case)
         problem = spec.judge(name, case, out, hidden, seed)
         if problem is not None:
             if not spec.every_case:
-                raise AssertionError(problem) from out.get("_exc")
+                raise _failure(problem) from out.get("_exc")
             problems.append(problem)
             cause = cause or out.get("_exc")
     if problems:
-        raise AssertionError(_joined(name, problems)) from cause
+        raise _failure(_joined(name, problems)) from cause

@@ -1011,7 +1011,7 @@ def check_read_run(fn: Callable[..., tuple[list, list]], hidden: bool = False,
     ...     return backoffs, flagged
     >>> check_read_run(read_run, hidden=True, seed=0)
     """
-    check(CHECKS["check_read_run"], fn, hidden, seed)
+    check(CHECKS["check_read_run"], fn, hidden, seed, BANNED["check_read_run"])
 
 
 def check_fp16_range(fn: Callable[[list[Tensor], float], tuple], hidden: bool = False,
@@ -1027,7 +1027,7 @@ def check_fp16_range(fn: Callable[[list[Tensor], float], tuple], hidden: bool = 
     ...     return ((g != 0) & (half == 0)).float().mean(), half.isinf().float().mean()
     >>> check_fp16_range(fp16_range, hidden=True, seed=0)
     """
-    check(CHECKS["check_fp16_range"], fn, hidden, seed)
+    check(CHECKS["check_fp16_range"], fn, hidden, seed, BANNED["check_fp16_range"])
 
 
 def check_zscore_clipper(fn: Callable[..., Any], hidden: bool = False, seed: int | None = None) -> None:
@@ -1037,7 +1037,7 @@ def check_zscore_clipper(fn: Callable[..., Any], hidden: bool = False, seed: int
     a non-finite norm leaves the gradients and the statistics untouched; ``state_dict()`` /
     ``load_state_dict()`` resume bit for bit (through ``torch.save``, ``weights_only=True``).
     """
-    check(CHECKS["check_zscore_clipper"], fn, hidden, seed)
+    check(CHECKS["check_zscore_clipper"], fn, hidden, seed, BANNED["check_zscore_clipper"])
 
 
 def check_spike_detector(fn: Callable[..., Any], hidden: bool = False, seed: int | None = None) -> None:
@@ -1047,7 +1047,7 @@ def check_spike_detector(fn: Callable[..., Any], hidden: bool = False, seed: int
     for one step and then admits it (skipped and non-finite steps never enter the windows; a
     clipped one enters with its limit).
     """
-    check(CHECKS["check_spike_detector"], fn, hidden, seed)
+    check(CHECKS["check_spike_detector"], fn, hidden, seed, BANNED["check_spike_detector"])
 
 
 def check_clip_effect(fn: Callable[..., float], hidden: bool = False, seed: int | None = None) -> None:
@@ -1073,4 +1073,4 @@ def check_clip_effect(fn: Callable[..., float], hidden: bool = False, seed: int 
     ...     return (sizes[1] / sizes[0]).item()
     >>> check_clip_effect(clip_effect, hidden=True, seed=0)
     """
-    check(CHECKS["check_clip_effect"], fn, hidden, seed)
+    check(CHECKS["check_clip_effect"], fn, hidden, seed, BANNED["check_clip_effect"])

@@ -581,7 +581,7 @@ def check_stale_fraction(fn: Callable[[Tensor, Tensor], Any], hidden: bool = Fal
     ...     return (lost & moving).sum() / moving.sum().clamp(min=1)
     >>> check_stale_fraction(lost_fraction, hidden=True, seed=0)
     """
-    check(CHECKS["check_stale_fraction"], fn, hidden, seed)
+    check(CHECKS["check_stale_fraction"], fn, hidden, seed, BANNED["check_stale_fraction"])
 
 
 def check_kahan_update(fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]], hidden: bool = False,
@@ -598,7 +598,7 @@ def check_kahan_update(fn: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tens
     ...     return new, (y - (new.float() - weight.float())).bfloat16()
     >>> check_kahan_update(kahan_update, hidden=True, seed=0)
     """
-    check(CHECKS["check_kahan_update"], fn, hidden, seed)
+    check(CHECKS["check_kahan_update"], fn, hidden, seed, BANNED["check_kahan_update"])
 
 
 def check_fp8_tiles(fn: Callable[[Tensor, Tensor], tuple], hidden: bool = False,
@@ -620,7 +620,7 @@ def check_fp8_tiles(fn: Callable[[Tensor, Tensor], tuple], hidden: bool = False,
     ...     return data, scale, 0.0, flushed
     >>> check_fp8_tiles(quantize_tiles, hidden=True, seed=0)
     """
-    check(CHECKS["check_fp8_tiles"], fn, hidden, seed)
+    check(CHECKS["check_fp8_tiles"], fn, hidden, seed, BANNED["check_fp8_tiles"])
 
 
 def check_delayed_scaling(fn: Callable[[list[Tensor], int], tuple], hidden: bool = False,
@@ -642,4 +642,4 @@ def check_delayed_scaling(fn: Callable[[list[Tensor], int], tuple], hidden: bool
     ...     return delayed, current
     >>> check_delayed_scaling(saturation, hidden=True, seed=0)
     """
-    check(CHECKS["check_delayed_scaling"], fn, hidden, seed)
+    check(CHECKS["check_delayed_scaling"], fn, hidden, seed, BANNED["check_delayed_scaling"])
