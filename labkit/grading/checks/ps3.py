@@ -156,8 +156,12 @@ STALE_MISTAKES = {
           "weight's last bit is odd (w.view(torch.int16) % 2 == 1)",
     "fp32": "adding in float32 first rounds twice: an update just past a tie becomes the tie in float32, "
             "then rounds back to the weight in bf16. Compare |u| with half the gap, exactly",
-    "relative": "|w| * 2**-9 is half an ulp only at a power of two: take the weight's real neighbour "
-                "(torch.nextafter), which also works at 0 and for subnormal weights",
+    # bf16 keeps 8 significant bits: in [2**e, 2**(e+1)) the gap is 2**(e-7); the gap below 2**e is half that
+    "relative": "|w| * 2**-9 is half the gap only *below* a power of two (w = 2**e, a downward update); "
+                "everywhere else it undercounts (above 2**e half the gap is 2**(e-8), up to twice |w| * "
+                "2**-9), and it is 0 at w = 0: take the weight's real neighbour in the update's direction, "
+                "torch.nextafter(w, torch.where(u > 0, inf, -inf)), which also works at 0 and for subnormal "
+                "weights",
 }
 
 
