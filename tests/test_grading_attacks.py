@@ -141,6 +141,17 @@ def test_the_visible_test_names_the_banned_line_and_why(capsys):
                     f"line {line}: uses getattr ({static.NAMES['getattr']}; instead, {static.INSTEAD['getattr']}).")
 
 
+def test_the_visible_test_reads_the_cells_of_the_helpers_too(capsys):
+    """A helper in a cell of its own is read too: a flagged cell outside every answer costs the whole notebook."""
+    helper = "def square(t):\n    return getattr(t, 'pow')(2)"
+    norm = "def global_grad_norm(parameters):\n    return square(torch.cat([p.grad.flatten() for p in parameters])).sum()"
+    seen = _shell_output(["import torch", helper, norm,
+                          "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"], capsys)
+    assert seen.startswith("AssertionError: the cell that defines square (which global_grad_norm uses) cannot be "
+                           "graded as written: the grader never runs a cell that could reach into it, so the part it "
+                           "answers would score 0, or, outside every answer, the whole notebook. line 2: uses getattr")
+
+
 def test_a_stub_shows_one_line_not_the_graders_frames(capsys):
     """Issue 32, point 25: a stub's NotImplementedError printed 20 lines through grading/checks/core.py."""
     stub = "def global_grad_norm(parameters):\n    # YOUR CODE HERE\n    raise NotImplementedError()"
