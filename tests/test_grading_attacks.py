@@ -70,6 +70,104 @@ def test_code_that_reaches_into_the_grader_is_reported_and_not_run(attack, monke
     assert report.format().startswith(f"TAMPERING (not scored): cell 2, {findings[0]}")
 
 
+def test_an_attack_in_an_answer_cell_loses_its_part_and_is_not_run():
+    """The cell is left out of the run (its attack never happens); the other parts are graded as usual."""
+    sandboxed()
+    attack = SOLVED["grad_norm_answer"] + "\nimport labkit.grading as G\nG.check_clip = lambda *a, **k: None"
+    report = grade(source(), submission({**SOLVED, "grad_norm_answer": attack}), timeout=30)
+    by_id = {p.grade_id: p for p in report.parts if not p.manual}
+    assert {g: p.points for g, p in by_id.items()} == {**AUTOGRADED, "grad_norm_tests": 0}
+    assert by_id["grad_norm_tests"].status == "tampering"
+    label = report.tampering[0].split(", line")[0]
+    assert label.endswith("'grad_norm_answer'") and len(report.tampering) == 1
+    assert report.tampering[0] == f"{label}, line {attack.count(chr(10))}: imports labkit.grading (the grader)"
+    assert by_id["grad_norm_tests"].message.startswith(f"not scored: {label} was not run")
+    assert report.format().startswith(f"TAMPERING (not scored): {label}, line")
+
+
+# one line an honest student wrote in ps2's z-clipper (issue 32, point 23): it cost every part, 0/12
+HONEST_GETATTR = ("    def state_dict(self):",
+                  "    def state_dict(self):\n"
+                  "        return {k: getattr(self, k).clone() for k in ('mean', 'var', 'buffer', 'count')}\n\n"
+                  "    def _unused_state_dict(self):")
+
+
+def _getattr_answer():
+    import grading_answers as ga
+
+    answer = ga.solutions(ga.PS2)["zclip_answer"]
+    assert HONEST_GETATTR[0] in answer
+    answer = answer.replace(*HONEST_GETATTR)
+    return answer, answer.split("\n").index(HONEST_GETATTR[1].split("\n")[1]) + 1
+
+
+def test_honest_work_with_one_banned_line_scores_every_other_part():
+    sandboxed()
+    import grading_answers as ga
+
+    answer, line = _getattr_answer()
+    answers = {**ga.solutions(ga.PS2), "zclip_answer": answer}
+    report = grade(nbformat.read(ga.PS2, as_version=4), set_submission(ga.PS2, answers, "x = 1"), timeout=60)
+    by_id = {p.grade_id: p for p in report.parts if not p.manual}
+    assert {g: p.points for g, p in by_id.items()} == {**ga.PARTS[ga.PS2], "zclip_tests": 0}, report.format()
+    assert by_id["zclip_tests"].status == "tampering"
+    assert f"line {line}: uses getattr (reads an attribute named by a string" in by_id["zclip_tests"].message
+    assert [t.split(", ", 1)[1] for t in report.tampering] == [f"line {line}: uses getattr"]
+    assert {p.status for g, p in by_id.items() if g != "zclip_tests"} == {"ok"}
+
+
+def _shell_output(cells, capsys):
+    """Run ``cells`` in a fresh IPython shell, as a notebook's kernel does; return what the last one printed."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell()
+    try:
+        for cell in cells:
+            capsys.readouterr()
+            shell.run_cell(cell, store_history=True)
+        return capsys.readouterr().out.strip()
+    finally:
+        shell.cleanup()
+
+
+def test_the_visible_test_names_the_banned_line_and_why(capsys):
+    """What the student sees when the grader would withhold the part: the line, what it reaches, what instead."""
+    answer, line = _getattr_answer()
+    seen = _shell_output(["import math\nimport torch\nimport labkit", answer,
+                          "from labkit.grading import check_zscore_clipper\ncheck_zscore_clipper(ZScoreClipper)"],
+                         capsys)
+    assert seen == ("AssertionError: ZScoreClipper's cell cannot be graded as written: the grader never runs a cell "
+                    "that could reach into it, so this part would score 0 (the other parts are graded as usual). "
+                    f"line {line}: uses getattr ({static.NAMES['getattr']}; instead, {static.INSTEAD['getattr']}).")
+
+
+def test_the_visible_test_reads_the_cells_of_the_helpers_too(capsys):
+    """A helper in a cell of its own is read too: a flagged cell outside every answer costs the whole notebook."""
+    helper = "def square(t):\n    return getattr(t, 'pow')(2)"
+    norm = "def global_grad_norm(parameters):\n    return square(torch.cat([p.grad.flatten() for p in parameters])).sum()"
+    seen = _shell_output(["import torch", helper, norm,
+                          "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"], capsys)
+    assert seen.startswith("AssertionError: the cell that defines square (which global_grad_norm uses) cannot be "
+                           "graded as written: the grader never runs a cell that could reach into it, so the part it "
+                           "answers would score 0, or, outside every answer, the whole notebook. line 2: uses getattr")
+
+
+def test_a_stub_shows_one_line_not_the_graders_frames(capsys):
+    """Issue 32, point 25: a stub's NotImplementedError printed 20 lines through grading/checks/core.py."""
+    stub = "def global_grad_norm(parameters):\n    # YOUR CODE HERE\n    raise NotImplementedError()"
+    seen = _shell_output([stub, "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
+                         capsys)
+    assert seen == ("AssertionError: global_grad_norm is not implemented yet: replace `raise NotImplementedError()` "
+                    "with your code.")
+    # the student's own error keeps its frame (their line), not the grader's
+    bug = "import torch\ndef global_grad_norm(parameters):\n    return torch.stack([p.grad for p in parameters]).norm()"
+    seen = _shell_output([bug, "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
+                         capsys).split("\n")
+    assert seen[0] == "Traceback of your code (the grader's own frames left out):"
+    assert "in global_grad_norm" in seen[1] and "grading" not in "\n".join(seen[:-1])
+    assert seen[-1].startswith("AssertionError: global_grad_norm raised RuntimeError: stack expects each tensor")
+
+
 # ---------------------------------------------------------------- past the reading: the traps and the harness
 
 SAVED = """import labkit, torch

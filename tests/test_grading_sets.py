@@ -220,7 +220,7 @@ def test_stale_updates_name_each_mistake():
     assert "adding in float32 first rounds twice" in fails(checks.check_stale_fraction, float32, seed=5)
     relative = mistake("stale_answer", "lost = (size < half) | ((size == half) & even)",
                        "lost = update.abs() < weight.float().abs() * 2.0**-9")
-    assert "only at a power of two" in visible(checks.check_stale_fraction, relative)
+    assert "half the gap only *below* a power of two" in visible(checks.check_stale_fraction, relative)
 
 
 def test_the_kahan_update_names_each_mistake():

@@ -123,8 +123,9 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
         out.append(f'<p class="notice">{points} points of written answers are still to be graded by hand: '
                    "they are not in the score yet.</p>")
     if entry.get("tampering"):
-        out.append('<p class="notice">Not scored: the submission reaches into the grader. A person will '
-                   "review it:</p><ul>" + "".join(f"<li>{esc(t)}</li>" for t in entry["tampering"]) + "</ul>")
+        out.append('<p class="notice">Not run, and the parts that needed it not scored: code that could '
+                   "reach into the grader. A person will review it:</p><ul>"
+                   + "".join(f"<li>{esc(t)}</li>" for t in entry["tampering"]) + "</ul>")
     out.append('<table class="parts"><tr><th>part</th><th>kind</th><th>points</th><th>result</th></tr>')
     for gid, p in parts.items():
         kind = "written, graded by hand" if gid in manual else "autograded"

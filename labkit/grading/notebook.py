@@ -428,8 +428,6 @@ def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout:
     at most 10 min) the whole submission, whatever it does with signals. ``seed`` replays a
     grading (default: ``default_seed``); ``sandbox=False`` runs without bubblewrap.
     """
-    from . import static
-
     planned = plan(source)
     seed = default_seed(source, student) if seed is None else seed
     seeds = {p.grade_id: part_seed(seed, p.grade_id) if any(c.hidden for c in p.calls) else None for p in planned}
@@ -441,17 +439,16 @@ def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout:
     if submission is None:
         return Report(every(reason, "failed"), seed, sandbox="bwrap" if sandbox else "none")
     cells, warnings = _cells(source, submission)
-    tampering = []
-    for cell in cells:
-        if cell["grade_id"] is None or cell["grade_id"] not in {_grade_id(c) for c in source["cells"]
-                                                                if _meta(c).get("locked")}:
-            tampering += [f"{cell['label']}, {t}" for t in static.tampering(static.python_source(cell["source"]))]
+    tampering, skipped, withheld = _withhold(source, planned, cells)
     manual_text = {_grade_id(c): c.get("source", "") for c in submission["cells"] if _is_manual(c)}
-    if tampering:
-        report = Report(every("not scored: the submission reaches into the grader (see tampering); a person "
-                              "must review it", "tampering"), seed, tampering, warnings, "bwrap" if sandbox else "none")
+    if withheld is None:  # a flagged cell outside every answer: it could reach any part
+        report = Report(every("not scored: the submission reaches into the grader from a cell outside every answer "
+                              "(see tampering); a person must review it", "tampering"), seed, tampering, warnings,
+                        "bwrap" if sandbox else "none")
     else:
-        report = _run(source, planned, cells, seeds, timeout, wall, sandbox, seed, warnings)
+        report = _run(source, planned, [c for c in cells if c["label"] not in skipped], seeds, timeout, wall,
+                      sandbox, seed, warnings, withheld)
+        report.tampering = tampering + report.tampering
     for part in report.parts:
         if part.manual:
             answer = _text(manual_text.get(part.grade_id, "")).strip()
@@ -459,12 +456,62 @@ def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout:
     return report
 
 
+def _withhold(source: dict[str, Any], planned: list[Planned],
+              cells: list[dict[str, Any]]) -> tuple[list[str], set[str], dict[str, str] | None]:
+    """Return what in ``cells`` could reach the grader, the cells not to run, and the parts withheld for it.
+
+    Each finding is ``"<cell label>, line N: ..."`` (``static.tampering``). A flagged cell never
+    runs; the parts it answers (it defines their function, or it is their answer cell) are not
+    scored, with a message naming the lines, and every other part is graded as usual (issue 32,
+    point 23: one ``getattr`` in one answer cost a student every part). A flagged cell outside
+    every answer could reach any part: then the parts are ``None``, and the whole submission is
+    withheld. Locked cells run as the instructor wrote them and are not read.
+    """
+    from . import static
+
+    locked = {_grade_id(c) for c in source["cells"] if _meta(c).get("locked")}
+    # each answer cell's part: the first test cell after it in the source
+    answered, pending = {}, []
+    for c in source["cells"]:
+        if _meta(c).get("solution") and not _is_manual(c):
+            pending.append(_grade_id(c))
+        elif _is_test(c):
+            answered.update(dict.fromkeys(pending, _grade_id(c)))
+            pending = []
+    tampering, skipped, withheld = [], set(), {}
+    for cell in cells:
+        if cell["grade_id"] in locked:
+            continue
+        found = static.tampering(static.python_source(cell["source"]))
+        if not found:
+            continue
+        tampering += [f"{cell['label']}, {t}" for t in found]
+        skipped.add(cell["label"])
+        defined = _defines(cell["source"])
+        parts = [p.grade_id for p in planned if not p.manual and defined & {k.fn for k in p.calls}]
+        parts = parts or ([answered[cell["grade_id"]]] if cell["grade_id"] in answered else [])
+        if not parts or withheld is None:
+            withheld = None
+            continue
+        lines = "; ".join(static.explain(t) for t in found)
+        for gid in parts:
+            withheld[gid] = (f"not scored: {cell['label']} was not run, because it could reach into the grader "
+                             f"({lines}); a person will review it. Rewrite those lines: the part's visible test "
+                             "names them too")
+    return tampering, skipped, withheld
+
+
 def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, Any]], seeds: dict[str, int | None],
-         timeout: float, wall: float | None, sandbox: bool, seed: int, warnings: list[str]) -> Report:
-    """Run the cells and the parts' calls in the sandbox, then judge what came back, part by part."""
+         timeout: float, wall: float | None, sandbox: bool, seed: int, warnings: list[str],
+         withheld: dict[str, str]) -> Report:
+    """Run the cells and the parts' calls in the sandbox, then judge what came back, part by part.
+
+    The parts in ``withheld`` (grade_id -> message) are not called: they are reported as tampering.
+    """
     from . import checks, static
     from . import sandbox as box
 
+    planned_all, planned = planned, [p for p in planned if p.grade_id not in withheld]
     calls = [c for p in planned for c in p.calls]
     wall = wall if wall is not None else min(600.0, timeout * (len(cells) + len(calls)) + 30)
     limits = box.Limits(wall=wall)
@@ -515,7 +562,11 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
             report.tampering.append(f"the harness's results: {value.get('tampered') or value.get('unreadable')}")
     report.tampering = sorted(set(report.tampering))
     graded = iter(range(len(job["parts"])))
-    for p in planned:
+    for p in planned_all:
+        if p.grade_id in withheld:
+            report.parts.append(Part(p.grade_id, 0, p.points, withheld[p.grade_id], seed=seeds[p.grade_id],
+                                     status="tampering"))
+            continue
         if p.manual:
             report.parts.append(Part(p.grade_id, 0, p.points, "graded by hand", True, None, "manual"))
             continue

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["banned_calls", "python_source", "tampering"]
+__all__ = ["banned_calls", "explain", "python_source", "tampering"]
 
 # modules that reach the interpreter, the process or the file system: nothing a norm or a step needs
 MODULES = {
@@ -31,8 +31,38 @@ MODULES = {
     "site": "the import system", "dis": "code objects", "weakref": "live objects",
     "operator": "attributes by name", "copyreg": "arbitrary objects", "shelve": "arbitrary objects",
 }
-NAMES = {"exec", "eval", "compile", "__import__", "open", "globals", "locals", "vars", "breakpoint", "get_ipython",
-         "getattr", "setattr", "delattr", "__builtins__", "input", "exit", "quit"}
+# each banned name, and what it reaches: what a student is told (a visible test names it, issue 32 point 23)
+NAMES = {
+    "exec": "runs code built at run time, which no reading can check",
+    "eval": "runs code built at run time, which no reading can check",
+    "compile": "builds code at run time, which no reading can check",
+    "__import__": "imports a module named at run time",
+    "open": "reads and writes files, the grader's included",
+    "globals": "reaches every global of a module by name",
+    "locals": "reaches a frame's variables by name",
+    "vars": "reaches an object's or a module's insides by name",
+    "breakpoint": "stops the process in a debugger",
+    "get_ipython": "reaches the shell that runs every cell (magics and ! run code unread)",
+    "getattr": "reads an attribute named by a string: no reading can tell which, the grader's own included",
+    "setattr": "writes an attribute named by a string: no reading can tell which, the grader's own included",
+    "delattr": "deletes an attribute named by a string: no reading can tell which",
+    "__builtins__": "reaches the builtins every module shares",
+    "input": "waits for a keyboard the grader does not have",
+    "exit": "ends the grader's process",
+    "quit": "ends the grader's process",
+}
+# how to write the same without it, where a student meets it in honest work
+INSTEAD = {
+    "getattr": "name the attribute (self.mean), or keep the values in a dict (self.state['mean'])",
+    "setattr": "assign the attribute by name (self.mean = ...), or keep the values in a dict (self.state[key] = ...)",
+    "delattr": "keep the values in a dict and delete the key",
+    "vars": "keep the values in a dict",
+    "globals": "pass what the function needs as an argument",
+    "locals": "pass what the function needs as an argument",
+    "open": "keep the data in a tensor or a list",
+    "eval": "write the expression out",
+    "exec": "write the code out",
+}
 # the dunders a norm or a step may use; any other reaches into objects' insides (code, globals, frames)
 DUNDERS = {"__init__", "__name__", "__call__", "__len__", "__iter__", "__next__", "__repr__", "__str__"}
 FRAMES = {"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame"}
@@ -107,6 +137,24 @@ def tampering(source: str) -> list[str]:
             elif dotted.startswith("labkit.grading"):
                 found.append(f"line {line}: reaches labkit.grading (the grader)")
     return sorted(set(found), key=lambda s: (int(s.split(":")[0].split()[1]), s))
+
+
+def explain(finding: str) -> str:
+    """Return a ``tampering`` finding with why it is banned and, where honest code meets it, what to write instead.
+
+    >>> explain("line 3: uses exit")
+    "line 3: uses exit (ends the grader's process)"
+    >>> explain("line 4: uses setattr").split("; ")[1]
+    'instead, assign the attribute by name (self.mean = ...), or keep the values in a dict (self.state[key] = ...))'
+    """
+    what = finding.split(": ", 1)[1] if ": " in finding else finding
+    name = what.split()[-1]
+    if what.startswith("uses ") and name in NAMES:
+        why = NAMES[name] + (f"; instead, {INSTEAD[name]}" if name in INSTEAD else "")
+        return f"{finding} ({why})"
+    if what.startswith("reads __") or what.startswith("names __"):
+        return f"{finding} (a dunder reaches an object's insides: its code, globals or frames)"
+    return finding
 
 
 def banned_calls(source: str, banned: tuple[str, ...]) -> list[str]:

@@ -679,7 +679,7 @@ def check_grad_norm(fn: Callable[[list[Tensor]], Tensor], hidden: bool = False, 
     ...
     AssertionError: <lambda> returned 7 on the case 'grads [3, 4] and [12]', labkit.grad_norm gives 13: the norm differs by a factor of ~0.538.
     """
-    check(CHECKS["check_grad_norm"], fn, hidden, seed)
+    check(CHECKS["check_grad_norm"], fn, hidden, seed, BANNED["check_grad_norm"])
 
 
 def check_clip(fn: Callable[[list[Tensor], float], Tensor], hidden: bool = False, seed: int | None = None) -> None:
@@ -698,7 +698,7 @@ def check_clip(fn: Callable[[list[Tensor], float], Tensor], hidden: bool = False
     ...     return norm
     >>> check_clip(clip_to_norm_, hidden=True, seed=0)
     """
-    check(CHECKS["check_clip"], fn, hidden, seed)
+    check(CHECKS["check_clip"], fn, hidden, seed, BANNED["check_clip"])
 
 
 def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden: bool = False,
@@ -714,7 +714,7 @@ def check_skip_decision(fn: Callable[[Tensor, list[Tensor]], str | None], hidden
     ...     return None if torch.isfinite(labkit.grad_norm(parameters)) else "nonfinite_grad"
     >>> check_skip_decision(skip_reason, hidden=True, seed=0)
     """
-    check(CHECKS["check_skip_decision"], fn, hidden, seed)
+    check(CHECKS["check_skip_decision"], fn, hidden, seed, BANNED["check_skip_decision"])
 
 
 def check_update_scale(fn: Callable[..., tuple[float, int, int]], hidden: bool = False, seed: int | None = None) -> None:
@@ -732,7 +732,7 @@ def check_update_scale(fn: Callable[..., tuple[float, int, int]], hidden: bool =
     ...     return scale, growth_tracker + 1, hysteresis_left
     >>> check_update_scale(next_scale, hidden=True, seed=0)
     """
-    check(CHECKS["check_update_scale"], fn, hidden, seed)
+    check(CHECKS["check_update_scale"], fn, hidden, seed, BANNED["check_update_scale"])
 
 
 def check_guarded_step(fn: Callable[..., StepRecord], hidden: bool = False, seed: int | None = None) -> None:
@@ -767,4 +767,4 @@ def check_guarded_step(fn: Callable[..., StepRecord], hidden: bool = False, seed
     ...                              reason=None if stepped else "nonfinite_grad")
     >>> check_guarded_step(guarded_step, hidden=True, seed=0)
     """
-    check(CHECKS["check_guarded_step"], fn, hidden, seed)
+    check(CHECKS["check_guarded_step"], fn, hidden, seed, BANNED["check_guarded_step"])
