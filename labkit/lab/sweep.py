@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ..records import StepLog, StepRecord
+    from ..records import StepRecord
+    from ..steplog import StepLog
     from ..tasks.gpt import GPTTask
     from .experiment import ExperimentConfig
 
@@ -815,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _traces(out: str, points: Sequence[Point], seed: int) -> tuple[dict[str, StepLog], float | None]:
     """The per-step logs at the lowest lr where the baseline is out of its stable range (or the largest)."""
-    from ..records import StepLog
+    from ..steplog import StepLog
 
     summary = summarize(points)
     lrs = sorted({p.lr for p in points})
