@@ -178,6 +178,10 @@ class StepRecord:
         known = _DECLARED.get(name)
         if known is not None:
             return copy.copy(known[0].default)  # a fresh {} or []: no shared mutable default
+        if name in _LEGACY:
+            raise AttributeError(f"record.{name}: a rewind is an event in the log now, not a mark on records: "
+                                 "read log.rewound (a flag per record), log.rewound_steps, log.kept() or "
+                                 "log.rewinds (RewindEvent: step, to, reason, data_from, data_to).")
         raise AttributeError(f"StepRecord has no field {name!r}: it holds {sorted(fields)}, the core "
                              f"{list(CORE)} and the fields declared by the hooks imported "
                              f"({sorted(_DECLARED)}); record.get({name!r}) reads None for a field never set.")
