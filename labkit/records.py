@@ -159,10 +159,19 @@ class StepRecord:
                  clipped: bool = False, scale: float = 1.0, next_scale: float = 1.0, skipped: bool = False,
                  reason: str | None = None, *, lr: float = math.nan, lrs: list[float] | tuple[float, ...] = (),
                  fields: Mapping[str, Any] | None = None, **more: Any) -> None:
-        for name, value in zip(CORE, (step, loss, grad_norm, clip_coef, clipped, scale, next_scale, skipped,
-                                      reason, lr, list(lrs))):
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "fields", {**(fields or {}), **more})
+        set_ = object.__setattr__  # the core's one write: __setattr__ refuses every later one
+        set_(self, "step", step)
+        set_(self, "loss", loss)
+        set_(self, "grad_norm", grad_norm)
+        set_(self, "clip_coef", clip_coef)
+        set_(self, "clipped", clipped)
+        set_(self, "scale", scale)
+        set_(self, "next_scale", next_scale)
+        set_(self, "skipped", skipped)
+        set_(self, "reason", reason)
+        set_(self, "lr", lr)
+        set_(self, "lrs", list(lrs))
+        set_(self, "fields", {**fields, **more} if fields else more)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a StepRecord is not changed once built (record.{name} = ...): build it with "
