@@ -38,10 +38,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .records import Field, RewindEvent, declare, put
+
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
     from torch import Tensor
-
-from .records import Field, RewindEvent, declare, put
 
 __all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict"]
 
@@ -260,7 +260,7 @@ class Hooks(Hook):
             measures.update(h.post_backward(trainer, step) or {})
         if not self._named.issuperset(measures):  # each name checked once, before the step decides
             for name in measures:
-                put({}, name, None)
+                put({}, name, None)  # records.put's check, on a throwaway: a name nobody declared raises
             self._named.update(measures)
         return measures
 
