@@ -16,9 +16,11 @@ _LAZY = {
     ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"),
     ".clippers": ("clip_grad_value_",),
     ".faults": ("Fault", "FaultSchedule"),
-    ".records": ("LogWriteError", "StepLog", "StepRecord"),
+    ".logfile": ("LogWriteError",),
+    ".records": ("StepRecord",),
     ".scaler": ("GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"),
     ".step": ("TrainStep",),
+    ".steplog": ("StepLog",),
     ".tasks": ("ToyTask",),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -28,9 +30,11 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
     from .clippers import clip_grad_value_
     from .faults import Fault, FaultSchedule
-    from .records import LogWriteError, StepLog, StepRecord
+    from .logfile import LogWriteError
+    from .records import StepRecord
     from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
     from .step import TrainStep
+    from .steplog import StepLog
     from .tasks import ToyTask
 
 

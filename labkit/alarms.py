@@ -15,6 +15,7 @@ from collections import deque
 from typing import Any
 
 from .hooks import Hook
+from .records import Field, put
 from .reasons import Reason
 from .validate import check_int, check_number
 
@@ -71,6 +72,7 @@ class SkipAlarm(Hook):
     """
 
     state_key = "skip_alarm"
+    record_fields = {"skip_streak": Field(0)}  # consecutive skips up to this step
 
     def __init__(self, threshold: int | None) -> None:
         self.threshold = check_int("skip_alarm", threshold, 1, none="off")
@@ -103,7 +105,7 @@ class SkipAlarm(Hook):
         return self.streak
 
     def on_record(self, trainer: Any, record: Any) -> None:
-        record.skip_streak = self.observe(record.skipped, record.reason, record.step)
+        put(record.fields, "skip_streak", self.observe(record.skipped, record.reason, record.step))
 
     def state_dict(self) -> dict[str, Any]:
         return {"streak": self.streak, "reasons": list(self.reasons)}

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from .distributed import all_reduce_, is_distributed
 from .hooks import Hook
+from .records import Field
 
 __all__ = ["BackwardOrder", "module_of", "placed"]
 
@@ -112,6 +113,10 @@ class BackwardOrder(Hook):
     to ``forensics`` (after unfreezing parameters there, call ``attach`` again: a frozen
     parameter takes no hook).
     """
+
+    # on a skipped or clipped step (``labkit.step.record.forensics``): the top 3 (name, norm), the first
+    # gradient in backward order (nearest the loss) holding NaN/inf, and the module that produced it
+    record_fields = {"top_grads": Field([]), "first_nonfinite": Field(None), "culprit_module": Field(None)}
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None

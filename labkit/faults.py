@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .records import Field, declare
 from .validate import check_int
 
 __all__ = ["Fault", "FaultSchedule"]
@@ -122,6 +123,7 @@ class _OverflowBackward(torch.autograd.Function):
 
 
 _EXAMPLE = "e.g. 50:spike:1000, 120:nan or 200-204:overflow"
+declare("FaultSchedule", {"fault": Field(None)})  # the fault injected at the step, e.g. "spike:1000"
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:([a-z]+)(?::([^:]+))?$")
 
 

@@ -14,15 +14,18 @@ moment of every hook in the order given, and a plain training loop may call them
     pre_optim_step(trainer, step, params)       the optimizer is about to step: the gradients are
                                                 final (unscaled, clipped)
     post_step(trainer, params, record)          after the optimizer step (or skip) and the scheduler
-    on_record(trainer, record)                  the record's numbers are on the host and the step
+    on_record(trainer, record) -> event         the record's numbers are on the host and the step
                                                 count has moved on (per step; with ``sync_every``,
-                                                at the batched copy)
+                                                at the batched copy); an event returned (a
+                                                ``RewindEvent``) is logged after the record
     state_key, state_dict(), load_state_dict(state), check_state(state)
 
 ``trainer`` is the ``TrainStep`` (or whatever a plain loop passes: only what a hook reads
 must be there). ``params`` is the optimizer's ``[(name, parameter)]``. A hook changes the
 step only through what it returns: a ``Verdict`` from ``on_decision`` (the only moment that
-decides) and measures from ``post_backward``. Every decision must be the same on every rank:
+decides), measures from ``post_backward`` and an event from ``on_record``. The record fields a
+hook sets (measures, ``Verdict.fields``) are the ones it declares in ``record_fields``. Every
+decision must be the same on every rank:
 a verdict computed from the view's loss and norm is (both are global under
 ``torch.distributed``); anything decided from local values is all-reduced by the hook (as
 ``Rewind`` does with one flag).
@@ -35,10 +38,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .records import Field, RewindEvent, declare, put
+
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
     from torch import Tensor
 
-__all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict", "check_measure"]
+__all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict"]
 
 
 @dataclass
@@ -130,7 +135,8 @@ class Hook:
     """One defense or monitor, called at the guarded step's named moments (see the module docstring).
 
     Every moment does nothing by default: a hook overrides the ones it needs. ``state_key``
-    names its state in ``TrainStep.state_dict()`` (None: not saved there). ``per_step=True``
+    names its state in ``TrainStep.state_dict()`` (None: not saved there). ``record_fields``
+    declares the record fields it sets (``{name: labkit.records.Field(default)}``). ``per_step=True``
     says the hook needs every record before the next step (a rewind, a detector deciding from
     the windows it keeps): ``TrainStep`` then refuses ``sync_every``. ``device_decision=True``
     keeps the step's decision on the device path while the hook is there.
@@ -147,8 +153,14 @@ class Hook:
     """
 
     state_key: str | None = None
+    record_fields: Mapping[str, Field] = {}
     per_step: bool = False
     device_decision: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "record_fields" in cls.__dict__:  # the fields it sets, known to every record from now on
+            declare(cls.__name__, cls.record_fields)
 
     def attach(self, trainer: Any) -> None:
         """Join ``trainer`` (once, at the end of its constructor)."""
@@ -176,8 +188,8 @@ class Hook:
     def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
         """Act after the optimizer step or skip; ``record`` may still be deferred (a read copies it over)."""
 
-    def on_record(self, trainer: Any, record: Any) -> None:
-        """Read the record, its numbers on the host, just before it is appended to the log."""
+    def on_record(self, trainer: Any, record: Any) -> RewindEvent | None:
+        """Read the record (its numbers on the host) before it is logged; return an event to log after it."""
 
     def state_dict(self) -> dict[str, Any]:
         """Return what ``load_state_dict`` needs to resume this hook."""
@@ -206,26 +218,6 @@ class ObserverHook(Hook):
 
     def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
         self.observer.after_step(params, record)
-
-
-def check_measure(name: str) -> None:
-    """Raise unless ``name`` is a ``StepRecord`` field, or ``field/key`` of a per-layer (dict) field.
-
-    >>> check_measure("attn_logit_max/h.0"); check_measure("log_z")
-    >>> check_measure("loss/h.0")
-    Traceback (most recent call last):
-    ...
-    ValueError: a hook measured 'loss/h.0': 'loss' is no per-layer field of StepRecord (those are \
-stale, attn_logit_max, attn_entropy); name a StepRecord field, or 'field/key' for one of them.
-    """
-    from .records import FIELDS, PER_LAYER  # here: the records import the alarms, which import this module
-
-    field_name, slash, _ = name.partition("/")
-    if (field_name not in PER_LAYER) if slash else (field_name not in FIELDS):
-        what = f"no per-layer field of StepRecord (those are {', '.join(PER_LAYER)})" if slash else \
-            "no StepRecord field"
-        raise ValueError(f"a hook measured {name!r}: {field_name!r} is {what}; name a StepRecord field, or "
-                         "'field/key' for one of them.")
 
 
 class Hooks(Hook):
@@ -268,7 +260,7 @@ class Hooks(Hook):
             measures.update(h.post_backward(trainer, step) or {})
         if not self._named.issuperset(measures):  # each name checked once, before the step decides
             for name in measures:
-                check_measure(name)
+                put({}, name, None)  # records.put's check, on a throwaway: a name nobody declared raises
             self._named.update(measures)
         return measures
 
@@ -289,9 +281,9 @@ class Hooks(Hook):
         for h in self._at["post_step"]:
             h.post_step(trainer, params, record)
 
-    def on_record(self, trainer: Any, record: Any) -> None:
-        for h in self._at["on_record"]:
-            h.on_record(trainer, record)
+    def on_record(self, trainer: Any, record: Any) -> list[RewindEvent]:
+        events = [h.on_record(trainer, record) for h in self._at["on_record"]]
+        return [e for e in events if e is not None]
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{state_key: state}`` of every member that has a ``state_key``."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from .hooks import DecisionView, Hook, Verdict
 from .reasons import Reason
+from .records import Field
 from .validate import check_int, check_number
 
 __all__ = ["SpikeDetector", "format_z", "rolling_z", "spike_score"]
@@ -104,6 +105,8 @@ class SpikeDetector(Hook):
     """
 
     state_key = "detector"
+    # z-scores of the loss and the norm against the windows (NaN: not enough history, or not scored)
+    record_fields = {"z_loss": Field(math.nan), "z_grad": Field(math.nan)}
     per_step = True  # it decides from windows of every step's values
 
     def __init__(self, window: int = 128, skip_z: float | None = 6.0, clip_z: float | None = None,

@@ -13,6 +13,7 @@ import labkit
 from labkit.lab.defenses import KNOBS, DefenseExplorer, Defenses, ledger, plot_defenses
 from labkit.lab.demo import describe
 from labkit.lab.experiment import ExperimentConfig, run_experiment
+from labkit.lab.text import describe_rewind
 
 
 def test_clip_grad_value_has_torchs_signature():
@@ -37,14 +38,16 @@ def test_a_rewound_experiment_ends_at_its_step_count_and_shows_every_outcome():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         log = run_experiment(ExperimentConfig(precision="fp32", steps=40, faults=["12:nan"], defenses=d))
-    assert [r.step for r in log if not r.rewound] == list(range(40))
+    assert [r.step for r in log.kept()] == list(range(40))
     outcomes = ledger(log)
     assert {"stepped", "rewound", "skip: loss not finite", "skip: z-score spike"} <= set(outcomes)
-    trigger = next(r for r in log if r.rewind_to is not None)
-    assert trigger.step == 25 and trigger.rewind_to == 20
+    [(i, [event])] = log.events_after().items()
+    trigger = log[i]
+    assert trigger.step == event.step == 25 and event.to == 20 and (event.data_from, event.data_to) == (20, 28)
     lines = describe(trigger, None)
     assert lines[0].startswith("step   25  SKIP  spike_") and "sigma" in lines[0]
-    assert lines[1] == "step   25  REWIND to step 20: steps 20-25 undone (marked rewound), a data window skipped"
+    assert describe_rewind(event) == \
+        "step   25  REWIND to step 20: steps 20-25 undone (kept in the log), batches 20-27 skipped"
     fig = plot_defenses({"zclip": log}, window=8, z=6.0)
     top, strip = fig.axes
     assert top.get_title(loc="left") == "zclip"

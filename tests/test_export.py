@@ -31,7 +31,7 @@ BY_HAND = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "grad/norm_preclip", "clip_coef": "grad/clip_coef",
     "clipped": "grad/clipped", "scale": "amp/loss_scale", "next_scale": "amp/next_loss_scale",
     "skipped": "amp/skipped", "skip_streak": "amp/skip_streak",
-    # issue 15's fields, on every record (NaN z-scores without a detector)
+    # hooks' fields: on a record when its hook set them (a record holds no default it was not given)
     "z_loss": "spikes/z_loss", "z_grad": "spikes/z_grad", "rewound": "spikes/rewound",
     "threshold": "grad/clip_threshold", "lockin": "record/lockin",
 }
@@ -39,9 +39,9 @@ BY_HAND = {
 
 def expected_scalars(r):
     """Every scalar a record must show in a tracker: tag -> value, straight from the JSONL dict."""
-    out = {tag: float(r[field]) for field, tag in BY_HAND.items()}
+    out = {tag: float(r[field]) for field, tag in BY_HAND.items() if field in r}
     out["grad/norm_postclip"] = math.nan if r["skipped"] else r["grad_norm"] * r["clip_coef"]
-    out.update({f"layers/{name}/grad_norm": norm for name, norm in r["top_grads"]})
+    out.update({f"layers/{name}/grad_norm": norm for name, norm in r.get("top_grads", [])})
     return out
 
 
@@ -310,8 +310,8 @@ def test_export_cli_replays_the_jsonl_with_the_clipping_alarm_too(live_run, tmp_
 
 
 def test_a_rewind_is_marked_not_erased_and_extra_fields_get_their_names(tracker_env, tmp_path):
-    """Steps 0-5, then a rewind to 3 (issue 15's records): the JSONL keeps all 9, TensorBoard purges
-    the abandoned branch (purge_step), trackio keeps both, and each is marked."""
+    """Steps 0-5, then a rewind to 3 (an older labkit's records, which marked the undone ones ``rewound``): the
+    JSONL keeps all 9, TensorBoard purges the abandoned branch (purge_step), trackio keeps both, marked."""
     recs = [StepRecord(i, 1.0 + i).to_dict() for i in range(6)] + [StepRecord(i, 10.0 + i).to_dict() for i in (3, 4, 5)]
     for r in recs[3:6]:
         r["rewound"] = True
@@ -325,13 +325,13 @@ def test_a_rewind_is_marked_not_erased_and_extra_fields_get_their_names(tracker_
     assert texts[(3, "events/rewind")] == "rewound to step 3 (the run had reached step 5)"
     assert scalars[(4, "spikes/z_loss")] == 2.0 and scalars[(4, "spikes/z_grad")] == -1.25
     assert scalars[(4, "precision/stale_fraction/0.weight")] == 0.125
-    assert scalars[(4, "spikes/rewound")] == 0.0  # the kept branch's; the rewound 1.0 was purged with its branch
+    assert (4, "spikes/rewound") not in scalars  # the kept branch has no mark; the rewound 1.0 was purged with its branch
     from trackio.sqlite_storage import SQLiteStorage
 
     # trackio keeps every row: the abandoned branch, marked, and the kept one
     rows = [(e["step"], e["train/loss"], e.get("spikes/rewound")) for e in SQLiteStorage.get_logs("labkit", "rewound")]
-    assert rows == [(0, 1.0, 0.0), (1, 2.0, 0.0), (2, 3.0, 0.0), (3, 4.0, 1.0), (4, 5.0, 1.0), (5, 6.0, 1.0),
-                    (3, 13.0, 0.0), (4, 14.0, 0.0), (5, 15.0, 0.0)]  # StepRecord.rewound is on every record
+    assert rows == [(0, 1.0, None), (1, 2.0, None), (2, 3.0, None), (3, 4.0, 1.0), (4, 5.0, 1.0), (5, 6.0, 1.0),
+                    (3, 13.0, None), (4, 14.0, None), (5, 15.0, None)]  # only the marked records carry it
 
 
 # ------------------------------------------------------------------------------------------- missing packages

@@ -17,7 +17,7 @@ from labkit import ToyTask, TrainStep
 from labkit.lab.demo import main
 from labkit.lab.experiment import ExperimentConfig, run_experiment
 from labkit.lab.gradients import GradientProbe, Probed
-from labkit.records import StepLog
+from labkit.steplog import StepLog
 from labkit.tasks import TASKS, GPTTask, Task, TextCorpus, make_task
 
 SMALL = GPTTask(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)

@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 from labkit.lab.gradients import (BF16_RANGE, FP16_RANGE, GradHistogram, GradientProbe, GradStat, flush_fractions,
                                   plot_flushed_by_tensor, plot_headroom, plot_layer_heatmap, plot_sawtooth,
                                   plot_u_curve, u_curve)
-from labkit.records import StepLog, StepRecord
+from labkit.records import StepRecord
+from labkit.steplog import StepLog
 
 
 def test_histogram_bands_sit_at_fp16_and_bf16_limits():

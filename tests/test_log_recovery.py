@@ -86,7 +86,7 @@ def test_strict_json_parses_in_javascript_terms():
 # ---------------------------------------------------------------- a torn tail
 
 
-def test_a_torn_last_line_is_reported_not_fatal_and_appending_continues_cleanly(tmp_path):
+def test_a_torn_last_line_is_reported_not_fatal_and_cut_before_anything_is_appended(tmp_path):
     path = tmp_path / "log.jsonl"
     StepLog(records(5)).to_jsonl(path)
     full = path.read_bytes()
@@ -95,23 +95,28 @@ def test_a_torn_last_line_is_reported_not_fatal_and_appending_continues_cleanly(
         log = StepLog.read_jsonl(path)
     assert [r.step for r in log] == [0, 1, 2, 3] and log.torn_tail and not log.torn_tail.endswith("}")
     with pytest.warns(LabkitWarning, match="cut off a torn last line"):
-        resumed = StepLog(stream=path)
-    for r in records(3, start=4):
-        resumed.append(r)
-    resumed.close()
+        nxt = StepLog(stream=path)
+    with pytest.warns(LabkitWarning, match=r"holds the records of another run \(steps 0-3\): moved it to"):
+        for r in records(3, start=4):  # a new run (no resume): one log per run
+            nxt.append(r)
+    nxt.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # clean: no torn tail any more
-        back = StepLog.read_jsonl(path)
-    assert [r.step for r in back] == [0, 1, 2, 3, 4, 5, 6] and back.torn_tail is None
+        back, before = StepLog.read_jsonl(path), StepLog.read_jsonl(f"{path}.1")
+    assert [r.step for r in back] == [4, 5, 6] and back.torn_tail is None
+    assert [r.step for r in before] == [0, 1, 2, 3] and before.torn_tail is None
 
 
 def test_a_complete_last_line_without_its_newline_is_kept(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join(r.to_json() for r in records(2)))  # no final newline
     log = StepLog(stream=path)
-    log.append(records(1, start=2)[0])
+    assert path.read_text().endswith("}\n")
+    with pytest.warns(LabkitWarning, match="another run"):
+        log.append(records(1, start=2)[0])
     log.close()
-    assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1, 2]
+    assert [r.step for r in StepLog.read_jsonl(f"{path}.1")] == [0, 1]
+    assert [r.step for r in StepLog.read_jsonl(path)] == [2]
 
 
 def test_a_damaged_line_in_the_middle_is_an_error_naming_it(tmp_path):
@@ -283,6 +288,66 @@ def test_a_resume_leaves_a_file_it_did_not_write_as_it_is(task, tmp_path):
     assert other.read_bytes() == before
     with pytest.raises(ValueError, match="'stream' must be"):
         StepLog().load_state_dict({**state["train"]["log"], "stream": {"size": -1, "last_line_sha256": "x"}})
+
+
+# ---------------------------------------------------------------- one log per run
+
+
+def test_a_new_run_never_appends_to_another_runs_log(task, tmp_path):
+    """Re-running a script with the same log_path: the first run's file is moved aside, not appended to."""
+    path = tmp_path / "log.jsonl"
+    run_to(fresh(task, path), task, 5)
+    first = path.read_bytes()
+    second = fresh(task, path)
+    assert path.read_bytes() == first  # nothing happens to it before the new run logs
+    with pytest.warns(LabkitWarning, match=r"log.jsonl holds the records of another run \(steps 0-4\): moved it "
+                                           r"to '.*log.jsonl.1', and this run's records start"):
+        run_to(second, task, 3)
+    assert (tmp_path / "log.jsonl.1").read_bytes() == first
+    assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1, 2]
+    with pytest.warns(LabkitWarning, match="moved it to '.*log.jsonl.2'"):  # a third run: the next free name
+        run_to(fresh(task, path), task, 1)
+    assert [r.step for r in StepLog.read_jsonl(tmp_path / "log.jsonl.2")] == [0, 1, 2]
+    assert [r.step for r in StepLog.read_jsonl(path)] == [0]
+
+
+def test_a_resumed_run_continues_its_own_log_and_only_its_own(task, tmp_path):
+    path = tmp_path / "log.jsonl"
+    step = fresh(task, path)
+    run_to(step, task, 4, close=False)
+    state = {"model": step.model.state_dict(), "opt": step.optimizer.state_dict(), "train": step.state_dict()}
+    step.log.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a resume: no file moved, nothing cut
+        run_to(fresh(task, path, copy.deepcopy(state)), task, 6)
+    assert [r.step for r in StepLog.read_jsonl(path)] == list(range(6)) and not (tmp_path / "log.jsonl.1").exists()
+    # the same checkpoint on another run's file (a new run wrote log.jsonl since): that file is not continued
+    run_to(fresh(task, path), task, 2)  # a new run: moves the resumed run's file to log.jsonl.1
+    with pytest.warns(LabkitWarning, match="not the checkpoint's last record"):
+        resumed = fresh(task, path, copy.deepcopy(state))
+    with pytest.warns(LabkitWarning, match="another run"):
+        run_to(resumed, task, 6)
+    assert [r.step for r in StepLog.read_jsonl(path)] == [4, 5]
+    assert [r.step for r in StepLog.read_jsonl(tmp_path / "log.jsonl.2")] == [0, 1]
+
+
+def test_a_plain_steplog_follows_the_same_rule_and_a_stream_is_never_moved(tmp_path):
+    path = tmp_path / "log.jsonl"
+    first = StepLog(stream=path)
+    for r in records(3):
+        first.append(r)
+    state = first.state_dict()
+    first.close()
+    again = StepLog(stream=path)
+    again.load_state_dict(state)  # the plain loop's resume
+    again.append(records(1, start=3)[0])
+    again.close()
+    assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log = StepLog(stream="/dev/null")  # a stream: nothing to move, nothing to refuse
+        log.append(records(1)[0])
+        log.close()
 
 
 # ---------------------------------------------------------------- pipes, FIFOs and devices

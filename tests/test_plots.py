@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from labkit.lab.plots import LiveDashboard, plot_log
-from labkit.records import StepLog, StepRecord
+from labkit.records import StepRecord
+from labkit.steplog import StepLog
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,7 +1,6 @@
 """StepRecord and StepLog: fields, columns, summaries, JSONL/CSV export and streaming."""
 
 import csv
-import dataclasses
 import json
 import math
 
@@ -9,11 +8,19 @@ import pytest
 import torch
 
 import labkit
+import labkit.step  # noqa: F401  the step's parts declare their record fields (blame, clippers, faults, alarms)
 from labkit import StepLog, StepRecord
+from labkit.alarms import SkipAlarm
+from labkit.blame import BackwardOrder
+from labkit.formats.bf16 import StaleMonitor
+from labkit.records import CORE, Field, RewindEvent, declare, declared, put
+from labkit.spikes import SpikeDetector
+from labkit.tasks.gpt import LogitMonitor
 
 NAN = float("nan")
 INF = float("inf")
-FIELDS = [
+# every field an older labkit wrote on every line, in its order: a log in that schema still reads
+OLD_FLAT = [
     "step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
     "skip_streak", "lr", "fault", "top_grads", "first_nonfinite", "culprit_module",
     "stale", "lrs",
@@ -63,8 +70,18 @@ def task():
 # ---------------------------------------------------------------- StepRecord
 
 
-def test_record_has_exactly_the_documented_fields():
-    assert [f.name for f in dataclasses.fields(StepRecord)] == FIELDS
+def test_the_core_is_small_and_each_hook_declares_its_own_fields():
+    assert CORE == ("step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
+                    "lr", "lrs")
+    owners = {SkipAlarm: {"skip_streak"}, BackwardOrder: {"top_grads", "first_nonfinite", "culprit_module"},
+              StaleMonitor: {"stale"}, SpikeDetector: {"z_loss", "z_grad"},
+              LogitMonitor: {"attn_logit_max", "attn_entropy", "log_z", "log_z_sq", "ce_loss"}}
+    for hook, names in owners.items():
+        assert set(hook.record_fields) == names, hook
+    # the clipper's and the fault schedule's (not hooks: declared by their modules); no rewind marks any more
+    assert set(declared()) >= {*set().union(*owners.values()), "threshold", "clip_reason", "lockin", "fault"}
+    assert not {"rewound", "rewind_to"} & set(declared())
+    assert set(OLD_FLAT) - set(CORE) - set(declared()) == {"rewound", "rewind_to"}
 
 
 def test_record_defaults():
@@ -72,8 +89,31 @@ def test_record_defaults():
     assert math.isnan(r.grad_norm) and math.isnan(r.lr)
     assert (r.clip_coef, r.clipped, r.scale, r.next_scale) == (1.0, False, 1.0, 1.0)
     assert (r.skipped, r.reason, r.skip_streak, r.fault) == (False, None, 0, None)
-    assert r.top_grads == [] and r.first_nonfinite is None
+    assert r.top_grads == [] and r.first_nonfinite is None and math.isnan(r.z_loss) and r.stale == {}
     assert StepRecord(1, 0.5).top_grads is not r.top_grads  # no shared mutable default
+    assert r.fields == {} and r.get("fault", "none") == "none"  # a default is no field: nothing is written
+    with pytest.raises(AttributeError, match="StepRecord has no field 'culprit'"):
+        r.culprit  # noqa: B018
+
+
+def test_the_core_is_immutable_and_fields_are_set_only_if_declared():
+    r = StepRecord(0, 1.0)
+    with pytest.raises(AttributeError, match="not changed once built"):
+        r.loss = 2.0
+    with pytest.raises(AttributeError, match="not changed once built"):
+        r.z_loss = 2.0
+    put(r.fields, "z_loss", 3.0)
+    put(r.fields, "stale/h.0", 0.25)
+    assert (r.z_loss, r.stale) == (3.0, {"h.0": 0.25})
+    for bad, why in (("nope", "declared by no hook"), ("loss", "the core's"), ("z_loss/h.0", "not per layer")):
+        with pytest.raises(ValueError, match=why):
+            put(r.fields, bad, 1.0)
+    assert set(r.fields) == {"z_loss", "stale"}  # a refused field changed nothing
+    declare("ThisTest", {"z_loss": Field(NAN)})  # the same declaration again is harmless; another is refused
+    with pytest.raises(ValueError, match="SpikeDetector declares otherwise"):
+        declare("ThisTest", {"z_loss": Field(0.0)})
+    with pytest.raises(ValueError, match="not one of the core's"):
+        declare("ThisTest", {"loss": Field(0.0)})
 
 
 @pytest.mark.parametrize(
@@ -99,7 +139,7 @@ def test_older_and_newer_jsonl_lines_are_read(tmp_path):
     path.write_text(older + "\n" + newer + "\n")
     a, b = StepLog.read_jsonl(path)
     assert (a.first_nonfinite, a.culprit_module, a.reason) == ("0.weight", None, "nonfinite_grad")
-    assert b.step == 4 and not hasattr(b, "from_a_newer_labkit")
+    assert b.step == 4 and b.from_a_newer_labkit == 1  # kept: a field of a hook this labkit does not have
     with pytest.raises(TypeError):  # not a record at all
         StepRecord.from_dict({"loss": 1.0})
 
@@ -199,10 +239,15 @@ def test_summary_spike_scores_are_over_the_steps_taken_only():
     calm = [StepRecord(i, 1.0 + 0.01 * (i % 3), grad_norm=0.5 + 0.01 * (i % 2)) for i in range(40)]
     spike = [StepRecord(40, 50.0, grad_norm=30.0)]
     untaken = [StepRecord(41, 1e6, grad_norm=1e6, skipped=True, reason="nonfinite_grad"),
-               StepRecord(42, 2e6, grad_norm=2e6, rewound=True),
+               StepRecord(42, 2e6, grad_norm=2e6),  # undone by the rewind appended after it
                StepRecord(43, -1e6, grad_norm=0.0, skipped=True, reason="spike_loss")]
     later = [StepRecord(44 + i, 1.0 + 0.01 * (i % 3), grad_norm=0.5) for i in range(9)]
-    s = StepLog(calm + spike + untaken + later).summary()
+    log = StepLog(calm + spike + untaken[:2])
+    log.append_event(RewindEvent(step=42, to=42))
+    for r in untaken[2:] + later:
+        log.append(r)
+    s = log.summary()
+    assert log.rewound_steps == [42] and s["rewinds"] == 1
     assert s["spike_score_loss"] == s["spike_score_grad"] == pytest.approx(100 / 50)  # 1 in 50 steps taken
     clean = StepLog(calm + spike + later).summary()
     scores = ("spike_score_loss", "spike_score_grad")
@@ -244,7 +289,9 @@ def test_csv_has_a_header_with_every_field_and_one_row_per_record(log, tmp_path)
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-        assert reader.fieldnames == FIELDS
+        # the core, whether a rewind undid the record, then every field a record holds (in order of appearance)
+        assert reader.fieldnames == [*CORE, "rewound", "skip_streak", "fault", "top_grads", "first_nonfinite",
+                                     "culprit_module"]
     assert len(rows) == len(log)
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4, 5]
     assert same_value([float(r["loss"]) for r in rows], log.column("loss"))
@@ -261,7 +308,7 @@ def test_csv_has_a_header_with_every_field_and_one_row_per_record(log, tmp_path)
 def test_csv_of_an_empty_log_is_just_the_header(tmp_path):
     path = tmp_path / "empty.csv"
     StepLog().to_csv(path)
-    assert path.read_text().strip() == ",".join(FIELDS)
+    assert path.read_text().strip() == ",".join([*CORE, "rewound"])
 
 
 # ---------------------------------------------------------------- streaming
@@ -290,19 +337,59 @@ def test_trainstep_streams_one_flushed_line_per_step(task, tmp_path):
     step.log.close()  # closing twice is harmless
 
 
-def test_streaming_appends_to_an_existing_file(tmp_path):
+def test_streaming_continues_an_existing_file_only_on_resume(tmp_path):
     path = tmp_path / "resumed.jsonl"
     first = StepLog(stream=path)
     first.append(StepRecord(0, 1.0))
+    state = first.state_dict()
     first.close()
     second = StepLog(stream=path)
+    second.load_state_dict(state)
     second.append(StepRecord(1, 0.5))
     second.close()
     assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1]
-    assert len(second) == 1
+    assert len(second) == 1 and second.summary()["steps"] == 2
 
 
 def test_no_stream_writes_nothing(tmp_path, log):
     log.append(StepRecord(6, 0.1))
     log.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_log_in_the_old_flat_schema_reads_as_the_same_records_and_events(tmp_path):
+    """An older labkit wrote every field on every line and marked a rewind on its records (the trigger got
+    ``rewind_to``; the undone ones were marked in memory after they were written). Read now: the same core and
+    fields, the marks turned into one RewindEvent, and rewound derived from it (so the file's summary is right)."""
+    def old(step, loss, **changes):
+        line = {name: None for name in OLD_FLAT}
+        line.update(step=step, loss=loss, grad_norm=0.5, clip_coef=1.0, clipped=False, scale=1.0, next_scale=1.0,
+                    skipped=False, skip_streak=0, lr=0.1, top_grads=[], stale={}, lrs=[0.1], z_loss="NaN",
+                    z_grad="NaN", threshold="NaN", lockin=False, rewound=False, attn_logit_max={}, attn_entropy={})
+        line.update(changes)
+        assert list(line) == OLD_FLAT
+        return json.dumps(line)
+
+    lines = [old(0, 1.0), old(1, 0.9, z_loss=0.5), old(2, 0.8), old(3, 0.7, z_loss="Infinity"),
+             old(4, 50.0, skipped=True, reason="spike_loss", skip_streak=1, z_loss=9.5, rewound=True, rewind_to=2,
+                 top_grads=[["0.weight", "Infinity"]], first_nonfinite="0.weight", culprit_module="0"),
+             old(2, 0.75), old(3, 0.7)]
+    path = tmp_path / "old.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    log = StepLog.read_jsonl(path)
+    assert [r.step for r in log] == [0, 1, 2, 3, 4, 2, 3]
+    assert log.rewinds == [RewindEvent(step=4, to=2, reason="spike_loss")]
+    assert log.rewound == [False, False, True, True, True, False, False] and log.rewound_steps == [2, 3, 4]
+    spike = log[4]
+    assert (spike.reason, spike.skip_streak, spike.z_loss, spike.culprit_module) == ("spike_loss", 1, 9.5, "0")
+    assert spike.top_grads == [("0.weight", INF)] and log[3].z_loss == INF and math.isnan(log[0].threshold)
+    assert "rewound" not in spike.fields and "rewind_to" not in spike.fields
+    s = log.summary()
+    assert (s["steps"], s["skipped"], s["rewinds"], s["skips_by_reason"]["spike_loss"]) == (7, 1, 1, 1)
+    # written back by this labkit: the event is its own line, after the record that triggered it
+    log.to_jsonl(tmp_path / "new.jsonl")
+    new = (tmp_path / "new.jsonl").read_text().splitlines()
+    assert json.loads(new[5]) == {"event": "rewind", "step": 4, "to": 2, "reason": "spike_loss", "data_from": None,
+                                  "data_to": None}
+    again = StepLog.read_jsonl(tmp_path / "new.jsonl")
+    assert again.rewound == log.rewound and repr(again.summary()) == repr(s)

@@ -11,8 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit import ToyTask, TrainStep
+from labkit import StepLog, ToyTask, TrainStep
+from labkit.alarms import LabkitWarning
 from labkit.clippers import ZClip
+from labkit.records import RewindEvent
 from labkit.rewind import Rewind
 from labkit.spikes import SpikeDetector, format_z, rolling_z, spike_score
 
@@ -103,13 +105,15 @@ def test_rewound_run_equals_a_run_that_never_saw_the_skipped_window():
     for k, v in step.clipper.state_dict().items():
         assert torch.equal(v, oracle.clipper.state_dict()[k]), k
     assert step.detector.state_dict() == oracle.detector.state_dict()
-    # the records tell the truth: the undone steps are marked, not erased, and the step numbers repeat
+    # the records tell the truth: the undone steps are kept as written, a rewind event after them, and the
+    # step numbers repeat
     log = step.log
     assert len(log) == STEPS + (SPIKE_AT + 1 - restart)
-    assert [r.step for r in log if r.rewound] == list(range(restart, SPIKE_AT + 1))
-    assert log[SPIKE_AT].rewind_to == restart and log[SPIKE_AT].reason.startswith("spike")
-    assert [r.step for r in log if not r.rewound] == list(range(STEPS))
-    kept = [r for r in log if not r.rewound]
+    assert log.rewound_steps == list(range(restart, SPIKE_AT + 1))
+    assert log.rewinds == [RewindEvent(SPIKE_AT, restart, log[SPIKE_AT].reason, restart, restart + skip)]
+    assert log[SPIKE_AT].reason.startswith("spike")
+    kept = log.kept()
+    assert [r.step for r in kept] == list(range(STEPS))
     assert [r.loss for r in kept] == [r.loss for r in oracle.log]
     assert log.summary()["rewinds"] == 1
     assert log.summary()["steps"] == len(log)  # a rewind does not rewind the summary: the undone steps stay counted
@@ -136,7 +140,8 @@ def test_rewind_with_skip_0_redoes_the_steps_on_the_same_batches():
     for i in range(20):
         oracle(*data(task, i, spike_at=None))
     assert rewind.rewinds == [(12, 8)] and rewind.data_index(15) == 15
-    kept = [r for r in step.log if not r.rewound]
+    assert step.log.rewinds == [RewindEvent(12, 8, None, 8, 8)]  # no data skipped
+    kept = step.log.kept()
     assert [r.step for r in kept] == list(range(20))
     assert [r.loss for r in kept] == [r.loss for r in oracle.log]
 
@@ -168,3 +173,90 @@ def test_format_z_caps_what_it_prints_beyond_a_hundred_sigma():
     assert format_z("norm", 0.01, -1e9) == "norm 0.01 (<-100z)"
     assert format_z("norm", 2.0, math.inf) == "norm 2 (>+100z)"
     assert format_z("loss", 3.0, 99.94) == "loss 3 (+99.9z)" and format_z("loss", 3.0, 7.5, cap=5) == "loss 3 (>+5z)"
+
+
+# ---------------------------------------------------------------- a rewind is an event; it moves the data on
+
+
+def test_a_rewind_is_an_event_so_the_log_read_back_from_its_file_says_what_the_live_one_says(tmp_path):
+    """Issue 33's run: 20 steps with log_path, Rewind(back=3, skip=2), a detector and a spike at step 12. The
+    rewind undoes steps 9-12; the file (appended as the run went, never edited) gives the same rewound steps,
+    events, records and summary. The spike is in the data (index 12), so the run replays past it."""
+    task, path = ToyTask(), tmp_path / "log.jsonl"
+    with pytest.warns(LabkitWarning, match="skip shorter than the steps undone"):
+        rewind = Rewind(back=3, skip=2)
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, log_path=path,
+                     detector=SpikeDetector(window=8, skip_z=6.0), rewind=rewind, clip_alarm=None)
+    fed = []
+    while step.step_count < 20:
+        fed.append(rewind.data_index(step.step_count))
+        step(*data(task, fed[-1], spike_at=12))
+    step.log.close()
+    live = step.log
+    assert rewind.rewinds == [(12, 9)] and live.rewinds == [RewindEvent(12, 9, live[12].reason, 9, 13)]
+    assert live[12].reason.startswith("spike") and fed == [*range(13), *range(13, 24)]  # 9.. is fed 13..
+    assert live.rewound_steps == [9, 10, 11, 12] and [r.step for r in live.kept()] == list(range(20))
+    back = StepLog.read_jsonl(path)
+    assert back.rewound_steps == live.rewound_steps and back.rewinds == live.rewinds
+    assert [r.to_dict() for r in back] == [r.to_dict() for r in live] or \
+        [repr(sorted(r.to_dict().items())) for r in back] == [repr(sorted(r.to_dict().items())) for r in live]
+    assert repr(back.summary()) == repr(live.summary()) and back.summary()["rewinds"] == 1
+    assert path.read_text().count('"event": "rewind"') == 1
+
+
+def test_a_rewind_moves_past_the_bad_batch_once_and_the_loss_recovers():
+    """Issue 34's run: Rewind(back=20, skip=10) and a garbage batch at data index 100. Before, each rewind
+    returned to step 80 with data offset 10, met index 100 again at step 90 and rewound 10 times. Now the
+    rewind skips the window from the snapshot to the spike: one rewind, index 100 never fed again."""
+    task = ToyTask()
+    with pytest.warns(LabkitWarning, match="Rewind\\(back=20, skip=10\\)"):
+        rewind = Rewind(back=20, skip=10)
+    model = task.model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, detector=SpikeDetector(),
+                     rewind=rewind, clip_alarm=None)
+    fed, losses = [], {}
+    while step.step_count < 140:
+        fed.append(rewind.data_index(step.step_count))
+        record = step(*data(task, fed[-1], spike_at=100))
+        losses[fed[-1]] = record.loss
+    assert rewind.rewinds == [(100, 80)] and len(step.log.rewinds) == 1
+    assert (step.log.rewinds[0].data_from, step.log.rewinds[0].data_to) == (80, 101)
+    assert fed.count(100) == 1 and fed[-1] == 160 and fed[101:] == list(range(101, 161))
+    before = sum(losses[i] for i in range(90, 100)) / 10
+    after = [r.loss for r in step.log.kept()[-10:]]
+    assert losses[100] > 100 * before and max(after) < 1.5 * before  # the spike, then the loss as it was
+
+
+def test_repeated_rewinds_add_up_their_skips_and_running_out_says_which_steps():
+    task = ToyTask()
+    model = task.model()
+    asks = [10, 12, 14]  # a trigger that fires at these steps, each once (a replayed step does not fire again)
+
+    def trigger(record):
+        if asks and record.step == asks[0]:
+            asks.pop(0)
+            return True
+        return False
+
+    rewind = Rewind(back=4, skip=4, every=4, max_rewinds=2, trigger=trigger)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, rewind=rewind,
+                     clip_alarm=None)
+    with pytest.warns(LabkitWarning, match=r"step 14 asked for a rewind .* max_rewinds=2 were made \(steps "
+                                           r"10->4, 12->8\); the run goes on without rewinding"):
+        while step.step_count < 16:
+            step(*task.batch(rewind.data_index(step.step_count)))
+    # 10 -> 4: step 4 is fed batch 11 (past the 10th, farther than skip=4 would); 12 -> 8: step 8 had been fed
+    # batch 15 and step 12 batch 19, so step 8 is now fed batch 20: the second skip adds to the first
+    assert rewind.rewinds == [(10, 4), (12, 8)]
+    assert [(e.data_from, e.data_to) for e in step.log.rewinds] == [(4, 11), (15, 20)]
+    assert rewind.data_index(8) == 20
+
+
+def test_rewind_refuses_a_bad_skip_saying_what_it_means():
+    with pytest.raises(ValueError, match="skip"):
+        Rewind(back=4, skip=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # skip >= back, and skip=0 (replay), are the two settings that say nothing
+        Rewind(back=4, skip=4)
+        Rewind(back=4, skip=0)

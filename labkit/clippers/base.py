@@ -13,6 +13,7 @@ device and every decision is a ``torch.where``: no host sync per step.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -23,6 +24,7 @@ from torch import Tensor
 from ..alarms import LabkitWarning
 from ..clip import EPS, Parameters, named_grads, named_tensors, per_tensor_norms, scale_grads_, total_norm
 from ..distributed import rank
+from ..records import Field, declare
 from ..validate import check_int
 
 __all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard"]
@@ -89,6 +91,11 @@ def effective_coef(post: list[Tensor], norm: Tensor, finite: Tensor) -> Tensor:
     after = torch.linalg.vector_norm(torch.stack(post)) if post else norm
     coef = torch.where(finite & (norm > 0), after / norm, torch.ones_like(norm))
     return torch.stack([coef.float(), torch.full_like(coef.float(), float("nan"))])
+
+
+# on a clipped step: the clipper's threshold (NaN: none, or a per-tensor rule), who cut deepest (a
+# clipper's class name, or a hook's reason such as "z_grad") and whether its lock-in guard fired
+declare("Clipper", {"threshold": Field(math.nan), "clip_reason": Field(None), "lockin": Field(False)})
 
 
 def _check_bound(bound: int | None) -> int | None:

@@ -15,13 +15,15 @@ __all__ = ["build_parser", "main", "read_records", "replay"]
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Return the JSONL's records as dicts, keeping fields this labkit does not know (other versions add some)."""
+    """Return the JSONL's records as dicts (not its event lines), keeping fields this labkit does not know."""
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(parse_line(line))  # strict JSON: "NaN"/"Infinity" back to floats
+            d = parse_line(line)  # strict JSON: "NaN"/"Infinity" back to floats
+            if "event" not in d:  # a rewind event: the trackers see it as the step going back
+                records.append(d)
         except json.JSONDecodeError:
             if i == len(lines) - 1:  # a torn last line, what a crash mid-write leaves: the rest is whole
                 print(f"labkit export: {path}: the last line is incomplete and was left out", file=sys.stderr)

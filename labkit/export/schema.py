@@ -25,7 +25,7 @@ tag                        record field
 ``spikes/z_loss``          ``z_loss`` (spike detector, when the record has it)
 ``spikes/z_grad``          ``z_grad``
 ``spikes/score_7sigma``    ``spike_score``
-``spikes/rewound``         ``rewound`` (0 or 1: a step later undone by a rewind)
+``spikes/rewound``         ``rewound`` (0 or 1, in an older labkit's logs: now a rewind is an event)
 ``grad/clip_threshold``    ``threshold`` (an adaptive clipper's threshold)
 ``precision/stale_fraction``  ``stale_fraction`` (a number, or ``<tag>/<layer>`` per layer)
 ``attn/logit_max/<layer>``  ``attn_logit_max`` (the GPT's largest ``q.k / sqrt(d)``; inf: fp16 overflow)

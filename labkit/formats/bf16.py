@@ -24,6 +24,7 @@ from torch import Tensor
 from ..alarms import LabkitWarning
 from ..distributed import all_reduce_, is_distributed, rank
 from ..hooks import Hook
+from ..records import Field, put
 from ..validate import check_int, check_number
 
 __all__ = [
@@ -117,6 +118,7 @@ class StaleMonitor(Hook):
         self._before: list[Tensor | None] | None = None
 
     state_key = "stale_monitor"
+    record_fields = {"stale": Field({}, per_layer=True)}  # per layer: the share of updates below half an ulp
 
     def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
         self.before_step(params, step)
@@ -153,8 +155,9 @@ class StaleMonitor(Hook):
         if is_distributed():  # sharded weights: a layer's fraction is over all its shards
             all_reduce_(counts_t, "sum", self.process_group)
         values = counts_t.tolist()  # host sync: the record holds plain numbers
-        record.stale = {n: (s / m if m else 0.0) for n, (s, m) in zip(names, values)}
-        for name, frac in record.stale.items():
+        stale = {n: (s / m if m else 0.0) for n, (s, m) in zip(names, values)}
+        put(record.fields, "stale", stale)
+        for name, frac in stale.items():
             self.streaks[name] = self.streaks.get(name, 0) + 1 if frac >= self.threshold else 0
             if self.streaks[name] == self.patience and rank() == 0:
                 warnings.warn(

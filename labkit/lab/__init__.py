@@ -22,7 +22,7 @@ _LAZY = {
     # not the function ``sweep``: the name is its module's, which an import sets on this package
     ".sweep": ("Recipe", "Runs", "SweepPanel", "plot_runs", "plot_sweep", "run_point",
                "summarize"),
-    ".text": ("culprit", "describe", "format_scale", "title"),
+    ".text": ("culprit", "describe", "describe_rewind", "format_scale", "title"),
     ".widgets": ("ControlPanel", "episode", "event_rows"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -41,7 +41,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .moments import AdamWatch, plot_adam_moments
     from .plots import LiveDashboard, plot_log, plot_scale_and_skips
     from .sweep import Recipe, Runs, SweepPanel, plot_runs, plot_sweep, run_point, summarize
-    from .text import culprit, describe, format_scale, title
+    from .text import culprit, describe, describe_rewind, format_scale, title
     from .widgets import ControlPanel, episode, event_rows
 
 
@@ -60,8 +60,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "AdamWatch", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig", "GradHistogram",
     "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel",
-    "culprit", "default_device", "describe", "episode", "event_rows", "expect", "format_scale",
-    "granularity_rows",
+    "culprit", "default_device", "describe", "describe_rewind", "episode", "event_rows", "expect",
+    "format_scale", "granularity_rows",
     "ledger", "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
     "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips", "plot_sweep",
     "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure", "stagnation_figure",

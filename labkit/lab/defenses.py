@@ -33,7 +33,8 @@ from torch import Tensor
 from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, ZClip
 from ..clippers.base import FEEDS
 from ..reasons import LOSS, Reason
-from ..records import StepLog, StepRecord
+from ..records import StepRecord
+from ..steplog import StepLog
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
 from .plots import _positive
@@ -137,15 +138,23 @@ class Defenses:
         return self.shift_size if self.shift_step is not None and step >= self.shift_step else 1.0
 
 
+def _rewound(log: Sequence[StepRecord]) -> list[bool]:
+    """Per record, whether a rewind undid it (a plain list of records has no rewinds)."""
+    return log.rewound if isinstance(log, StepLog) else [False] * len(log)
+
+
 def ledger(log: Sequence[StepRecord]) -> list[str]:
     """Return each record's outcome, one of ``OUTCOMES`` (the step that triggered a rewind shows why).
 
-    >>> ledger([StepRecord(0, 1.0), StepRecord(1, 1.0, skipped=True, reason="spike_grad", rewound=True)])
-    ['stepped', 'rewound']
+    >>> from labkit.records import RewindEvent
+    >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, 1.0), StepRecord(2, 1.0, skipped=True, reason="spike_grad")])
+    >>> log.append_event(RewindEvent(step=2, to=1)); ledger(log)
+    ['stepped', 'rewound', 'skip: z-score spike']
     """
     out = []
-    for r in log:
-        if r.rewound and r.rewind_to is None:  # the step that triggered the rewind keeps its own outcome
+    triggers = log.events_after() if isinstance(log, StepLog) else {}
+    for i, (r, gone) in enumerate(zip(log, _rewound(log))):
+        if gone and i not in triggers:  # the step that triggered the rewind keeps its own outcome
             out.append("rewound")
         elif r.skipped:
             out.append(OUTCOMES[2] if r.reason in LOSS else OUTCOMES[3] if r.reason == Reason.NONFINITE_GRAD
@@ -163,7 +172,7 @@ def rolling_band(log: Sequence[StepRecord], window: int, z: float) -> tuple[list
     """
     seen: deque[float] = deque(maxlen=window)
     lows, highs = [], []
-    for r in log:
+    for r, gone in zip(log, _rewound(log)):
         if len(seen) >= max(window // 2, 1):
             mean = math.fsum(seen) / len(seen)
             std = math.sqrt(math.fsum((v - mean) ** 2 for v in seen) / len(seen))
@@ -172,7 +181,7 @@ def rolling_band(log: Sequence[StepRecord], window: int, z: float) -> tuple[list
         else:
             lows.append(math.nan)
             highs.append(math.nan)
-        if not r.skipped and not r.rewound and math.isfinite(r.grad_norm):
+        if not r.skipped and not gone and math.isfinite(r.grad_norm):
             seen.append(r.grad_norm)
     return lows, highs
 
@@ -199,8 +208,9 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
     axes = fig.subplots(n + 1, 1, sharex=True, height_ratios=[3] * n + [0.5 + 0.4 * n])
     panels, bottom = axes[:n], axes[n]
     for ax, (name, log) in zip(panels, logs.items()):
-        live = [r for r in log if not r.rewound]
-        gone = [r for r in log if r.rewound]
+        flags = _rewound(log)
+        live = [r for r, undone in zip(log, flags) if not undone]
+        gone = [r for r, undone in zip(log, flags) if undone]
         steps = [r.step for r in live]
         ax.plot(steps, _positive(r.grad_norm for r in live), color="C0", lw=1.0, label="grad norm (raw)")
         clipped = [r for r in live if r.clipped and not r.skipped]
@@ -209,7 +219,7 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
                     lw=1.0, ls=(0, (3, 2)), label="stepped with (after clip)")
             ax.plot([r.step for r in clipped], [r.grad_norm for r in clipped], "x", color="C3", ms=5,
                     label=f"clipped ({len(clipped)})")
-        threshold = _positive(r.threshold for r in live)
+        threshold = _positive(r.get("threshold", math.nan) for r in live)
         if any(math.isfinite(t) for t in threshold):
             ax.plot(steps, threshold, color="k", lw=0.8, ls="--", label="threshold")
         skip_z = z.get(name) if isinstance(z, Mapping) else z
@@ -218,7 +228,7 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
             if any(math.isfinite(h) for h in highs):
                 ax.plot(steps, _positive(highs), color="C4", lw=1.0, ls="-.",
                         label=f"skip above mean + {skip_z:g} sigma")
-        fired = [r for r in live if r.lockin]
+        fired = [r for r in live if r.get("lockin")]
         for k, r in enumerate(fired):
             ax.axvline(r.step, color="C2", lw=1.2, label="lock-in guard fired" if k == 0 else "_guard")
         if gone:
@@ -232,10 +242,10 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
         ax.set_ylim(lo / 2, hi * 12)  # room above the data for the legend
     for k, log in enumerate(logs.values()):
         # rewound records share step numbers with their replacements: they fill the top half of the row
-        for r, outcome in zip(log, ledger(log)):
+        for r, outcome, undone in zip(log, ledger(log), _rewound(log)):
             color = _COLORS[OUTCOMES.index(outcome)]
-            bottom.add_patch(Rectangle((r.step - 0.5, k), 1.0, 0.5 if r.rewound else 1.0, color=color, lw=0,
-                                       zorder=2 if r.rewound else 1))
+            bottom.add_patch(Rectangle((r.step - 0.5, k), 1.0, 0.5 if undone else 1.0, color=color, lw=0,
+                                       zorder=2 if undone else 1))
     happened = {outcome for log in logs.values() for outcome in ledger(log)}
     shown = [o for o in OUTCOMES if o in happened]
     last = max((r.step for log in logs.values() for r in log), default=0)

@@ -25,7 +25,8 @@ from .text import title as _title
 if TYPE_CHECKING:
     import torch
 
-    from ..records import StepLog, StepRecord
+    from ..records import StepRecord
+    from ..steplog import StepLog
     from .experiment import ExperimentConfig
 
 __all__ = ["build_parser", "init_distributed", "main", "run_demo"]

@@ -18,7 +18,8 @@ from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
 from ..hooks import Hook
-from ..records import StepLog, StepRecord
+from ..records import StepRecord
+from ..steplog import StepLog
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
 from ..tasks import TASKS, Task, make_task

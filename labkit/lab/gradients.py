@@ -31,7 +31,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from ..records import StepLog
+from ..steplog import StepLog
 from ..tasks import Task
 from .plots import _ipympl_active
 

@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from ..hooks import Hook
-from ..records import StepLog
+from ..steplog import StepLog
 
 __all__ = ["AdamWatch", "plot_adam_moments"]
 
@@ -148,7 +148,7 @@ def plot_adam_moments(watches: Mapping[str, AdamWatch], logs: Mapping[str, StepL
         axes["v"].plot(watch.steps, watch.v_hat, **style)
         axes["step"].plot(watch.steps, watch.step_size, **style)
         if logs and name in logs:
-            live = [r for r in logs[name] if not r.rewound]
+            live = logs[name].kept()
             losses = [r.loss if math.isfinite(r.loss) else math.nan for r in live]
             axes["loss"].plot([r.step for r in live], losses, **style)
     axes["v"].set_ylabel("v_hat (median)")

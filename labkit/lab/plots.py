@@ -10,7 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 
-from ..records import StepLog, StepRecord
+from ..records import StepRecord
+from ..steplog import StepLog
 from ..validate import check_int
 
 __all__ = ["PANELS", "LiveDashboard", "plot_log", "plot_scale_and_skips"]

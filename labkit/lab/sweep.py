@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ..records import StepLog, StepRecord
+    from ..records import StepRecord
+    from ..steplog import StepLog
     from ..tasks.gpt import GPTTask
     from .experiment import ExperimentConfig
 
@@ -354,16 +355,6 @@ def _read_points(path: str) -> list[Point]:
     return points
 
 
-def _cut_torn_row(path: str) -> None:
-    """Cut a last row without its newline (a run stopped mid-write), so the next row starts a line."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 def sweep(
     recipe: Recipe,
     lrs: Sequence[float],
@@ -411,7 +402,10 @@ def sweep(
             if header != _COLUMNS:
                 raise ValueError(f"{csv_path} has the columns {header}, not this labkit's {_COLUMNS}: give "
                                  "another --out, or delete the folder to start over.")
-        _cut_torn_row(csv_path)  # first: a torn row that still parses is no finished point
+        from ..logfile import cut_torn_tail  # here: --help loads this module without torch
+
+        # first, the log writer's rule: a row cut short may still parse, so a row without its newline is torn
+        cut_torn_tail(csv_path, complete=lambda row: False, warn=False)
         done = {(p.variant, p.lr, p.seed): p for p in _read_points(csv_path)}
         if not os.path.exists(csv_path) or os.path.getsize(csv_path) == 0:
             with open(csv_path, "w", encoding="utf-8", newline="") as f:
@@ -815,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _traces(out: str, points: Sequence[Point], seed: int) -> tuple[dict[str, StepLog], float | None]:
     """The per-step logs at the lowest lr where the baseline is out of its stable range (or the largest)."""
-    from ..records import StepLog
+    from ..steplog import StepLog
 
     summary = summarize(points)
     lrs = sorted({p.lr for p in points})

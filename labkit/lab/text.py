@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 from ..reasons import Reason
 
 if TYPE_CHECKING:
-    from ..records import StepRecord
+    from ..records import RewindEvent, StepRecord
     from .experiment import ExperimentConfig
 
-__all__ = ["LOSS_WHY", "SKIP_WHY", "attention_note", "culprit", "describe", "format_scale", "title"]
+__all__ = ["LOSS_WHY", "SKIP_WHY", "attention_note", "culprit", "describe", "describe_rewind", "format_scale",
+           "title"]
 
 # Why a spike detector skipped, as the event line says it.
 SKIP_WHY = {
@@ -42,7 +43,7 @@ def culprit(record: StepRecord) -> str | None:
     >>> culprit(StepRecord(0, 1.0, first_nonfinite="wte.weight", culprit_module="lm_head"))
     'wte.weight, as used by lm_head'
     """
-    name, module = record.first_nonfinite, record.culprit_module
+    name, module = record.get("first_nonfinite"), record.get("culprit_module")
     # blame.module_of's rule, written out: this module must not import torch (`demo --help` is instant)
     if name is None or module is None or name.rpartition(".")[0] == module:
         return name
@@ -77,39 +78,52 @@ def describe(
     >>> describe(StepRecord(7, math.nan, skipped=True, reason="nonfinite_loss"), 1.0, scaler=False)
     ['step    7  SKIP  nonfinite_loss: loss is not finite: backward skipped']
     """
-    fault = record.fault or fault
+    # record.get: a log read back in a process that never imported the hooks that declared the fields
+    fault = record.get("fault") or fault
     at, lines, tag = f"step {record.step:4d} ", [], f" [fault {fault}]" if fault else ""
     if record.skipped and record.reason in SKIP_WHY:  # a spike detector's skip
-        z = record.z_loss if record.reason == Reason.SPIKE_LOSS else record.z_grad
+        z = record.get("z_loss" if record.reason == Reason.SPIKE_LOSS else "z_grad", math.nan)
         lines.append(f"{at} SKIP  {record.reason}: {SKIP_WHY[record.reason]} at {z:+.1f} sigma{tag}")
     elif record.skipped:
         if record.reason in LOSS_WHY:
             what = f"{LOSS_WHY[record.reason]}: backward skipped" + (", scale untouched" if scaler else "")
-        elif record.first_nonfinite is not None:
+        elif record.get("first_nonfinite") is not None:
             what = f"gradient not finite (first in backward: {culprit(record)})"
         else:
             what = "gradient norm not finite, every gradient finite: their sum of squares overflowed float32"
         lines.append(f"{at} SKIP  {record.reason}: {what}{attention_note(record, scaler=scaler)}{tag}")
-    elif record.clipped and record.clip_reason not in (None, "NormClip"):  # an adaptive clipper's, a z clip
-        level = f" > threshold {record.threshold:.4g}" if math.isfinite(record.threshold) else ""
-        lines.append(f"{at} CLIP  {record.clip_reason}: norm {record.grad_norm:.4g}{level} "
+    elif record.clipped and record.get("clip_reason") not in (None, "NormClip"):  # an adaptive clip, a z clip
+        threshold = record.get("threshold", math.nan)
+        level = f" > threshold {threshold:.4g}" if math.isfinite(threshold) else ""
+        lines.append(f"{at} CLIP  {record.get('clip_reason')}: norm {record.grad_norm:.4g}{level} "
                      f"(x{record.clip_coef:.3g}){tag}")
     elif record.clipped:
-        top = ", ".join(f"{n}={v:.3g}" for n, v in record.top_grads)
+        top = ", ".join(f"{n}={v:.3g}" for n, v in record.get("top_grads", []))
         lines.append(f"{at} CLIP  norm {record.grad_norm:.4g} > max_norm {max_norm:g} "
                      f"(x{record.clip_coef:.3g}); largest: {top}{tag}")
     elif fault:  # a fault nothing caught: say so, or it looks as if it never came
         why = "max_norm none" if max_norm is None else f"below max_norm {max_norm:g}"
         lines.append(f"{at} FAULT {fault} injected: norm {record.grad_norm:.4g}, not clipped ({why})")
-    if record.lockin:
+    if record.get("lockin"):
         lines.append(f"{at} GUARD lock-in: clipped too many steps in a row, statistics restarted")
-    if record.rewind_to is not None:
-        lines.append(f"{at} REWIND to step {record.rewind_to}: steps {record.rewind_to}-{record.step} "
-                     "undone (marked rewound), a data window skipped")
     if record.next_scale != record.scale:
         verb = "backoff" if record.next_scale < record.scale else "growth"
         lines.append(f"{at} SCALE {format_scale(record.scale)} -> {format_scale(record.next_scale)} ({verb})")
     return lines
+
+
+def describe_rewind(event: RewindEvent) -> str:
+    """Return the event line of a rewind (the log has it after the record that triggered it).
+
+    >>> from labkit.records import RewindEvent
+    >>> describe_rewind(RewindEvent(50, 40, "spike_grad", data_from=40, data_to=60))
+    'step   50  REWIND to step 40: steps 40-50 undone (kept in the log), batches 40-59 skipped'
+    """
+    skipped = "the same batches again" if event.data_from == event.data_to else (
+        "a data window skipped" if event.data_from is None or event.data_to is None else
+        f"batches {event.data_from}-{event.data_to - 1} skipped")
+    return (f"step {event.step:4d}  REWIND to step {event.to}: steps {event.to}-{event.step} undone "
+            f"(kept in the log), {skipped}")
 
 
 def attention_note(record: StepRecord, *, scaler: bool = True) -> str:
@@ -121,8 +135,9 @@ def attention_note(record: StepRecord, *, scaler: bool = True) -> str:
     >>> attention_note(StepRecord(3, math.nan, attn_logit_max={"h.0": math.inf, "h.1": math.nan}))
     '; attention logits inf in h.0 (then NaN in h.1): the forward overflowed, no loss scale can help'
     """
-    inf = [layer for layer, v in record.attn_logit_max.items() if v == math.inf]
-    nan = [layer for layer, v in record.attn_logit_max.items() if not math.isfinite(v) and v != math.inf]
+    logits = record.get("attn_logit_max") or {}
+    inf = [layer for layer, v in logits.items() if v == math.inf]
+    nan = [layer for layer, v in logits.items() if not math.isfinite(v) and v != math.inf]
     if inf:
         then = f" (then NaN in {', '.join(nan)})" if nan else ""
         return (f"; attention logits inf in {', '.join(inf)}{then}: the forward overflowed"

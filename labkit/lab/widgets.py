@@ -25,11 +25,11 @@ from typing import Any
 import ipywidgets as W
 
 from ..faults import KINDS
-from ..records import StepLog
+from ..steplog import StepLog
 from ..validate import check_int
 from .experiment import ExperimentConfig, run_experiment
 from .plots import PANELS, LiveDashboard
-from .text import describe, format_scale
+from .text import describe, describe_rewind, format_scale
 
 __all__ = ["CONTROLS", "ControlPanel", "config_from", "episode", "event_rows", "scaler_runs"]
 
@@ -102,14 +102,21 @@ def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str
         return []
     thresholds = max_norm if isinstance(max_norm, Mapping) else {run: max_norm for run in logs}
     scaled = scaler if isinstance(scaler, Mapping) else {run: scaler for run in logs}
-    per_run = {run: [(r.step, i, run, line) for r in log
-                     for line in describe(r, thresholds[run], scaler=scaled[run])][-last:]
+    per_run = {run: _lines(log, i, run, thresholds[run], scaled[run])[-last:]
                for i, (run, log) in enumerate(logs.items())}
     while sum(map(len, per_run.values())) > last:
         del max(per_run.values(), key=lambda rows: (len(rows), -rows[0][0] if rows else 0))[0]  # ties: the oldest
     # by step, then by run; sorted is stable, so the lines of one record keep their order
     rows = sorted((row for rows in per_run.values() for row in rows), key=lambda row: row[:2])
     return [(run, line) for _, _, run, line in rows]
+
+
+def _lines(log: StepLog, i: int, run: str, max_norm: float | None,
+           scaler: bool) -> list[tuple[int, int, str, str]]:
+    """Each record's event lines, each rewind's after the record that triggered it."""
+    after = log.events_after() if isinstance(log, StepLog) else {}
+    return [(r.step, i, run, line) for k, r in enumerate(log)
+            for line in [*describe(r, max_norm, scaler=scaler), *(describe_rewind(e) for e in after.get(k, ()))]]
 
 
 def scaler_runs(config: ExperimentConfig) -> bool:

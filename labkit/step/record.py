@@ -21,18 +21,20 @@ from ..clip import first_nonfinite
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, all_reduce_, is_distributed
 from ..reasons import Reason
-from ..records import FIELDS, LogWriteError, StepRecord
+from ..logfile import LogWriteError
+from ..records import CORE, StepRecord, put
 from ..scaler import F32
 
 __all__ = ["DEVICE_FIELDS", "SKIPPED", "DeferredRecord", "Forensics", "Outcome", "Pending", "build",
-           "forensics", "put"]
+           "forensics"]
 
 TOP_K = 3
 # What a step leaves on the device for its record, in this order (one batched copy reads them),
 # then the hooks' measures.
 DEVICE_FIELDS = ("loss", "loss_bad", "grad_norm", "clip_coef", "scale", "next_scale", "skipped")
 SKIPPED = DEVICE_FIELDS.index("skipped")  # where a device row holds the skip
-_LAZY = frozenset(FIELDS) - {"step"}
+# what reading a deferred record copies over first: its numbers (not step, lr, lrs: known at once)
+_LAZY = frozenset(CORE) - {"step", "lr", "lrs"} | {"fields", "get", "to_dict", "to_json", "post_clip_norm"}
 
 
 class Forensics(NamedTuple):
@@ -131,39 +133,28 @@ def build(o: Outcome, values: list[float], scaler_enabled: bool, group: ProcessG
     dead = scaler_enabled and not scale >= F32.tiny
     reason = (Reason.NONFINITE_LOSS if loss_bad else Reason.DEAD_SCALE if dead else Reason.NONFINITE_GRAD) \
         if skipped else None
-    record = StepRecord(
-        o.step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped and not skipped, scale=scale,
-        next_scale=next_scale, skipped=skipped, reason=reason.value if reason else None, lr=o.lrs[0],
-        lrs=list(o.lrs), fault=o.fault,
-    )
+    clipped = clipped and not skipped
+    fields: dict[str, Any] = {}
+    if o.fault is not None:
+        put(fields, "fault", o.fault)
     if o.threshold is not None and reason is not Reason.NONFINITE_LOSS:  # adaptive: one small read
-        record.threshold = float(o.threshold)
-    if reason in (Reason.NONFINITE_GRAD, Reason.DEAD_SCALE) or record.clipped:  # a hook's skip too
-        record.top_grads, record.first_nonfinite, record.culprit_module = forensics(
-            o.named, o.norms, group, o.order, o.uses)  # type: ignore[arg-type]
-    if record.clipped:
-        record.clip_reason = o.clip_reason if o.hook_clip else type(o.clipper).__name__
-        if o.clipper is not None:
-            record.lockin = o.clipper.lockin()
-    if o.reason is not None and skipped:
-        record.reason = str(o.reason)
+        put(fields, "threshold", float(o.threshold))
+    if reason in (Reason.NONFINITE_GRAD, Reason.DEAD_SCALE) or clipped:  # a hook's skip too
+        top, first, module = forensics(o.named, o.norms, group, o.order, o.uses)  # type: ignore[arg-type]
+        put(fields, "top_grads", top)
+        if first is not None:
+            put(fields, "first_nonfinite", first)
+            put(fields, "culprit_module", module)
+    if clipped:
+        put(fields, "clip_reason", o.clip_reason if o.hook_clip else type(o.clipper).__name__)
+        if o.clipper is not None and o.clipper.lockin():
+            put(fields, "lockin", True)
     for name, value in [*o.fields.items(), *zip(o.measures, values[len(DEVICE_FIELDS):])]:
-        put(record, name, value)
-    return record
-
-
-def put(record: StepRecord, name: str, value: Any) -> None:
-    """Set a hook's field on ``record``: ``name``, or ``field/key`` for one entry of a per-layer field.
-
-    >>> r = StepRecord(0, 1.0); put(r, "attn_logit_max/h.0", 4.5); put(r, "log_z", 5.1)
-    >>> r.attn_logit_max, r.log_z
-    ({'h.0': 4.5}, 5.1)
-    """
-    field_name, _, key = name.partition("/")
-    if key:
-        getattr(record, field_name)[key] = value
-    else:
-        setattr(record, field_name, value)
+        put(fields, name, value)
+    why = str(o.reason) if o.reason is not None and skipped else reason.value if reason else None
+    return StepRecord(o.step, loss, grad_norm=norm, clip_coef=coef, clipped=clipped, scale=scale,
+                      next_scale=next_scale, skipped=skipped, reason=why, lr=o.lrs[0], lrs=o.lrs,
+                      fields=fields)
 
 
 class DeferredRecord(StepRecord):
@@ -172,6 +163,8 @@ class DeferredRecord(StepRecord):
     Reading any field but ``step`` first copies every pending record of its ``TrainStep``
     over, in one batched copy; after that it is a plain ``StepRecord``.
     """
+
+    __slots__ = ("_flush",)
 
     def __getattribute__(self, name: str) -> Any:
         if name in _LAZY:
@@ -192,7 +185,7 @@ class Pending:
 
     def defer(self, o: Outcome, flush: Callable[[], None]) -> DeferredRecord:
         """Return the ``DeferredRecord`` of ``o``; reading it calls ``flush``."""
-        record = DeferredRecord(o.step, math.nan, lr=o.lrs[0], lrs=o.lrs, fault=o.fault)
+        record = DeferredRecord(o.step, math.nan, lr=o.lrs[0], lrs=o.lrs)
         object.__setattr__(record, "_flush", flush)
         o.named = [(n, None) for n, _ in o.named]  # names only: the gradients are freed by the next step
         self.items.append((record, o))
@@ -216,8 +209,8 @@ class Pending:
             object.__setattr__(record, "_flush", None)
             o.norms = numbers[width:]
             done = build(o, numbers[:width], scaler_enabled, None)
-            for name in _LAZY - {"lr", "lrs", "fault"}:
-                setattr(record, name, getattr(done, name))
+            for name in (*CORE, "fields"):
+                object.__setattr__(record, name, object.__getattribute__(done, name))
             try:
                 finish(record)
             except LogWriteError as e:  # every record is still finished and kept; the first error is raised

@@ -26,8 +26,9 @@ from ..clippers import Clipper
 from ..distributed import ProcessGroup, mean_across
 from ..faults import FaultSchedule
 from ..hooks import NO_VERDICT, DecisionView, Hook, Hooks, Verdict
-from ..records import StepLog, StepRecord
+from ..records import StepRecord
 from ..scaler import GradScaler
+from ..steplog import StepLog
 from ..validate import check_int
 from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, check_loss
 from .decision import Decision, decide_on_device, decide_on_host, read, skip_bad_loss, unscaled_norms
@@ -330,8 +331,7 @@ class TrainStep:
         return record
 
     def _append(self, record: StepRecord) -> None:
-        self.hooks.on_record(self, record)  # the alarms, a detector's windows, a rewind (last)
-        self._log.append(record)
+        self._log.append(record, self.hooks.on_record(self, record))  # hooks first; a rewind's event follows
 
     def _decides_on_host(self) -> bool:
         """Whether the check and the coefficient are done on the host, from one read of the norm and scale.

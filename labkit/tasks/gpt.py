@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ..distributed import all_reduce_, is_distributed
 from ..hooks import Hook
+from ..records import Field, put
 from ..validate import check_int
 from .perturb import perturb_
 from .text import TextCorpus
@@ -281,6 +282,12 @@ class LogitMonitor(Hook):
     ['attn_entropy/h.0', 'attn_logit_max/h.0', 'log_z', 'log_z_sq']
     """
 
+    # per layer the largest attention logit and the entropy of the most peaked head, the output logits'
+    # mean log Z and mean log Z**2 (the z-loss term is its coefficient times that), and the cross-entropy
+    # (the loss less its z-loss term); None or empty when not measured
+    record_fields = {"attn_logit_max": Field({}, per_layer=True), "attn_entropy": Field({}, per_layer=True),
+                     "log_z": Field(None), "log_z_sq": Field(None), "ce_loss": Field(None)}
+
     def __init__(self, model: GPT, z_loss: float = 0.0, process_group: Any = None) -> None:
         if not isinstance(model, GPT):
             raise TypeError(f"LogitMonitor measures a labkit GPT (GPTTask.model()), got "
@@ -308,7 +315,7 @@ class LogitMonitor(Hook):
 
     def on_record(self, trainer: Any, record: Any) -> None:
         z = record.log_z_sq
-        record.ce_loss = record.loss - self.z_loss * z if self.z_loss and z is not None else record.loss
+        put(record.fields, "ce_loss", record.loss - self.z_loss * z if self.z_loss and z is not None else record.loss)
 
 
 @dataclass(frozen=True)
