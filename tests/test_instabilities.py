@@ -536,8 +536,8 @@ def test_the_sweep_runs_the_papers_output_logit_condition_untied_no_decay_consta
     out = capsys.readouterr().out
     assert "constant lr after 5% warm-up, weight decay 0, untied head" in out
     meta = json.loads((tmp_path / "sweep.json").read_text())
-    assert (meta["tie_head"], meta["schedule"], meta["weight_decay"], meta["warmup"]) == (False, "constant", 0.0,
-                                                                                          0.05)
+    settings = (meta["tie_head"], meta["schedule"], meta["weight_decay"], meta["warmup"])
+    assert settings == (False, "constant", 0.0, 0.05)
     recipe = Recipe(**meta)
     config = recipe.config("qk_norm+z_loss", 0.1)
     assert config.scheduler is None and config.weight_decay == 0.0 and config.warmup == 1

@@ -795,7 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["sdpa", "explicit"], default=d.attention,
                    help="explicit forms q @ k.T as a tensor, which overflows in fp16 (default sdpa)")
     p.add_argument("--warmup", type=float, default=d.warmup,
-                   help=f"linear warm-up, a fraction of the steps (default {d.warmup}; Wortsman et al.: 0.05)")
+                   help=f"warm-up, a fraction of the steps (default {d.warmup}; Wortsman et al. 0.05)")
     p.add_argument("--schedule", choices=list(SCHEDULES), default=d.schedule,
                    help="after the warm-up: cosine decay to 0, or the lr held constant (default cosine)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
