@@ -550,6 +550,23 @@ def test_the_sweep_runs_the_papers_output_logit_condition_untied_no_decay_consta
         Recipe(schedule="linear")
 
 
+def test_the_sweep_figure_marks_overflows_and_gives_no_lr_sensitivity_for_one_lr():
+    from labkit.lab.sweep import Point, plot_sweep
+
+    def point(variant, lr, loss, logit):
+        return Point(variant, lr, 0, loss, 5.0, loss, logit, logit, 4.0, 0, -1, 0.0, 1.0)
+
+    points = [point("baseline", 0.01, 2.4, 50.0), point("baseline", 0.1, 2.9, math.inf),
+              point("qk_norm", 0.1, 2.5, 9.0)]
+    fig = plot_sweep(points)
+    loss_ax, logit_ax = fig.axes[:2]
+    labels = loss_ax.get_legend_handles_labels()[1]
+    assert "baseline (LR sensitivity 0.25)" in labels and "qk_norm (one lr: no LR sensitivity)" in labels
+    marks = [line for line in logit_ax.lines if line.get_label() == "not finite (overflow)"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [0.1]  # the baseline's inf at 0.1, on the edge
+    assert not [line for line in loss_ax.lines if line.get_label() == "not finite (overflow)"]
+
+
 @pytest.mark.parametrize("flag, value, message", [("--heads", "3", "multiple of n_head"),
                                                   ("--layers", "0", "n_layer must be an int >= 1"),
                                                   ("--context", "0", "block_size must be an int >= 1")])

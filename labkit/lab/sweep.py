@@ -474,7 +474,8 @@ def sweep(
             with open(csv_path, "a", encoding="utf-8", newline="") as f:
                 csv.writer(f).writerow([getattr(point, c) for c in _COLUMNS])
         say(f"[{n:>{len(str(len(grid)))}}/{len(grid)}] {variant} lr {lr:g} seed {seed}: final loss "
-            f"{point.final_loss:.3f}, largest attention logit {point.attn_logit_max:.3g}"
+            f"{point.final_loss:.3f}, largest attention logit {point.attn_logit_max:.3g}, log Z at the end "
+            f"{point.log_z_final:.2f}"
             + (f", {point.skipped} skipped" if point.skipped else "") + f" ({point.seconds:.1f} s)")
         if bar is not None:
             bar.update()
@@ -534,6 +535,20 @@ def _color(variant: str, i: int) -> str:
     return f"C{list(VARIANTS).index(variant)}" if variant in VARIANTS else f"C{len(VARIANTS) + i}"
 
 
+def _mark_nonfinite(ax: Any, xs: Sequence[float], ys: Sequence[float], color: str) -> None:
+    """Mark each non-finite value (an overflow) with a triangle on the panel's top edge.
+
+    A line through ``inf`` or NaN just stops, as if it left the axis: the marker says where and why.
+    """
+    from matplotlib.transforms import blended_transform_factory
+
+    bad = [x for x, y in zip(xs, ys) if not math.isfinite(y)]
+    if bad:
+        top = blended_transform_factory(ax.transData, ax.transAxes)
+        ax.plot(bad, [0.97] * len(bad), "^", color=color, ms=7, transform=top, clip_on=False,
+                label="not finite (overflow)")
+
+
 def _overflow_line(ax: Any, overflow_at: float | None) -> None:
     if overflow_at is not None:
         label = "fp16 max 65504" if overflow_at == FP16_MAX else "q.k reaches fp16's 65504"
@@ -570,10 +585,11 @@ def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "en
     for ax, panel in zip(axes, panels):
         value, ylabel, name, log_y = _RUN_PANELS[panel]
         for i, (run, log) in enumerate(logs.items()):
-            ys = [value(r) for r in log]
-            ys = [y if math.isfinite(y) else math.nan for y in ys]
+            ys, steps = [value(r) for r in log], [r.step for r in log]
             width = 0.8 if panel == "loss" else 1.2
-            ax.plot([r.step for r in log], ys, color=_color(run, i), lw=width, label=run)
+            ax.plot(steps, [y if math.isfinite(y) else math.nan for y in ys], color=_color(run, i), lw=width,
+                    label=run)
+            _mark_nonfinite(ax, steps, ys, _color(run, i))
         if panel == "logit":
             _overflow_line(ax, overflow_at)
         ax.set(xlabel="step", ylabel=ylabel, title=name, yscale="log" if log_y else "linear")
@@ -605,10 +621,13 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         lrs = sorted(by_lr)
         loss = [sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr]) for lr in lrs]
         logit = [max(p.attn_logit_max for p in by_lr[lr]) for lr in lrs]
-        label = f"{variant} (LR sensitivity {summary[variant]['sensitivity']:.2f})"
+        # LR sensitivity needs a curve: of one lr it is 0 by definition, not a finding
+        label = (f"{variant} (LR sensitivity {summary[variant]['sensitivity']:.2f})" if len(lrs) > 1
+                 else f"{variant} (one lr: no LR sensitivity)")
         loss_ax.plot(lrs, loss, "o-", color=color, label=label)
-        logit = [v if math.isfinite(v) else math.nan for v in logit]
-        logit_ax.plot(lrs, logit, "o-", color=color, label=variant)
+        finite = [v if math.isfinite(v) else math.nan for v in logit]
+        logit_ax.plot(lrs, finite, "o-", color=color, label=variant)
+        _mark_nonfinite(logit_ax, lrs, logit, color)
         if highlight is not None and highlight[0] == variant and highlight[1] in by_lr:
             lr = highlight[1]
             y = sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr])
@@ -627,8 +646,9 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         for i, (variant, log) in enumerate(traces.items()):
             color = _color(variant, i)
             values = [_peak(r.attn_logit_max.values()) for r in log]
-            ax.plot([r.step for r in log], [v if math.isfinite(v) else math.nan for v in values], color=color,
-                    label=variant)
+            steps = [r.step for r in log]
+            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], color=color, label=variant)
+            _mark_nonfinite(ax, steps, values, color)
         _overflow_line(ax, overflow_at)
         ax.set(yscale="log", xlabel="step", ylabel="largest attention logit",
                title=f"lr {trace_lr:g}: attention logit by step" if trace_lr is not None else "by step")
@@ -717,6 +737,10 @@ class SweepPanel:
     def _run_once(self) -> None:
         start = time.perf_counter()
         lr, variant = self.controls["lr"].value, self.variant
+        new = (self.recipe, variant, float(lr), 0) not in self.runs
+        if self.shown is not None and self.shown != (variant, lr) and new:
+            self.status.value = (f"settings changed: training <b>{variant}</b> at lr {lr:g} (a few seconds); "
+                                 f"the figure below still shows {self.shown[0]} at lr {self.shown[1]:g}")
         try:
             point, log = self.runs.get(self.recipe, variant, lr)
             traces = {"baseline": self.runs.get(self.recipe, "baseline", lr)[1], variant: log}
@@ -848,8 +872,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'tied' if recipe.tie_head else 'untied'} head")
     for variant, s in summary.items():
         stable = s["stable_lrs"]
+        sensitivity = f"{s['sensitivity']:.3f}" if len(args.lrs) > 1 else "- (one lr)"
         print(f"  {variant:<15} best {s['best_loss']:.3f} at lr {s['best_lr']:g}, LR sensitivity "
-              f"{s['sensitivity']:.3f}, within 0.1 of best for lr "
+              f"{sensitivity}, within 0.1 of best for lr "
               f"{f'{stable[0]:g} .. {stable[-1]:g}' if stable else 'none'}, "
               f"largest attention logit at lr {max(args.lrs):g}: {s['attn_logit_max_top_lr']:.3g}")
     traces, trace_lr = _traces(out, points, seeds[0])
