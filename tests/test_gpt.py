@@ -81,6 +81,24 @@ def test_model_shapes_weight_tying_and_seeded_init():
         m(torch.zeros(1, 17, dtype=torch.long))
 
 
+def test_an_untied_head_has_its_own_weight_and_leaves_every_other_weight_as_the_tied_models():
+    import dataclasses
+
+    untied_task = dataclasses.replace(SMALL, tie_head=False)
+    tied, untied = SMALL.model(), untied_task.model()
+    assert untied.lm_head.weight is not untied.wte.weight
+    names = dict(tied.named_parameters())
+    assert set(dict(untied.named_parameters())) - set(names) == {"lm_head.weight"}
+    assert all(torch.equal(p, names[n]) for n, p in untied.named_parameters() if n != "lm_head.weight")
+    head = untied.lm_head.weight
+    assert not torch.equal(head, untied.wte.weight) and head.std().item() == pytest.approx(0.02, rel=0.1)
+    # a step moves the head and the embedding apart: the head's gradient is the head's own
+    log = run_experiment(ExperimentConfig(task=untied_task, device="cpu", steps=3, optimizer="adamw", lr=1e-2))
+    assert len(log) == 3 and all(math.isfinite(r.loss) for r in log)
+    with pytest.raises(ValueError, match="tie_head must be True or False"):
+        GPTTask(tie_head=0)
+
+
 def test_the_untrained_loss_is_log_vocab_and_matches_torch():
     x, y = SMALL.batch(0)
     logits = SMALL.model()(x)

@@ -530,6 +530,48 @@ def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_g
     assert e.value.code == 2
 
 
+def test_the_sweep_runs_the_papers_output_logit_condition_untied_no_decay_constant_lr(tmp_path, capsys):
+    # Wortsman et al. §3.1.2: output-logit divergence in models with no weight decay, late in training;
+    # their models have an untied head (§2.1). The flags reach the recipe, the task and the optimizer.
+    args = ["--lrs", "0.1", "--variants", "qk_norm,qk_norm+z_loss", "--steps", "20", "--layers", "1",
+            "--width", "16", "--heads", "2", "--context", "8", "--batch", "2", "--device", "cpu",
+            "--untied-head", "--weight-decay", "0", "--schedule", "constant", "--warmup", "0.05",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "constant lr after 5% warm-up, weight decay 0, untied head" in out
+    meta = json.loads((tmp_path / "sweep.json").read_text())
+    settings = (meta["tie_head"], meta["schedule"], meta["weight_decay"], meta["warmup"])
+    assert settings == (False, "constant", 0.0, 0.05)
+    recipe = Recipe(**meta)
+    config = recipe.config("qk_norm+z_loss", 0.1)
+    assert config.scheduler is None and config.weight_decay == 0.0 and config.warmup == 1
+    assert config.task.tie_head is False and config.task.z_loss == 1e-4
+    model = config.task.model()
+    assert model.lm_head.weight is not model.wte.weight
+    log = StepLog.read_jsonl(tmp_path / "runs" / "qk_norm_lr0.1_seed0.jsonl")
+    assert [r.lr for r in log[1:]] == [0.1] * 19  # held after the one warm-up step
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        Recipe(schedule="linear")
+
+
+def test_the_sweep_figure_marks_overflows_and_gives_no_lr_sensitivity_for_one_lr():
+    from labkit.lab.sweep import Point, plot_sweep
+
+    def point(variant, lr, loss, logit):
+        return Point(variant, lr, 0, loss, 5.0, loss, logit, logit, 4.0, 0, -1, 0.0, 1.0)
+
+    points = [point("baseline", 0.01, 2.4, 50.0), point("baseline", 0.1, 2.9, math.inf),
+              point("qk_norm", 0.1, 2.5, 9.0)]
+    fig = plot_sweep(points)
+    loss_ax, logit_ax = fig.axes[:2]
+    labels = loss_ax.get_legend_handles_labels()[1]
+    assert "baseline (LR sensitivity 0.25)" in labels and "qk_norm (one lr: no LR sensitivity)" in labels
+    marks = [line for line in logit_ax.lines if line.get_label() == "not finite (overflow)"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [0.1]  # the baseline's inf at 0.1, on the edge
+    assert not [line for line in loss_ax.lines if line.get_label() == "not finite (overflow)"]
+
+
 @pytest.mark.parametrize("flag, value, message", [("--heads", "3", "multiple of n_head"),
                                                   ("--layers", "0", "n_layer must be an int >= 1"),
                                                   ("--context", "0", "block_size must be an int >= 1")])

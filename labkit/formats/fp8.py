@@ -20,8 +20,13 @@ The guard's order: **amax is checked before the cast** (``check_amax``), because
 e4m3fn cast saturates, even ``inf`` becomes 448 (older torch, and ml_dtypes, gave NaN; torchao
 clamps to the format's range before casting), so after the cast an overflow cannot be seen.
 amax = 0 (padding, a dead branch) breaks naive code: fmt_max / 0 = inf, and 0 * inf = NaN.
-Transformer Engine keeps the previous scale when amax is 0 or not finite, torchao clamps amax to
-at least a small eps; labkit casts such a block with scale 1 (its data is 0) and records it.
+Transformer Engine answers by recipe. Under ``DelayedScaling`` its scale update keeps the
+previous scale when the history's amax is 0 or not finite (``transformer_engine/common/recipe/
+delayed_scaling.cu``: ``isfinite(amax) && amax > 0 ? scaled_max / amax : scale``); its current
+scaling (``Float8CurrentScaling``, ``compute_scale_from_amax`` in ``common/recipe/
+recipe_common.cuh``) has no previous scale to keep and returns a scale of 1 for an amax of 0 or
+inf (a NaN scale becomes 1 too). torchao clamps amax to at least a small eps. labkit casts such a
+block with scale 1 (its data is 0) and records it.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
     "qk_norm+z_loss": (True, True),
 }
 FP16_MAX = 65504.0
+SCHEDULES = ("cosine", "constant")
 
 
 def lr_grid(low: float, high: float, count: int) -> list[float]:
@@ -108,17 +109,40 @@ def stable_lrs(final: Mapping[float, float], tolerance: float = 0.1) -> list[flo
 class Recipe:
     """What every point of a sweep shares: the model's size, steps, precision and optimizer.
 
-    The defaults are Wortsman et al.'s recipe (§2.1 and §3.2.2): AdamW with beta2 0.95 and eps
-    1e-8, *independent* weight decay 1e-4 (not multiplied by the peak lr: torch's
-    ``weight_decay`` is ``1e-4 / lr``), 10 % of the steps of linear warm-up then cosine decay,
-    the global gradient norm clipped at 1; the z-loss variants use PaLM's coefficient 1e-4. The
-    model is far smaller than theirs: 2 layers, width 64, 4 heads, a 64-byte context and batches
-    of 16, 300 steps. ``attention="explicit"`` forms the attention logits as a tensor (in fp16,
-    where they can overflow). ``triage=True`` tells a non-finite loss apart (``forward_overflow``
-    or ``nonfinite_input``, ``labkit.triage``); off by default, as the README's grid was run.
+    The optimizer is Wortsman et al.'s (§2.1): AdamW with beta1 0.9, beta2 0.95, eps 1e-8,
+    *independent* weight decay 1e-4 (not multiplied by the peak lr: torch's ``weight_decay`` is
+    ``1e-4 / lr``), linear warm-up then cosine decay, the global gradient norm clipped at 1; the
+    z-loss variants use their (and PaLM's) coefficient 1e-4. Where the defaults differ from §2.1,
+    on purpose or by size (each but the model's size is a field or a ``GPTTask`` option):
+
+    - warm-up 10 % of the steps (theirs: 5e3 of 1e5 steps, 5 %; ``warmup=0.05``), and the cosine
+      decays to 0 (theirs: to a minimum lr of 1e-5; over the last steps of a 300-step run the
+      two differ by at most 1e-5 in the lr);
+    - neither qk-layernorm nor z-loss unless the variant turns it on (their default model has
+      both, and each figure ablates one: Fig. 1 is with and without qk-layernorm, z-loss on in
+      both; Fig. 3 with and without z-loss, qk-layernorm on and no weight decay);
+    - nanoGPT's model (``GPTTask``): biases in every linear layer and LayerNorm (theirs: none),
+      a head tied to the token embedding (theirs untied: ``tie_head=False``), learned position
+      embeddings (theirs: rotary), N(0, 0.02) init (theirs: the embedding N(0, 1/d), the rest a
+      truncated normal of std 1/sqrt(fan-in)), LayerNorm eps 1e-5 (theirs 1e-6);
+    - bytes of the stdlib's source, a 162-symbol vocabulary (theirs: C4, 32101 SentencePiece
+      tokens), fp32 on a CPU (theirs: bf16 on TPUs), and a model and run far smaller: 2 layers,
+      width 64, 4 heads, a 64-byte context, batches of 16, 300 steps (theirs: millions to billions
+      of non-embedding parameters, Fig. 4's 2.4M to §3.3's 4.8B, batches of 256 x 512 tokens,
+      1e5 steps).
+
+    ``schedule="constant"`` holds the lr after the warm-up (their output-logit divergence comes
+    "towards the end of training" of models with no weight decay, §3.1.2: ``weight_decay=0``,
+    ``tie_head=False`` and many steps). ``attention="explicit"`` forms the attention logits as a
+    tensor (in fp16, where they can overflow). ``triage=True`` tells a non-finite loss apart
+    (``forward_overflow`` or ``nonfinite_input``, ``labkit.triage``); off by default, as the
+    README's grid was run.
 
     >>> Recipe().config("qk_norm", lr=0.1, seed=1).task.qk_norm, Recipe().config("baseline", 0.1).weight_decay
     (True, 0.001)
+    >>> paper = Recipe(tie_head=False, weight_decay=0.0, schedule="constant", warmup=0.05)
+    >>> paper.config("qk_norm", 0.3).scheduler is None, paper.task("qk_norm").tie_head
+    (True, False)
     """
 
     n_layer: int = 2
@@ -138,8 +162,12 @@ class Recipe:
     val_batches: int = 16
     device: str | None = None
     triage: bool = False  # True: a non-finite loss reads forward_overflow or nonfinite_input (labkit.triage)
+    tie_head: bool = True  # False: the head has its own weight, as in Wortsman et al.'s models
+    schedule: str = "cosine"  # or "constant": the lr held after the warm-up
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}.")
         self.config("baseline", 1e-3)  # a bad setting raises here, in ExperimentConfig's and GPTTask's words
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup!r}.")
@@ -178,7 +206,8 @@ class Recipe:
         qk_norm, z_loss = VARIANTS[variant]
         return GPTTask(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
                        block_size=self.block_size, batch_size=self.batch_size, seed=seed,
-                       attention=self.attention, qk_norm=qk_norm, z_loss=self.z_loss if z_loss else 0.0)
+                       attention=self.attention, qk_norm=qk_norm, z_loss=self.z_loss if z_loss else 0.0,
+                       tie_head=self.tie_head)
 
     def config(self, variant: str, lr: float, seed: int = 0) -> ExperimentConfig:
         """Return the ``ExperimentConfig`` of one point of the grid."""
@@ -190,7 +219,8 @@ class Recipe:
             task=self.task(variant, seed), precision=self.precision, optimizer="adamw", lr=lr,
             betas=(0.9, self.beta2), weight_decay=self.weight_decay / lr,
             warmup=int(self.warmup * self.steps),
-            scheduler="cosine", max_norm=self.max_norm, steps=self.steps, seed=seed, device=self.device,
+            scheduler="cosine" if self.schedule == "cosine" else None, max_norm=self.max_norm,
+            steps=self.steps, seed=seed, device=self.device,
             init_scale=self.init_scale, growth_interval=2000,
             triage=self.triage,
         )
@@ -438,7 +468,8 @@ def sweep(
             with open(csv_path, "a", encoding="utf-8", newline="") as f:
                 csv.writer(f).writerow([getattr(point, c) for c in _COLUMNS])
         say(f"[{n:>{len(str(len(grid)))}}/{len(grid)}] {variant} lr {lr:g} seed {seed}: final loss "
-            f"{point.final_loss:.3f}, largest attention logit {point.attn_logit_max:.3g}"
+            f"{point.final_loss:.3f}, largest attention logit {point.attn_logit_max:.3g}, log Z at the end "
+            f"{point.log_z_final:.2f}"
             + (f", {point.skipped} skipped" if point.skipped else "") + f" ({point.seconds:.1f} s)")
         if bar is not None:
             bar.update()
@@ -498,6 +529,20 @@ def _color(variant: str, i: int) -> str:
     return f"C{list(VARIANTS).index(variant)}" if variant in VARIANTS else f"C{len(VARIANTS) + i}"
 
 
+def _mark_nonfinite(ax: Any, xs: Sequence[float], ys: Sequence[float], color: str) -> None:
+    """Mark each non-finite value (an overflow) with a triangle on the panel's top edge.
+
+    A line through ``inf`` or NaN just stops, as if it left the axis: the marker says where and why.
+    """
+    from matplotlib.transforms import blended_transform_factory
+
+    bad = [x for x, y in zip(xs, ys) if not math.isfinite(y)]
+    if bad:
+        top = blended_transform_factory(ax.transData, ax.transAxes)
+        ax.plot(bad, [0.97] * len(bad), "^", color=color, ms=7, transform=top, clip_on=False,
+                label="not finite (overflow)")
+
+
 def _overflow_line(ax: Any, overflow_at: float | None) -> None:
     if overflow_at is not None:
         label = "fp16 max 65504" if overflow_at == FP16_MAX else "q.k reaches fp16's 65504"
@@ -534,10 +579,11 @@ def plot_runs(logs: Mapping[str, StepLog], panels: Sequence[str] = ("logit", "en
     for ax, panel in zip(axes, panels):
         value, ylabel, name, log_y = _RUN_PANELS[panel]
         for i, (run, log) in enumerate(logs.items()):
-            ys = [value(r) for r in log]
-            ys = [y if math.isfinite(y) else math.nan for y in ys]
+            ys, steps = [value(r) for r in log], [r.step for r in log]
             width = 0.8 if panel == "loss" else 1.2
-            ax.plot([r.step for r in log], ys, color=_color(run, i), lw=width, label=run)
+            ax.plot(steps, [y if math.isfinite(y) else math.nan for y in ys], color=_color(run, i), lw=width,
+                    label=run)
+            _mark_nonfinite(ax, steps, ys, _color(run, i))
         if panel == "logit":
             _overflow_line(ax, overflow_at)
         ax.set(xlabel="step", ylabel=ylabel, title=name, yscale="log" if log_y else "linear")
@@ -569,10 +615,13 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         lrs = sorted(by_lr)
         loss = [sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr]) for lr in lrs]
         logit = [max(p.attn_logit_max for p in by_lr[lr]) for lr in lrs]
-        label = f"{variant} (LR sensitivity {summary[variant]['sensitivity']:.2f})"
+        # LR sensitivity needs a curve: of one lr it is 0 by definition, not a finding
+        label = (f"{variant} (LR sensitivity {summary[variant]['sensitivity']:.2f})" if len(lrs) > 1
+                 else f"{variant} (one lr: no LR sensitivity)")
         loss_ax.plot(lrs, loss, "o-", color=color, label=label)
-        logit = [v if math.isfinite(v) else math.nan for v in logit]
-        logit_ax.plot(lrs, logit, "o-", color=color, label=variant)
+        finite = [v if math.isfinite(v) else math.nan for v in logit]
+        logit_ax.plot(lrs, finite, "o-", color=color, label=variant)
+        _mark_nonfinite(logit_ax, lrs, logit, color)
         if highlight is not None and highlight[0] == variant and highlight[1] in by_lr:
             lr = highlight[1]
             y = sum(p.final_loss for p in by_lr[lr]) / len(by_lr[lr])
@@ -591,8 +640,9 @@ def plot_sweep(points: Sequence[Point], traces: Mapping[str, StepLog] | None = N
         for i, (variant, log) in enumerate(traces.items()):
             color = _color(variant, i)
             values = [_peak(r.attn_logit_max.values()) for r in log]
-            ax.plot([r.step for r in log], [v if math.isfinite(v) else math.nan for v in values], color=color,
-                    label=variant)
+            steps = [r.step for r in log]
+            ax.plot(steps, [v if math.isfinite(v) else math.nan for v in values], color=color, label=variant)
+            _mark_nonfinite(ax, steps, values, color)
         _overflow_line(ax, overflow_at)
         ax.set(yscale="log", xlabel="step", ylabel="largest attention logit",
                title=f"lr {trace_lr:g}: attention logit by step" if trace_lr is not None else "by step")
@@ -681,6 +731,10 @@ class SweepPanel:
     def _run_once(self) -> None:
         start = time.perf_counter()
         lr, variant = self.controls["lr"].value, self.variant
+        new = (self.recipe, variant, float(lr), 0) not in self.runs
+        if self.shown is not None and self.shown != (variant, lr) and new:
+            self.status.value = (f"settings changed: training <b>{variant}</b> at lr {lr:g} (a few seconds); "
+                                 f"the figure below still shows {self.shown[0]} at lr {self.shown[1]:g}")
         try:
             point, log = self.runs.get(self.recipe, variant, lr)
             traces = {"baseline": self.runs.get(self.recipe, "baseline", lr)[1], variant: log}
@@ -758,6 +812,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp16 runs with the dynamic loss scaler (slow on a CPU without native fp16)")
     p.add_argument("--attention", choices=["sdpa", "explicit"], default=d.attention,
                    help="explicit forms q @ k.T as a tensor, which overflows in fp16 (default sdpa)")
+    p.add_argument("--warmup", type=float, default=d.warmup,
+                   help=f"warm-up, a fraction of the steps (default {d.warmup}; Wortsman et al. 0.05)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default=d.schedule,
+                   help="after the warm-up: cosine decay to 0, or the lr held constant (default cosine)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"independent weight decay (default {d.weight_decay:g}; 0: the setting of their "
+                        "output-logit divergence, §3.1.2)")
+    p.add_argument("--z-loss", type=float, default=d.z_loss,
+                   help=f"z-loss coefficient of the z_loss variants (default {d.z_loss:g})")
+    p.add_argument("--untied-head", action="store_true",
+                   help="give the output head its own weight, as in Wortsman et al.'s models (default: "
+                        "tied to the token embedding, nanoGPT's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default=os.path.join("runs", "sweep"), help="folder (default runs/sweep)")
     p.add_argument("--no-progress", action="store_true",
@@ -779,7 +845,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = Recipe(n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.context,
                         batch_size=args.batch, steps=args.steps, precision=args.precision,
-                        attention=args.attention, device=args.device)
+                        attention=args.attention, device=args.device, warmup=args.warmup,
+                        schedule=args.schedule, weight_decay=args.weight_decay, z_loss=args.z_loss,
+                        tie_head=not args.untied_head)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     out = args.out
@@ -793,11 +861,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summary = summarize(points)
     print(f"\n{len(points)} runs, {len(args.lrs)} learning rates {args.lrs[0]:g} .. {args.lrs[-1]:g}, "
-          f"seeds {seeds}, {recipe.steps} steps, {recipe.precision}")
+          f"seeds {seeds}, {recipe.steps} steps, {recipe.precision}, {recipe.schedule} lr after "
+          f"{recipe.warmup:.0%} warm-up, weight decay {recipe.weight_decay:g}, "
+          f"{'tied' if recipe.tie_head else 'untied'} head")
     for variant, s in summary.items():
         stable = s["stable_lrs"]
+        sensitivity = f"{s['sensitivity']:.3f}" if len(args.lrs) > 1 else "- (one lr)"
         print(f"  {variant:<15} best {s['best_loss']:.3f} at lr {s['best_lr']:g}, LR sensitivity "
-              f"{s['sensitivity']:.3f}, within 0.1 of best for lr "
+              f"{sensitivity}, within 0.1 of best for lr "
               f"{f'{stable[0]:g} .. {stable[-1]:g}' if stable else 'none'}, "
               f"largest attention logit at lr {max(args.lrs):g}: {s['attn_logit_max_top_lr']:.3g}")
     traces, trace_lr = _traces(out, points, seeds[0])

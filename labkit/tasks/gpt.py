@@ -19,7 +19,11 @@ are options of ``GPTTask``, each off by default (off, the model and its records 
 - ``attention="explicit"``: the attention logits ``q @ k.T / sqrt(d)`` formed as a tensor
   (nanoGPT's path without flash attention) instead of SDPA's fused kernel. Under fp16 autocast
   that tensor is fp16 and overflows past 65504; SDPA's CPU and flash kernels accumulate in fp32
-  and do not.
+  and do not;
+- ``tie_head=False``: an output head with its own weight, as in Wortsman et al.'s models (§2.1:
+  "We do not use weight tying of the first and last layer"), the setting of their output-logit
+  divergence (§3.1.2). Tied (nanoGPT's default), the head is the token embedding, whose rows
+  every input also pulls on.
 
 Every training forward also measures, on the device and without a gradient, what those
 mitigations act on: the largest attention logit of each layer (the max of ``q.k / sqrt(d)``
@@ -157,7 +161,7 @@ class GPT(nn.Module):
     def __init__(
         self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, *,
         qk_norm: bool = False, attn_softcap: float | None = None, logit_softcap: float | None = None,
-        attention: str = "sdpa",
+        attention: str = "sdpa", tie_head: bool = True,
     ) -> None:
         super().__init__()
         if n_embd % n_head:
@@ -170,9 +174,12 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(n_embd, n_head, **options) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one tensor, its gradient the sum of both uses
+        if tie_head:
+            self.lm_head.weight = self.wte.weight  # tied: one tensor, its gradient the sum of both uses
         self.logit_softcap = logit_softcap
-        for name, p in self.named_parameters():  # the norms' gains (dim 1) keep their 1: no draw, same init
+        # the norms' gains (dim 1) keep their 1: no draw, same init; an untied head comes last in
+        # named_parameters, so its N(0, 0.02) draw leaves every other weight as the tied model's
+        for name, p in self.named_parameters():
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
@@ -324,8 +331,9 @@ class GPTTask:
 
     The defaults fit the CPU: fp16 has no native arithmetic on most CPUs (a matmul is tens of
     times slower than in fp32), so the model is tiny; ``GPTTask.for_device("cuda")`` is bigger.
-    ``qk_norm``, ``z_loss``, ``logit_softcap``, ``attn_softcap`` and ``attention`` are the
-    stability options (see the module's docstring), each off by default; ``measure=False``
+    ``qk_norm``, ``z_loss``, ``logit_softcap``, ``attn_softcap``, ``attention`` and ``tie_head``
+    are the stability options (see the module's docstring), each off by default (``tie_head=True``:
+    nanoGPT's tied head); ``measure=False``
     leaves the logit measurements out (they never change the forward's values).
 
     >>> task = GPTTask(seed=0)
@@ -335,6 +343,8 @@ class GPTTask:
     True
     >>> GPTTask(qk_norm=True, z_loss=1e-4).model().h[0].attn.q_norm
     LayerNorm((16,), eps=1e-05, elementwise_affine=True, bias=True)
+    >>> untied = GPTTask(tie_head=False).model(); untied.lm_head.weight is untied.wte.weight
+    False
     """
 
     name: ClassVar[str] = "gpt"
@@ -350,6 +360,7 @@ class GPTTask:
     logit_softcap: float | None = None
     attn_softcap: float | None = None
     attention: str = "sdpa"
+    tie_head: bool = True
     measure: bool = True
 
     def __post_init__(self) -> None:
@@ -357,7 +368,7 @@ class GPTTask:
             check_int(name, getattr(self, name), 1)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head}).")
-        for name in ("qk_norm", "measure"):
+        for name in ("qk_norm", "tie_head", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         z = self.z_loss
@@ -391,7 +402,7 @@ class GPTTask:
             torch.manual_seed(self.seed)
             net = GPT(self.corpus.vocab_size, self.block_size, self.n_layer, self.n_head, self.n_embd,
                       qk_norm=self.qk_norm, attn_softcap=self.attn_softcap, logit_softcap=self.logit_softcap,
-                      attention=self.attention)
+                      attention=self.attention, tie_head=self.tie_head)
         net.measure = self.measure
         return perturb_(net).to(device)
 
