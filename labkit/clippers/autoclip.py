@@ -28,8 +28,8 @@ class AutoClip(GlobalClipper):
 
     Rule: ``threshold = quantile({g_{t-history} .. g_{t-1}}, q)`` (linear interpolation, as
     ``numpy.percentile``); ``g_t`` is clipped to it. The paper's rule is the percentile of the
-    *whole* history including the current norm, ``{g_1 .. g_t}``, with p = 10 in its experiments
-    (which clips about 90 % of steps, by design); the ``pseeth/autoclip`` package keeps the last
+    *whole* history including the current norm, ``{g_1 .. g_t}``, with the percentile p its knob
+    (a low p clips most steps, by design); the ``pseeth/autoclip`` package keeps the last
     ``history_length=1000`` pre-clip norms (``feed="raw"``) with ``quantile=0.9``, the defaults
     here. Where labkit deliberately differs: the current norm is not in its own quantile (the
     threshold is a function of the past only, the same on every rank before the step, and a
