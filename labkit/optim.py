@@ -81,7 +81,10 @@ def update_rms(grad: Tensor, exp_avg_sq: Tensor, step: int | float | Tensor, bet
     if grad.numel() == 0:  # no coordinate, no update to clip
         return torch.zeros((), dtype=dtype, device=grad.device)
     g = grad.detach().to(dtype)
-    v_hat = exp_avg_sq.detach().to(dtype) / _bias_correction(beta2, step)
+    correction = _bias_correction(beta2, step)
+    if isinstance(correction, Tensor):  # as a Python float would be: the tensor's dtype, not float64
+        correction = correction.to(dtype)
+    v_hat = exp_avg_sq.detach().to(dtype) / correction
     return (g.square() / v_hat.clamp_min(eps * eps)).mean().sqrt()
 
 
