@@ -140,7 +140,7 @@ def read_update_rms(optimizer: torch.optim.Optimizer, params: Iterable[Tensor] |
 
 
 class StableAdamW(torch.optim.AdamW):
-    """AdamW that clips each tensor's update: its lr is divided by ``max(1, RMS_t)``.
+    """Step as AdamW does, with each tensor's lr divided by ``max(1, RMS_t)`` (update clipping).
 
     Wortsman et al. 2023b (arXiv 2304.13013), Algorithm 2, per parameter tensor at step ``t``::
 
@@ -155,8 +155,9 @@ class StableAdamW(torch.optim.AdamW):
     implementation (``foreach``, ``fused``, ``capturable``): AdamW steps, then only a clipped
     tensor is moved back to ``theta_{t-1} + (theta_AdamW - theta_{t-1}) / RMS_t``. Cost: a copy
     of the parameters per step and one pass over each gradient; no host sync. Arguments and
-    defaults are ``torch.optim.AdamW``'s (a drop-in; the state and ``state_dict`` are AdamW's),
-    checked by it; ``amsgrad`` and ``differentiable`` are refused (Algorithm 2 has neither).
+    defaults are ``torch.optim.AdamW``'s (``lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=1e-2``: a drop-in; the state and ``state_dict`` are AdamW's), checked by it;
+    ``amsgrad`` and ``differentiable`` are refused (Algorithm 2 has neither).
     A ``GradScaler`` always unscales the gradients before ``step`` (also with ``fused=True``):
     ``RMS_t`` reads the true gradient. Under DDP every rank holds the same gradients and so
     clips the same tensors.
