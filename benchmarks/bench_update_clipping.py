@@ -11,9 +11,11 @@ keeps, as 0-dim tensors read once at the end: the loss (before the step), the gr
 norm, the max over tensors of ``labkit.optim.update_rms`` (read from the optimizer's state after
 its step) and the RMS of the update applied, divided by the lr.
 
-Per run it prints: the loss floor (median of steps 100-199), the peak loss after step 100 and
-its step, the first spike onset (``loss > 2 x`` the median of the 20 steps before, after step
-100), the max RMS in the 8 steps before it, the gradient norm there, and CPU and wall seconds.
+Per run it prints the loss floor (median of steps 100-199), the max loss after step 100 and its
+step, the number of spike onsets (``loss > 2 x`` the median of the 20 steps before) and of those
+peaking above 0.5, and CPU and wall seconds; then, for each spike peaking above 0.5: its onset
+and peak, the max over tensors of the RMS in the 8 steps before the onset (which tensor), the
+first of those steps with an RMS above 3 and the gradient norm there, and the update/lr.
 ``LABKIT_PERTURB=1`` in the environment nudges every model's initial weights (another machine's
 path). Figures go to the issue's report, never into a test.
 """
@@ -61,26 +63,31 @@ def memorise(seed: int, optimizer: str = "adamw", steps: int = 1000, lr: float =
             "update": torch.stack(update_), "names": [n for n, _ in model.named_parameters()]}
 
 
-def summary(run: dict, start: int = 100, ratio: float = 2.0, window: int = 20, before: int = 8) -> dict:
-    """Return the floor, the peak after ``start``, and the first onset with what preceded it."""
-    loss, rms = run["loss"], run["rms"].amax(1)
-    floor = loss[start:start + 100].median().item()
-    peak_step = start + int(loss[start:].argmax())
-    onset = None
-    for t in range(start, len(loss)):
-        if loss[t] > ratio * loss[t - window:t].median():
-            onset = t
-            break
-    out = {"floor": floor, "peak": loss[peak_step].item(), "peak_step": peak_step, "onset": onset}
-    if onset is not None:
-        pre = rms[onset - before:onset]
-        first = next((onset - before + i for i, r in enumerate(pre.tolist()) if r > 3), None)
-        top = run["rms"][onset - before:onset].amax(0).argmax().item()
-        out.update(rms_before=pre.max().item(), first_rms3=first, tensor=run["names"][top],
-                   gnorm_at_first=None if first is None else run["gnorm"][first].item(),
-                   update_at_onset=run["update"][onset].item(), loss_at_first=None if first is None
-                   else loss[first].item())
-    out["max_update_after_start"] = run["update"][start:].max().item()
+def events(run: dict, start: int = 100, ratio: float = 2.0, window: int = 20, before: int = 8) -> list[dict]:
+    """Return the loss spikes after ``start``: an onset is a loss above ``ratio`` x the median of the
+    ``window`` losses before it; the event lasts while the loss stays above that level (at most 50
+    steps). Each event: onset, peak and its step, the max over tensors of the RMS in the ``before``
+    steps before the onset, the first of them above 3 (None if none), the grad norm and loss there,
+    the tensor that peaked, and the update/lr at the onset."""
+    loss, top = run["loss"], run["rms"].amax(1)
+    out, t = [], start
+    while t < len(loss):
+        level = ratio * loss[t - window:t].median()
+        if loss[t] <= level:
+            t += 1
+            continue
+        end = t
+        while end + 1 < len(loss) and end + 1 < t + 50 and loss[end + 1] > level:
+            end += 1
+        peak = t + int(loss[t:end + 1].argmax())
+        pre = top[t - before:t]
+        first = next((t - before + i for i, r in enumerate(pre.tolist()) if r > 3), None)
+        tensor = run["names"][int(run["rms"][t - before:t].amax(0).argmax())]
+        out.append({"onset": t, "peak": loss[peak].item(), "peak_step": peak, "rms_before": pre.max().item(),
+                    "first_rms3": first, "tensor": tensor, "update_at_onset": run["update"][t].item(),
+                    "gnorm_at_first": None if first is None else run["gnorm"][first].item(),
+                    "loss_at_first": None if first is None else loss[first].item()})
+        t = end + 1
     return out
 
 
@@ -90,26 +97,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--save", help="write every run's per-step tensors here (torch.save)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s), "
           f"LABKIT_PERTURB={os.environ.get('LABKIT_PERTURB', '')!r}, load average {os.getloadavg()[0]:.1f}")
+    saved = {}
     for seed in args.seeds:
         for name in args.optimizers:
             wall, cpu = time.perf_counter(), time.process_time()
             run = memorise(seed, name, args.steps)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            s = summary(run)
-            line = (f"seed {seed} {name:6s} floor {s['floor']:.4f} peak {s['peak']:.3f} @ "
-                    f"{s['peak_step']:4d}  max update/lr after 100: {s['max_update_after_start']:.3f}  ")
-            if s["onset"] is None:
-                line += "no onset"
-            else:
-                line += (f"onset {s['onset']:4d}: max RMS in the 8 steps before {s['rms_before']:.2f} "
-                         f"(first > 3 at {s['first_rms3']}, loss there {s['loss_at_first']}, grad norm "
-                         f"{s['gnorm_at_first']}, {s['tensor']}); update/lr at onset "
-                         f"{s['update_at_onset']:.3f}")
-            print(line + f"  [{cpu:.1f} CPU-s, {wall:.1f} s wall]", flush=True)
+            saved[(seed, name)] = run
+            loss = run["loss"]
+            peak_step = 100 + int(loss[100:].argmax())
+            found = events(run)
+            print(f"seed {seed} {name}: floor {loss[100:200].median().item():.4f}, max loss after step 100 "
+                  f"{loss[peak_step].item():.3f} at {peak_step}, {len(found)} onsets (2x), "
+                  f"{sum(e['peak'] > 0.5 for e in found)} peaking > 0.5, max update/lr after 100 "
+                  f"{run['update'][100:].max().item():.3f}  [{cpu:.1f} CPU-s, {wall:.1f} s wall]", flush=True)
+            for e in found:
+                if e["peak"] > 0.5:
+                    gn = "-" if e["gnorm_at_first"] is None else f"{e['gnorm_at_first']:.3f}"
+                    print(f"    onset {e['onset']}, peak {e['peak']:.3f} at {e['peak_step']}; max RMS in the "
+                          f"8 steps before {e['rms_before']:.2f} ({e['tensor']}), first > 3 at "
+                          f"{e['first_rms3']} (grad norm {gn}); update/lr at onset "
+                          f"{e['update_at_onset']:.3f}", flush=True)
+    if args.save:
+        torch.save(saved, args.save)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ and it reaches that cap when the gradient is entirely new to ``v``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -184,13 +184,34 @@ class StableAdamW(torch.optim.AdamW):
         # A fused AdamW unscales inside its kernel and leaves p.grad scaled; RMS_t must read the true
         # gradient, so a scaler unscales first (one extra pass over the gradients with fused=True).
         self._step_supports_amp_scaling = False
+        self._hook_clip()
+
+    # The clip runs as torch's own step hooks around AdamW's unchanged step: overriding step() and
+    # calling super().step() would run every registered step hook twice (torch wraps each class's
+    # step with them), and AdamW's step is what keeps the unclipped bits.
+    def _hook_clip(self) -> None:
+        handles = getattr(self, "_clip_hooks", None)
+        if handles is not None and handles[0].id in self._optimizer_step_pre_hooks:
+            return  # load_state_dict calls __setstate__ on a live optimizer: hooked already
+        self._before: dict[int, Tensor] = {}
+        self._clip_hooks = (self.register_step_pre_hook(StableAdamW._remember),
+                            self.register_step_post_hook(StableAdamW._clip))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._hook_clip()  # unpickled or deep-copied: torch's __getstate__ keeps no hooks
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        """Take AdamW's step, then scale each tensor whose ``RMS_t`` exceeds 1 back by ``1 / RMS_t``."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        before = {id(p): p.detach().clone() for p in params if closure is not None or p.grad is not None}
-        loss = super().step(closure)
+    def _remember(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Keep ``theta_{t-1}`` of every parameter the step will move (all of them under a closure)."""
+        closure = kwargs.get("closure", args[0] if args else None)
+        self._before = {id(p): p.detach().clone() for group in self.param_groups for p in group["params"]
+                        if closure is not None or p.grad is not None}
+
+    @torch.no_grad()
+    def _clip(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """After AdamW's step, move each tensor whose ``RMS_t`` exceeds 1 back by ``1 / RMS_t``."""
+        before, self._before = self._before, {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or id(p) not in before:
@@ -202,4 +223,3 @@ class StableAdamW(torch.optim.AdamW):
                 clipped = old + (p.detach().to(work) - old) / rms
                 # where, not a multiply by 1: an unclipped tensor keeps AdamW's bits exactly
                 p.copy_(torch.where(rms > 1, clipped.to(p.dtype), p))
-        return loss

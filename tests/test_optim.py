@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import sys
 
 import numpy as np
@@ -433,6 +434,31 @@ def test_a_closure_is_evaluated_once_and_clipped_like_a_plain_step():
         opt2.step()
         assert torch.equal(w, w2)
     assert len(calls) == 4
+
+
+def test_step_hooks_run_once_and_a_copy_still_clips():
+    # the clip is itself a pair of step hooks around AdamW's step: a user's hooks run once per step,
+    # load_state_dict does not add a second clip, and a deep copy or a pickle (torch keeps no hooks) clips
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])  # torch wraps AdamW.step with its hooks
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = StableAdamW([w], lr=0.1, betas=(0.9, 0.99))
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    for _ in range(20):
+        w.grad = torch.full((4,), 1e-3)
+        opt.step()
+    assert calls == ["pre", "post"] * 20
+    opt.load_state_dict(opt.state_dict())
+    copies = [opt, copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    moved = []
+    for o in copies:
+        (p,) = o.param_groups[0]["params"]
+        before = p.detach().clone()
+        p.grad = torch.full((4,), 1.0)  # new to v: RMS 4.362 at step 21
+        o.step()
+        moved.append((p.detach() - before).abs().max().item())
+    assert moved == pytest.approx([0.0484 / 4.362] * 3, rel=2e-3)
 
 
 class HostReads:
