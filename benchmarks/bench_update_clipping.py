@@ -18,6 +18,21 @@ and peak, the max over tensors of the RMS in the 8 steps before the onset (which
 first of those steps with an RMS above 3 and the gradient norm there, and the update/lr.
 ``LABKIT_PERTURB=1`` in the environment nudges every model's initial weights (another machine's
 path). Figures go to the issue's report, never into a test.
+
+Measured 2026-12-03 (Intel Xeon Emerald Rapids, torch 2.13.0+cpu, 1 thread, three runs at once,
+load average 6-12 on 2 cores): 5.4-7.6 CPU-s per AdamW run, 7.7-8.4 per StableAdamW run (20-40 s
+wall). Max loss after step 100, seeds 0/1/2:
+
+    LABKIT_PERTURB  AdamW                           StableAdamW
+    unset           1.68 @293, 2.81 @558, 2.74 @682   0.28, 0.60, 0.009 (no spike)
+    1               1.96 @249, 1.73 @462, 0.037 (none in 1000 steps; 2.90 @1081 in 2000)   0.15, 0.39, 0.009
+    2               2.24 @790, 2.52 @755, 1.93 @450   0.21, 0.32, 0.009
+
+In 7 of the 8 AdamW spikes within 1000 steps the max RMS passed 3 (3.0-8.6) on the step before the
+loss doubled, at a gradient norm of 0.07-3.0 (0.07-0.39, under a clip at 1, in 5 of them); in the 8th
+it passed 3 (6.0) on the step the loss first rose (0.006 -> 0.014), one step before the jump. The
+2000-step spike had a max RMS of 1.14 in the 8 steps before its onset (not examined further). The
+spike time is chaotic: 2^-20 on the initial weights moves it by hundreds of steps or past step 1000.
 """
 
 from __future__ import annotations
