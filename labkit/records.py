@@ -624,11 +624,3 @@ def _cut_torn_tail(path: str) -> None:
                 LabkitWarning,
                 stacklevel=5,
             )
-
-
-def __getattr__(name: str) -> Any:
-    if name == "REASONS":  # one reason type now: labkit.reasons.Reason
-        warnings.warn("labkit.records.REASONS is labkit.reasons.COUNTED (Reason members).", DeprecationWarning,
-                      stacklevel=2)
-        return tuple(r.value for r in COUNTED)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,6 @@ data forward by ``skip`` batches. The records of the undone steps stay in the lo
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,11 +143,3 @@ class Rewind(Hook):
 
     def __repr__(self) -> str:
         return f"Rewind(back={self.back}, skip={self.skip}, every={self.every})"
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SPIKE_REASONS":
-        warnings.warn("labkit.rewind.SPIKE_REASONS is labkit.reasons.SPIKES (Reason members).", DeprecationWarning,
-                      stacklevel=2)
-        return SPIKES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -384,7 +384,7 @@ def test_fused_deferred_step_never_syncs_on_cuda(task):
 
 def test_deferred_records_keep_the_observer(task):
     """observer= (StaleMonitor) composes with sync_every: the same record.stale as the per-step mode."""
-    from labkit.precision import StaleMonitor
+    from labkit.formats.bf16 import StaleMonitor
 
     def run(sync_every):
         torch.manual_seed(0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import subprocess
 import sys
 
 import pytest
@@ -328,29 +327,6 @@ def test_a_scaler_iteration_can_be_abandoned_and_its_state_parsed_without_writin
     with pytest.raises(ValueError):
         GradScaler.parse_state({**state, "_growth_tracker": -1})
     assert scaler.state_dict() == state
-
-
-def test_old_import_paths_work_for_one_release_with_a_deprecation_warning():
-    code = """
-import warnings
-warnings.simplefilter("always")
-with warnings.catch_warnings(record=True) as caught:
-    import labkit.precision as old_bf16, labkit.fp8 as old_fp8
-    from labkit.lab.demo import describe
-    from labkit.lab.formats import round_to
-    from labkit.records import REASONS
-    from labkit.rewind import SPIKE_REASONS
-import labkit.formats.bf16, labkit.formats.fp8, labkit.lab.text, labkit.lab.formats
-assert old_bf16 is labkit.formats.bf16 and old_fp8 is labkit.formats.fp8
-assert describe is labkit.lab.text.describe and round_to is labkit.lab.formats.round_trip
-assert REASONS == ("nonfinite_loss", "nonfinite_grad") and SPIKE_REASONS == ("spike_loss", "spike_grad")
-print(sorted(str(w.message).split(" ")[0] for w in caught if w.category is DeprecationWarning))
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(sorted(["labkit.precision", "labkit.fp8", "labkit.lab.demo.describe",
-                                              "labkit.lab.formats.round_to", "labkit.records.REASONS",
-                                              "labkit.rewind.SPIKE_REASONS"]))
 
 
 def test_the_lab_front_names_what_the_lessons_import():

@@ -10,8 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from labkit import TrainStep
-from labkit.lab.demo import describe
-from labkit.precision import (
+from labkit.lab.text import describe
+from labkit.formats.bf16 import (
     StaleMonitor, StaleUpdateWarning, accumulate, compare_remedies, kahan_add, stale_fraction, stochastic_round_bf16,
 )
 from labkit.tasks import ToyTask

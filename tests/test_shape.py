@@ -86,8 +86,7 @@ def test_the_parts_never_import_the_step_and_the_step_imports_no_defense():
     assert sorted(parts) == [f"labkit.step.{p}" for p in ("batch", "decision", "parts", "record")]
     for name in parts:
         assert "labkit.step.train" not in GRAPH[name] and "labkit.step" not in GRAPH[name], name
-    defenses = {"labkit.spikes", "labkit.rewind", "labkit.formats.bf16", "labkit.formats.fp8",
-                "labkit.precision"}
+    defenses = {"labkit.spikes", "labkit.rewind", "labkit.formats.bf16", "labkit.formats.fp8"}
     for name in [*parts, "labkit.step.train", "labkit.step", "labkit.hooks"]:
         assert not GRAPH[name] & defenses, (name, GRAPH[name] & defenses)
     assert "labkit.step" not in GRAPH["labkit.rewind"] and "labkit.rewind" not in GRAPH["labkit.step.train"]

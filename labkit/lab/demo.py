@@ -317,16 +317,3 @@ def _ranges(steps: list[int]) -> str:
         else:
             runs.append([s, s])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-
-
-_MOVED = {"describe": "describe", "format_scale": "format_scale", "title": "title", "SPIKE_REASONS": "SKIP_WHY"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:  # the lab's text helpers live in labkit.lab.text; this CLI module kept them one release
-        from . import text
-
-        warnings.warn(f"labkit.lab.demo.{name} is labkit.lab.text.{_MOVED[name]} (also in labkit.lab): import it "
-                      "from there.", DeprecationWarning, stacklevel=2)
-        return getattr(text, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
