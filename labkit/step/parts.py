@@ -146,11 +146,16 @@ def check_deferred(sync_every: int | None, hooks: Sequence[Hook], clipper: Clipp
 class GuardedParams:
     """``(name, parameter)`` of every parameter the optimizer holds now (progressive unfreezing too).
 
-    Read from ``optimizer.param_groups`` at each call; the list is rebuilt only when a group is
-    added or its parameter list changes (a tuple compare per step, no pass over the model).
+    In the model's order (``model.parameters()``), not the groups': the global norm is summed in
+    this order, and ``clip_grad_norm_(model.parameters())`` sums it so, so with several groups
+    (nanoGPT's decayed and undecayed) the norm is torch's to the bit, not one ulp off. Parameters
+    the model does not hold come last, in the groups' order. Read from
+    ``optimizer.param_groups`` at each call; the list is rebuilt only when a group is added or
+    its parameter list changes (a tuple compare per step, no pass over the model).
 
-    >>> layer = nn.Linear(2, 1); params = GuardedParams(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
-    >>> [name for name, _ in params()]
+    >>> layer = nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD([{"params": [layer.bias]}, {"params": [layer.weight]}], lr=0.1)
+    >>> [name for name, _ in GuardedParams(layer, opt)()]
     ['weight', 'bias']
     """
 
@@ -163,8 +168,10 @@ class GuardedParams:
         groups = self.optimizer.param_groups
         key = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if key != self.key:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            self.params = [(names.get(id(p), f"group{g}.param{i}"), p) for g, group in enumerate(groups)
-                           for i, p in enumerate(group["params"])]
+            held = {id(p): f"group{g}.param{i}" for g, group in enumerate(groups)
+                    for i, p in enumerate(group["params"])}
+            ours = [(n, p) for n, p in self.model.named_parameters() if held.pop(id(p), None) is not None]
+            others = [(held[id(p)], p) for group in groups for p in group["params"] if id(p) in held]
+            self.params = ours + others
             self.key = key
         return self.params
