@@ -47,8 +47,8 @@ REMEDIES = {
                             "normalisation, the labels); no loss scale, learning rate or clipping repairs data.",
     Reason.FORWARD_OVERFLOW: "forward_overflow: the fp16 forward overflowed (activations beyond 65504) while the "
                              "same forward in fp32 is finite; the loss scale acts on backward and cannot help: "
-                             "lower the learning rate, add qk-layernorm (attention logits), train in bf16, or find "
-                             "the layer whose activations grew.",
+                             "lower the learning rate, add qk-layernorm (attention logits) or train in bf16; the "
+                             "record's culprit_module names the module whose fp16 output first overflowed.",
     Reason.NONFINITE_GRAD: "nonfinite_grad: gradients overflow at every scale tried: lower the learning rate, "
                            "check for an fp16 overflow in the forward, or train in bf16; the record's "
                            "first_nonfinite and culprit_module name where backward first held inf.",

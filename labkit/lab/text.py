@@ -79,7 +79,9 @@ def describe(record: StepRecord, max_norm: float | None, fault: str | None = Non
         lines.append(f"{at} SKIP  {record.reason}: {SKIP_WHY[record.reason]} at {z:+.1f} sigma{tag}")
     elif record.skipped:
         if record.reason in LOSS_WHY:
-            what = f"{LOSS_WHY[record.reason]}: backward skipped, scale untouched"
+            where = f" in {record.culprit_module}" if record.reason == Reason.FORWARD_OVERFLOW and \
+                record.culprit_module is not None else ""
+            what = f"{LOSS_WHY[record.reason]}{where}: backward skipped, scale untouched"
         elif record.first_nonfinite is not None:
             what = f"gradient not finite (first in backward: {culprit(record)})"
         else:
