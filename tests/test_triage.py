@@ -81,7 +81,8 @@ def test_a_forward_overflow_names_the_module_whose_fp16_output_first_went_nonfin
     model = overflowing_head(task)
     x, y = task.batch(0)
     outs = {}
-    hooks = [m.register_forward_hook(lambda m, a, o, n=n: outs.setdefault(n, o) is None or None) for n, m in model.named_children()]
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: outs.setdefault(n, o) is None or None)
+             for n, m in model.named_children()]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):  # the oracle: torch's own fp16 forward
         model(x)
     for h in hooks:
@@ -91,7 +92,7 @@ def test_a_forward_overflow_names_the_module_whose_fp16_output_first_went_nonfin
     record = step(x, y)
     assert (record.reason, record.culprit_module) == ("forward_overflow", "4")
     assert "(the forward overflowed) in 4" in describe(record, 1.0)[0]
-    assert step_for(task.model(), task, triage=True)(x, y).culprit_module is None  # a good step: nothing re-run
+    assert step_for(task.model(), task, triage=True)(x, y).culprit_module is None  # a good step: no re-run
 
 
 def test_the_gpts_attention_overflow_is_named_at_the_attention_not_the_projection_after_it():
