@@ -132,8 +132,7 @@ class Hook:
     Every moment does nothing by default: a hook overrides the ones it needs. ``state_key``
     names its state in ``TrainStep.state_dict()`` (None: not saved there). ``per_step=True``
     says the hook needs every record before the next step (a rewind, a detector deciding from
-    the windows it keeps): ``TrainStep`` then refuses ``sync_every``. ``device_decision=True``
-    keeps the step's decision on the device path while the hook is there.
+    the windows it keeps): ``TrainStep`` then refuses ``sync_every``.
 
     >>> class CountSkips(Hook):
     ...     state_key = "count_skips"
@@ -148,7 +147,6 @@ class Hook:
 
     state_key: str | None = None
     per_step: bool = False
-    device_decision: bool = False
 
     def attach(self, trainer: Any) -> None:
         """Join ``trainer`` (once, at the end of its constructor)."""
@@ -247,7 +245,6 @@ class Hooks(Hook):
                 raise TypeError(f"hooks must be labkit.hooks.Hook objects (SpikeDetector, Rewind, "
                                 f"StaleMonitor, your own subclass), got {type(h).__name__}.")
         self.per_step = any(h.per_step for h in self.members)
-        self.device_decision = any(h.device_decision for h in self.members)
         self.decides = any(type(h).on_decision is not Hook.on_decision for h in self.members)
         # per moment, the members that define it: a step calls no empty method (the alarms define one)
         self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]

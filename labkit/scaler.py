@@ -528,49 +528,14 @@ class GradScaler:
                 )
             device = state["scale"].device
             found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
-            if keep_if is None and self.config.hysteresis == 1 and self.config.max_scale is None and \
-                    device.type in ("cpu", "cuda"):  # where torch has the kernel
-                # every check read to the host (inf_check_ given a bool, or will_skip) and none overflowed
-                clean = all(s.get("host") is False for s in self._per_optimizer.values() if s["has_grads"])
-                self._update_by_torch(state, found_inf, clean=clean)
-            else:
-                self._update_by_rule(state, found_inf, keep_if)
+            new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
+                               self.config)
+            skipped = (found_inf != 0).long()
+            counters = (state["skip_count"] + skipped, state["skip_streak"] * skipped + skipped)
+            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"),
+                                  (*new, *counters)):
+                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
         self._per_optimizer = {}
-
-    def _update_by_rule(self, state: dict[str, Tensor], found_inf: Tensor, keep_if: Tensor | None) -> None:
-        """Write ``update_scale``'s next state and the skip counters; where ``keep_if``, keep the old ones."""
-        new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
-        skipped = (found_inf != 0).long()
-        counters = (state["skip_count"] + skipped, state["skip_streak"] * skipped + skipped)
-        for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), (*new, *counters)):
-            state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
-
-    def _update_by_torch(self, state: dict[str, Tensor], found_inf: Tensor, clean: bool = False) -> None:
-        """Do ``update_scale`` in place with torch's fused ``_amp_update_scale_``: ~10 small ops, not ~35.
-
-        For torch's own config (``hysteresis=1``, no ``max_scale``), where ``hysteresis_left``
-        is 0 or 1 and never changes a decision. Two additions make torch's kernel the rule: the
-        tracker is first clamped below ``growth_interval`` (the rule grows at ``>=``, the
-        kernel at ``==``: they part after ``set_growth_interval`` lowers it), and a backed-off
-        scale is floored. ``clean``: every inf check was read to the host and none found one.
-        ``tests/test_scaler.py`` holds it to ``update_scale`` (hypothesis).
-        """
-        config = self.config
-        scale, tracker = state["scale"], state["growth_tracker"]
-        tracker.clamp_(max=config.growth_interval - 1)
-        torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
-                                 config.growth_interval)
-        if clean:  # known on the host to be no overflow: no back-off, no floor, no skip to count (7 kernels less)
-            state["hysteresis_left"].masked_fill_(tracker == 0, 1)
-            state["skip_streak"].zero_()
-            return
-        overflow = found_inf != 0
-        floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
-        torch.maximum(scale, overflow * floor, out=scale)
-        state["hysteresis_left"].masked_fill_(tracker == 0, 1).masked_fill_(overflow, 0)  # refilled on growth
-        skipped = overflow.long()
-        state["skip_count"].add_(skipped)
-        state["skip_streak"].mul_(skipped).add_(skipped)
 
     # -- reading it ---------------------------------------------------------------------
 
