@@ -87,6 +87,7 @@ class SkipAlarm(Hook):
     [1, 2, 3]
     """
 
+    priority = 100
     state_key = "skip_alarm"
 
     def __init__(self, threshold: int | None) -> None:
@@ -160,6 +161,7 @@ class ClipAlarm(Hook):
     [False, False, False, False, False]
     """
 
+    priority = 100
     state_key = "clip_alarm"
 
     def __init__(self, rate: float | None = 0.5, window: int = 100) -> None:

@@ -65,6 +65,7 @@ class Rewind(Hook):
     5
     """
 
+    priority = -100
     per_step = True  # it restores a snapshot before the next step
 
     def __init__(self, back: int = 100, skip: int = 300, every: int | None = None,

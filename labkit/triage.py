@@ -255,6 +255,7 @@ class Triage(Hook):
     Verdict(skip=<Reason.NONFINITE_INPUT: 'nonfinite_input'>, clip_to=None, clip_reason=None, fields={})
     """
 
+    priority = 50
     per_step = True  # the loss must be checked on the host: with sync_every the check stays on the device
 
     def __init__(self, model: nn.Module | None = None, loss_fn: Callable[..., Tensor] | None = None,

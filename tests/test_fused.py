@@ -333,14 +333,14 @@ def test_fused_deferred_step_never_syncs_on_cuda(task):
 
 
 def test_deferred_records_keep_the_observer(task):
-    """observer= (StaleMonitor) composes with sync_every: the same record.stale as the per-step mode."""
+    """StaleMonitor composes with sync_every: the same record.stale as the per-step mode."""
     from labkit.formats.bf16 import StaleMonitor
 
     def run(sync_every):
         torch.manual_seed(0)
         model = task.model().to(torch.bfloat16)
         train = labkit.TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-3), task.loss_fn,
-                                 precision="bf16", sync_every=sync_every, observer=StaleMonitor(patience=100, every=2))
+                                 precision="bf16", sync_every=sync_every, hooks=[StaleMonitor(patience=100, every=2)])
         return [train(*(t.to(torch.bfloat16) for t in task.batch(i))) for i in range(4)]
 
     per_step, deferred = run(None), run(4)

@@ -218,34 +218,10 @@ def test_hooks_must_be_hooks_and_per_step_ones_refuse_deferred_records(task):
         TrainStep(model, opt, task.loss_fn, hooks=[object()])
     with pytest.raises(TypeError, match="hooks must be a list"):
         TrainStep(model, opt, task.loss_fn, hooks=Recorder())
-    with pytest.raises(TypeError, match="detector must be a labkit.hooks.Hook"):
-        TrainStep(model, opt, task.loss_fn, detector=object())
     per_step = Recorder()
     per_step.per_step = True
     with pytest.raises(ValueError, match="sync_every"):
         TrainStep(model, opt, task.loss_fn, hooks=[per_step], sync_every=2)
-
-
-def test_an_observer_of_the_older_protocol_is_still_called(task):
-    class Old:
-        def __init__(self):
-            self.seen = []
-
-        def before_step(self, params, step):
-            self.seen.append(("before", step, len(params)))
-
-        def after_step(self, params, record):
-            self.seen.append(("after", record.step, record.skipped))
-
-    old = Old()
-    model = task.model()
-    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, observer=old,
-                      faults={1: "nan"})
-    for i in range(3):
-        train(*task.batch(i))
-    assert train.observer is old
-    n = len(list(model.parameters()))
-    assert old.seen == [("before", 0, n), ("after", 0, False), ("before", 2, n), ("after", 2, False)]
 
 
 def test_max_norm_and_a_clipper_together_are_an_error(task):
@@ -306,3 +282,19 @@ def test_a_decision_view_reads_device_values_once_when_asked():
     view = DecisionView(0, torch.tensor(0.5), torch.tensor(2.0))
     assert (view.loss, view.norm) == (0.5, 2.0)
     assert labkit.hooks.Verdict().skip is None
+
+
+def test_hooks_carry_their_own_order(task):
+    """``priority``, higher first, ties as given: the alarms, then triage, then the rest, a rewind last,
+    wherever each was passed."""
+    from labkit.alarms import ClipAlarm, SkipAlarm
+    from labkit.rewind import Rewind
+    from labkit.triage import Triage
+
+    rewind, first, second = Rewind(back=2, skip=2), Recorder(), Recorder()
+    model = task.model()
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                      hooks=[rewind, first, second], triage=True)
+    kinds = [type(h) for h in train.hooks.members if type(h).__name__ != "BackwardOrder"]
+    assert kinds == [SkipAlarm, ClipAlarm, Triage, Recorder, Recorder, Rewind]
+    assert train.hooks.members.index(first) < train.hooks.members.index(second)

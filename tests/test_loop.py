@@ -99,7 +99,7 @@ def plain_loop(task):
 def train_step_loop(task):
     model, first, opt, scaler, clipper, detector = parts(task)
     train = TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, clipper=clipper,
-                      detector=detector)
+                      hooks=[detector])
     for step in range(STEPS):
         first.grad_step = step
         train(*batch(task, step))
@@ -205,7 +205,7 @@ def test_rewind_in_a_plain_loop_undoes_what_trainstep_undoes():
 
     model_b, opt_b, detector_b = make()
     rewind_b = Rewind(back=4, skip=6, every=2)
-    train = TrainStep(model_b, opt_b, task.loss_fn, max_norm=None, detector=detector_b, rewind=rewind_b)
+    train = TrainStep(model_b, opt_b, task.loss_fn, max_norm=None, hooks=[rewind_b, detector_b])
     while train.step_count < 28:
         train(*data(rewind_b.data_index(train.step_count)))
     assert rewind.rewinds == rewind_b.rewinds == [(20, 16)]

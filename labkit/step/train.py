@@ -73,12 +73,11 @@ class TrainStep:
     parameters, the optimizer, the scaler and the module's buffers (BatchNorm's running
     statistics) as they were. ``log_window=N`` keeps only the last N records in ``log``.
 
-    Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments:
-    ``hooks=[...]`` and the older keywords, which become hooks: ``skip_alarm``, ``clip_alarm``
-    (the alarms, first), ``triage`` (``labkit.triage``: why a loss was not finite), ``observer``
-    (e.g. ``StaleMonitor``), ``detector`` (``SpikeDetector``) and ``rewind`` (``Rewind``, last). The
-    clip stage is ``clipper`` or ``max_norm`` (``NormClip``). Skips name the first non-finite gradient
-    in backward order (``labkit.blame``).
+    Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments, in the
+    order of their ``priority``: ``hooks=[...]`` (``StaleMonitor``, ``SpikeDetector``, ``Rewind``,
+    your own), the alarms (``skip_alarm``, ``clip_alarm``) and ``triage`` (``labkit.triage``: why
+    a loss was not finite). The clip stage is ``clipper`` or ``max_norm`` (``NormClip``). Skips
+    name the first non-finite gradient in backward order (``labkit.blame``).
 
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
@@ -94,9 +93,8 @@ class TrainStep:
         accumulation_steps: int = 1, skip_alarm: int | None = 8, clip_alarm: float | None = 0.5,
         clip_window: int = 100, faults: FaultSchedule | dict | list[str] | None = None,
         log_path: str | os.PathLike | None = None, log_window: int | None = None,
-        process_group: ProcessGroup | None = None, sync_every: int | None = None, observer: Any = None,
-        clipper: Clipper | None = None, detector: Hook | None = None, rewind: Hook | None = None,
-        hooks: Sequence[Hook] = (), triage: bool = False,
+        process_group: ProcessGroup | None = None, sync_every: int | None = None,
+        clipper: Clipper | None = None, hooks: Sequence[Hook] = (), triage: bool = False,
     ) -> None:
         self.device = check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
@@ -115,11 +113,10 @@ class TrainStep:
         self.model, self.optimizer, self.loss_fn, self.precision = model, optimizer, loss_fn, precision
         self.sync_every = check_int("sync_every", sync_every, 1, none="read every step")
         self.clipper = make_clipper(max_norm, clipper)
-        self.skip_alarm, self.clip_alarm, ordered = make_hooks(skip_alarm, clip_alarm, clip_window, observer,
-                                                               detector, hooks, rewind, triage)
+        self.skip_alarm, self.clip_alarm, members = make_hooks(skip_alarm, clip_alarm, clip_window, hooks,
+                                                               triage)
         self.backward_order = BackwardOrder()  # where backward produced each gradient: the record's culprit
-        self.hooks = Hooks([self.backward_order, *ordered])
-        self.observer, self.detector, self.rewind = observer, detector, rewind
+        self.hooks = Hooks([self.backward_order, *members])
         check_deferred(sync_every, self.hooks.members, self.clipper)
         self.norm_type = check_norm_type(norm_type)
         if not self.norm_type > 0:  # the inf check rides on the norms: a p > 0 norm is inf/NaN on inf/NaN
@@ -356,7 +353,7 @@ class TrainStep:
         if not isinstance(state, dict):
             raise TypeError(f"TrainStep state must be a dict from TrainStep.state_dict(), got "
                             f"{type(state).__name__}.")
-        missing = {"step", "skip_alarm", "clip_alarm", "scaler"} - state.keys()
+        missing = {"step", "scaler"} - state.keys()  # each hook checks its own entry, where there is one
         if missing:
             raise KeyError(f"TrainStep state_dict lacks {sorted(missing)}; pass what TrainStep.state_dict() "
                            "returned.")
