@@ -134,6 +134,7 @@ class TrainStep:
         self._params: list[tuple[str, nn.Parameter]] = []  # this step's (read once, in _decide)
         self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
         self._pending = Pending()
+        self._one: Tensor | None = None  # a disabled scaler's scale, on the gradients' device
         self.hooks.attach(self)  # a Rewind takes its first snapshot: a spike in the first steps rewinds here
 
     def __call__(self, inputs: Tensor | Mapping[str, Any], targets: Tensor | None = None) -> StepRecord:
@@ -213,8 +214,10 @@ class TrainStep:
         # update() writes the scaler's state in place: the record reads this step's scale after it
         scale = scaler.get_scale_async().clone() if enabled else None
         norms, norm, inv_scale = unscaled_norms(grads, scale, self.norm_type)
-        if scale is None:
-            scale = torch.ones((), device=norm.device)
+        if scale is None:  # a disabled scaler's: one 1 on the norm's device, made once
+            if self._one is None or self._one.device != norm.device:
+                self._one = torch.ones((), device=norm.device)
+            scale = self._one
         verdict = self._verdict(step, loss.value, norm, norms=norms, scale=scale, batch=batch)
         return decide(norm, norms, scale, inv_scale, self.clipper, verdict, loss.flag)
 
@@ -275,15 +278,17 @@ class TrainStep:
             o.measures = tuple(measures)
         else:
             dev = d.norm.device
-            flag = loss.flag if loss.flag is not None else torch.zeros((), device=dev)
-            o.values = torch.stack([  # stack promotes the dtypes: one float64 row, read in one copy
-                torch.as_tensor(loss.value).to(dev), flag.to(dev), d.norm, d.coef.to(dev),  # type: ignore[union-attr]
-                d.scale.to(dev), self.scaler.get_scale_async().to(dev), found.to(dev),  # type: ignore[union-attr]
-                *(m.to(dev) for m in measures.values()),
-            ]).double()
+            # a disabled scaler's next scale is this step's 1: no tensor made for it
+            next_scale = self.scaler.get_scale_async() if self.scaler.is_enabled() else d.scale
+            row = [d.norm, d.coef.to(dev), d.scale.to(dev), next_scale.to(dev), found.to(dev),  # type: ignore[union-attr]
+                   *(m.to(dev) for m in measures.values())]
             o.measures = tuple(measures)
-            if self.sync_every is None:
-                o.values = o.values.tolist()  # the record's one read
+            if self.sync_every is None:  # the loss was checked on the host: the device's numbers, one read
+                norm, coef, scale, nxt, skip, *measured = torch.stack(row).double().tolist()
+                o.values = [loss.value, 0.0, norm, coef, scale, nxt, skip, *measured]
+            else:  # stack promotes the dtypes: one float64 row, read in one copy at the flush
+                o.values = torch.stack([torch.as_tensor(loss.value).to(dev), loss.flag.to(dev),  # type: ignore[union-attr]
+                                        *row]).double()
         return o
 
     def _finish(self, o: Outcome, buffers: Buffers, stepped: bool) -> StepRecord:
