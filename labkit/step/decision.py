@@ -70,9 +70,9 @@ class Decision:
             return None if self.host is not None and self.host[1] == 1.0 else coef
         return (coef * inv.to(coef.device)).to(coef.dtype)
 
-    def grad_scale(self) -> Tensor:
-        """Return ``1 / coef``, a fused optimizer's ``grad_scale`` (the scaler multiplies in the scale)."""
-        return self.coef.reciprocal().float()
+    def grad_scale(self) -> Tensor | None:
+        """Return ``1 / coef``, a fused optimizer's ``grad_scale`` (the scaler adds the scale); None: 1."""
+        return None if self.host is not None and self.host[1] == 1.0 else self.coef.reciprocal().float()
 
     def take(self, done: Tensor | None) -> None:
         """Report what a per-tensor or update clip amounted to, ``[coef, threshold]`` (None: nothing done)."""

@@ -230,19 +230,21 @@ class TrainStep:
     def _step_or_skip(self, step: int, d: Decision, measures: dict[str, Tensor]) -> Tensor:
         """Step the optimizer on the unscaled, clipped gradients, or skip it; return ``found_inf``."""
         opt, scaler, clipper, params = self.optimizer, self.scaler, self.clipper, self._params
-        if getattr(opt, "_step_supports_amp_scaling", False):  # fused: its kernel unscales, clips and skips
+        fused = getattr(opt, "_step_supports_amp_scaling", False)  # its kernel unscales, clips and skips
+        # host sync, needed: a plain optimizer is skipped from the host; a fused one's read is free on a CPU,
+        # and a coefficient of 1 read there spares its kernel a division of every gradient
+        if self.sync_every is None and (not fused or self.device.type == "cpu"):
+            d.read(*measures.values())
+        found = d.skip if d.host is None else d.host[2] != 0
+        if fused:
             if clipper is not None and not clipper.fused_ok:
                 raise ValueError(f"{type(clipper).__name__} clips the gradients or the update itself: use a "
                                  "non-fused optimizer with it (fused=False).")
-            scaler.inf_check_(opt, d.skip, unscaled=False)
+            scaler.inf_check_(opt, found, unscaled=False)
             opt.grad_scale = d.grad_scale()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             self.hooks.pre_optim_step(self, step, params)  # whether the kernel skips is on the device
             return scaler.step_async(opt)
-        if self.sync_every is None:  # host sync, needed: a plain optimizer is skipped from the host
-            d.read(*measures.values())
-            scaler.inf_check_(opt, d.host[2] != 0, unscaled=True)  # type: ignore[index]
-        else:
-            scaler.inf_check_(opt, d.skip, unscaled=True)
+        scaler.inf_check_(opt, found, unscaled=True)
         if not scaler.will_skip(opt):  # deferred records: the one read of found_inf a plain optimizer needs
             factor = d.factor()  # pass 2 (read-write): unscale and clip in one multiply; x1 is left out
             if factor is not None:
