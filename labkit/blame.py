@@ -60,17 +60,9 @@ from torch import Tensor, nn
 
 from .distributed import all_reduce_, is_distributed
 from .hooks import Hook
+from .names import module_of
 
-__all__ = ["BackwardOrder", "module_of", "placed"]
-
-
-def module_of(name: str) -> str:
-    """Return the module path of a parameter's name (``""`` for a parameter of the root module).
-
-    >>> module_of("h.0.attn.c_proj.weight"), module_of("weight")
-    ('h.0.attn.c_proj', '')
-    """
-    return name.rpartition(".")[0]
+__all__ = ["BackwardOrder", "placed"]
 
 
 def _weak(method: Any) -> Any:

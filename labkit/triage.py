@@ -45,12 +45,12 @@ from torch import Tensor, nn
 
 from .distributed import ProcessGroup, all_reduce_, is_distributed
 from .hooks import DecisionView, Hook, Verdict
+from .names import PRECISIONS
 from .reasons import Reason
 
 __all__ = ["Triage", "nonfinite_input", "overflow_module", "rng_state", "triage"]
 
-_AUTOCAST = {"fp32": False, "bf16": True, "fp16": True}
-_AUTOCAST_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTOCAST_DTYPE = dict(zip(PRECISIONS, (None, torch.bfloat16, torch.float16)))
 
 
 def _floating(obj: Any) -> Iterator[Tensor]:
@@ -210,8 +210,8 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
     >>> triage(net, nn.functional.mse_loss, (x, y), precision="fp16")
     <Reason.FORWARD_OVERFLOW: 'forward_overflow'>
     """
-    if precision not in _AUTOCAST:
-        raise ValueError(f"precision must be one of {list(_AUTOCAST)}, got {precision!r}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     bad = nonfinite_input(*_inputs(batch)).to(device)  # on the model's device: NCCL reduces no CPU tensor
@@ -221,7 +221,7 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
     # fp16/bf16 weights have no fp32 forward to compare with (and fp32 inputs would not fit them); the
     # same on every rank, as the weights' dtypes are
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
-    if _AUTOCAST[precision] and not low:
+    if _AUTOCAST_DTYPE[precision] is not None and not low:
         loss = _fp32_loss(model, loss_fn, batch, rng)
     else:  # the forward was fp32 already (a re-run would give the same loss), or cannot be
         loss = torch.full((), float("nan"), dtype=torch.float64, device=device)
@@ -260,8 +260,8 @@ class Triage(Hook):
 
     def __init__(self, model: nn.Module | None = None, loss_fn: Callable[..., Tensor] | None = None,
                  precision: str | None = None, *, process_group: ProcessGroup | None = None) -> None:
-        if precision is not None and precision not in _AUTOCAST:
-            raise ValueError(f"precision must be one of {list(_AUTOCAST)}, got {precision!r}.")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
         self.model, self.loss_fn, self.precision = model, loss_fn, precision
         self.process_group = process_group
         self._rng: tuple[Tensor, Tensor | None] | None = None

@@ -16,6 +16,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from ..names import PRECISIONS
 from .text import describe as _describe
 from .text import format_scale as _format_scale
 from .text import title as _title
@@ -33,7 +34,6 @@ __all__ = ["build_parser", "init_distributed", "main", "run_demo"]
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
 # The GPT needs no injected fault (its overflows come by themselves) and SGD's lr for it is higher.
 TASK_DEFAULTS = {"toy": {"faults": DEFAULT_FAULTS, "lr": 0.05}, "gpt": {"faults": [], "lr": 0.3}}
-PRECISIONS = ("fp32", "bf16", "fp16")  # labkit.step.PRECISIONS, without importing torch for --help
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a loss scale lives in float32
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ..names import module_of
 from ..reasons import Reason
 
 if TYPE_CHECKING:
@@ -43,8 +44,7 @@ def culprit(record: StepRecord) -> str | None:
     'wte.weight, as used by lm_head'
     """
     name, module = record.first_nonfinite, record.culprit_module
-    # blame.module_of's rule, written out: this module must not import torch (`demo --help` is instant)
-    if name is None or module is None or name.rpartition(".")[0] == module:
+    if name is None or module is None or module_of(name) == module:
         return name
     return f"{name}, as used by {module}"
 
