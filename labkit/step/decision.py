@@ -111,7 +111,7 @@ def unscaled_norms(
     (tensor([3., 4.]), tensor(5.), tensor(0.5000))
     """
     scaled = per_tensor_norms(grads, norm_type)
-    if scale is None:  # a disabled scaler's scale is 1: nothing to undo (3 kernels less)
+    if scale is None:  # a disabled scaler's scale is 1: nothing to undo
         return scaled, total_norm(scaled, norm_type), None
     inv_scale = scale.double().reciprocal().float()  # as torch's unscale_: exact for powers of two
     norms = scaled * inv_scale.to(scaled.device)
@@ -137,7 +137,7 @@ def decide(
     >>> d.skip, d.coef, d.factor()
     (tensor(0.), tensor(0.2000), tensor(0.2000))
     """
-    # inf - inf and NaN - NaN are NaN: isfinite's answer in 2 kernels, not 4
+    # inf - inf and NaN - NaN are NaN: isfinite's answer with fewer 0-dim operations
     found_inf = torch.isnan(norm - norm).float()
     if loss_bad is not None:
         found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
