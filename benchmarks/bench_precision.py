@@ -67,7 +67,7 @@ def main() -> None:
     def run(observer) -> None:
         model = task.model().to(torch.bfloat16)
         step = labkit.TrainStep(model, torch.optim.AdamW(model.parameters(), 1e-4), task.loss_fn,
-                                precision="bf16", max_norm=None, observer=observer, skip_alarm=None)
+                                precision="bf16", max_norm=None, hooks=[observer], skip_alarm=None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for b in batches:

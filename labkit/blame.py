@@ -60,18 +60,10 @@ from torch import Tensor, nn
 
 from .distributed import all_reduce_, is_distributed
 from .hooks import Hook
+from .names import module_of
 from .records import Field
 
-__all__ = ["BackwardOrder", "module_of", "placed"]
-
-
-def module_of(name: str) -> str:
-    """Return the module path of a parameter's name (``""`` for a parameter of the root module).
-
-    >>> module_of("h.0.attn.c_proj.weight"), module_of("weight")
-    ('h.0.attn.c_proj', '')
-    """
-    return name.rpartition(".")[0]
+__all__ = ["BackwardOrder", "placed"]
 
 
 def _weak(method: Any) -> Any:
@@ -128,12 +120,14 @@ class BackwardOrder(Hook):
         self._regions: dict[str, str] = {}  # parameter -> the compiled region it is in
         self._region_rank: dict[str, int] = {}
         self._key: tuple = ()
+        self._all: list[Tensor] = []  # the model's parameters, listed once at attach
 
     def attach(self, trainer: Any) -> None:
         """Hook ``trainer.model`` (or ``trainer`` itself, a module); attaching again unhooks the old one."""
         model = trainer if isinstance(trainer, nn.Module) else trainer.model
         self.detach()
         self.model = model
+        self._all = list(model.parameters())
         self._key = self._optimizer_key(trainer)
         regions = [path for path, m in model.named_modules() if _compiled(m)]
         named = list(model.named_parameters())
@@ -176,7 +170,7 @@ class BackwardOrder(Hook):
     def _optimizer_key(self, trainer: Any) -> tuple:
         # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter
         groups = getattr(getattr(trainer, "optimizer", None), "param_groups", ())
-        training = sum(p.requires_grad for p in self.model.parameters()) if self.model is not None else 0
+        training = sum(p.requires_grad for p in self._all)  # the list kept at attach: no walk of the modules
         return (*((id(g["params"]), len(g["params"])) for g in groups), training)
 
     def _hook_param(self, name: str, p: Tensor) -> None:

@@ -322,7 +322,7 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     """
     # clamp and a mask, not `if`: a Python branch on a device tensor forces a host sync. A
     # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
-    # In place after the first op: 8 kernels, a visible share of a small model's step on a CPU.
+    # In place after the first op: no temporaries; every step pays this on its 0-dim norm.
     if isinstance(max_norm, Tensor):
         coef = torch.div(max_norm, norm + EPS)
     else:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
@@ -335,8 +335,8 @@ def round_to(x: float, dtype: torch.dtype) -> float:
     """Return the Python float ``x`` rounded to ``dtype`` (float32 or float64), as a tensor of it would hold it.
 
     One IEEE operation on two float32 numbers done in float64 and rounded once to float32 is
-    the float32 operation's own result (53 >= 2 * 24 + 2 bits), so a float32 kernel's
-    arithmetic on 0-dim tensors can be redone on the host, bit for bit.
+    the float32 operation's own result (53 >= 2 * 24 + 2 bits): ``TrainStep`` sums its
+    micro-batches' losses on the host with a float32 tensor's bits.
 
     >>> round_to(0.1, torch.float32), round_to(1e39, torch.float32)
     (0.10000000149011612, inf)
@@ -347,21 +347,6 @@ def round_to(x: float, dtype: torch.dtype) -> float:
         return struct.unpack("f", struct.pack("f", x))[0]
     except OverflowError:  # past float32's largest finite number, as the tensor's cast gives
         return math.copysign(math.inf, x)
-
-
-def host_clip_coef(norm: float, max_norm: float, dtype: torch.dtype = torch.float32) -> float:
-    """Return ``clip_coef`` of a norm already read to the host, with the bits ``clip_coef`` gives on a ``dtype`` tensor.
-
-    ``TrainStep`` reads the norm to decide the step (a host sync a plain optimizer needs
-    anyway); the coefficient is then ~4 float operations in Python instead of 8 kernels. ``tests/test_clip.py`` holds it to ``clip_coef`` (hypothesis).
-
-    >>> host_clip_coef(5.0, 1.0), host_clip_coef(math.inf, 1.0), host_clip_coef(0.5, 1.0)
-    (0.19999995827674866, 1.0, 1.0)
-    """
-    if not 0.0 <= norm < math.inf:  # NaN fails both comparisons
-        return 1.0
-    shifted = round_to(norm + round_to(EPS, dtype), dtype)
-    return min(round_to(round_to(1.0 / shifted, dtype) * round_to(max_norm, dtype), dtype), 1.0)
 
 
 @torch.no_grad()

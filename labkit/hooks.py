@@ -43,7 +43,7 @@ from .records import Field, RewindEvent, declare, put
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
     from torch import Tensor
 
-__all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "ObserverHook", "Verdict"]
+__all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "Verdict"]
 
 
 @dataclass
@@ -138,8 +138,10 @@ class Hook:
     names its state in ``TrainStep.state_dict()`` (None: not saved there). ``record_fields``
     declares the record fields it sets (``{name: labkit.records.Field(default)}``). ``per_step=True``
     says the hook needs every record before the next step (a rewind, a detector deciding from
-    the windows it keeps): ``TrainStep`` then refuses ``sync_every``. ``device_decision=True``
-    keeps the step's decision on the device path while the hook is there.
+    the windows it keeps): ``TrainStep`` then refuses ``sync_every``. ``priority`` orders the
+    hooks, as OLMo-core's callbacks: higher first, ties in the order given (the alarms 100: they
+    number the skip streak the others read; ``Triage`` 50: its skip reason is the first
+    verdict; ``Rewind`` -100: last, it may restore a snapshot of everything the others hold).
 
     >>> class CountSkips(Hook):
     ...     state_key = "count_skips"
@@ -155,7 +157,7 @@ class Hook:
     state_key: str | None = None
     record_fields: Mapping[str, Field] = {}
     per_step: bool = False
-    device_decision: bool = False
+    priority: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -203,25 +205,11 @@ class Hook:
         copy.deepcopy(self).load_state_dict(state)
 
 
-class ObserverHook(Hook):
-    """An observer of the older protocol as a hook: ``before_step(params, step)``, ``after_step(params, r)``.
-
-    ``TrainStep(observer=...)`` wraps any such object in it; a ``Hook`` (``StaleMonitor``)
-    goes in as it is.
-    """
-
-    def __init__(self, observer: Any) -> None:
-        self.observer = observer
-
-    def pre_optim_step(self, trainer: Any, step: int, params: Sequence[tuple[str, Tensor]]) -> None:
-        self.observer.before_step(params, step)
-
-    def post_step(self, trainer: Any, params: Sequence[tuple[str, Tensor]], record: Any) -> None:
-        self.observer.after_step(params, record)
 
 
 class Hooks(Hook):
-    """Hooks called in order: one hook to the step, each moment to the members that define it.
+    """Hooks called by ``priority`` (higher first, ties as given): one hook to the step, each moment to
+    the members that define it.
 
     ``decides``: whether any member has an ``on_decision`` (without one the step builds no view).
 
@@ -233,13 +221,13 @@ class Hooks(Hook):
                "on_record")
 
     def __init__(self, hooks: Iterable[Hook]) -> None:
-        self.members = list(hooks)
-        for h in self.members:
+        members = list(hooks)
+        for h in members:
             if not isinstance(h, Hook):
                 raise TypeError(f"hooks must be labkit.hooks.Hook objects (SpikeDetector, Rewind, "
                                 f"StaleMonitor, your own subclass), got {type(h).__name__}.")
+        self.members = sorted(members, key=lambda h: -h.priority)  # stable: ties keep the order given
         self.per_step = any(h.per_step for h in self.members)
-        self.device_decision = any(h.device_decision for h in self.members)
         self.decides = any(type(h).on_decision is not Hook.on_decision for h in self.members)
         # per moment, the members that define it: a step calls no empty method (the alarms define one)
         self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]

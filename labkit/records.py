@@ -301,14 +301,3 @@ def read_line(line: str) -> list[StepRecord | RewindEvent]:
         return [record, RewindEvent(record.step, int(d["rewind_to"]), record.reason)]
     return [record]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "REASONS":  # one reason type now: labkit.reasons.Reason
-        import warnings
-
-        from .reasons import COUNTED
-
-        warnings.warn("labkit.records.REASONS is labkit.reasons.COUNTED (Reason members).", DeprecationWarning,
-                      stacklevel=2)
-        return tuple(r.value for r in COUNTED)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

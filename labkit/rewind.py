@@ -76,6 +76,7 @@ class Rewind(Hook):
     5
     """
 
+    priority = -100
     per_step = True  # it restores a snapshot before the next step
 
     def __init__(self, back: int = 100, skip: int = 300, every: int | None = None,
@@ -169,11 +170,3 @@ class Rewind(Hook):
 
     def __repr__(self) -> str:
         return f"Rewind(back={self.back}, skip={self.skip}, every={self.every})"
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SPIKE_REASONS":
-        warnings.warn("labkit.rewind.SPIKE_REASONS is labkit.reasons.SPIKES (Reason members).", DeprecationWarning,
-                      stacklevel=2)
-        return SPIKES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ across the ranks before any decision, so every rank skips together and the scale
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import math
@@ -27,8 +28,14 @@ from .validate import check_int, real
 
 __all__ = ["GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"]
 
-# CHECKED: found_inf recorded from the norms TrainStep read (no unscale pass), gradients still scaled.
-_READY, _CHECKED, _UNSCALED, _STEPPED = "ready", "checked", "unscaled", "stepped"
+class Stage(enum.Enum):
+    """Where one optimizer is in an iteration: ``update()`` brings every optimizer back to ``READY``."""
+
+    READY = "ready"
+    CHECKED = "checked"  # found_inf recorded from the norms TrainStep read (no unscale pass), still scaled
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
 
 
 class ScalerUsageError(RuntimeError, AssertionError):
@@ -133,7 +140,7 @@ class ScalerConfig:
 
 @functools.lru_cache(maxsize=64)
 def _takes_grad_scaler(step: Callable) -> bool:
-    # torch reads the signature on every step: a tenth of a small model's step
+    # torch reads the signature on every step; it never changes for one step function
     return "grad_scaler" in inspect.signature(step).parameters
 
 
@@ -272,7 +279,7 @@ class GradScaler:
         return self._state
 
     def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None, "has_grads": False})
+        return self._per_optimizer.setdefault(id(optimizer), {"stage": Stage.READY, "found_inf": None, "has_grads": False})
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales (a disabled one passes everything through)."""
@@ -298,9 +305,9 @@ class GradScaler:
             return
         state = self._require_state("unscale_")
         opt_state = self._opt_state(optimizer)
-        if opt_state["stage"] == _UNSCALED:
+        if opt_state["stage"] == Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if opt_state["stage"] == _STEPPED:
+        if opt_state["stage"] == Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         scale = state["scale"]
         inv_scale = scale.double().reciprocal().float()  # as torch: exact for powers of two
@@ -331,7 +338,7 @@ class GradScaler:
         # before step() reads it: a rank with finite shards must still skip when another overflowed
         all_reduce_(found_inf, "max", self.process_group)
         opt_state["found_inf"] = found_inf
-        opt_state["stage"] = _UNSCALED
+        opt_state["stage"] = Stage.UNSCALED
 
     def inf_check_(self, optimizer: torch.optim.Optimizer, found_inf: Tensor | bool, *, unscaled: bool) -> None:
         """Record ``found_inf`` for ``optimizer`` from a check made elsewhere, instead of ``unscale_``'s pass.
@@ -351,8 +358,8 @@ class GradScaler:
         if self._enabled:  # disabled, it still records: a disabled scaler still skips on what TrainStep found
             self._require_state("inf_check_")
         opt_state = self._opt_state(optimizer)
-        if opt_state["stage"] != _READY:
-            raise RuntimeError(f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage']}.")
+        if opt_state["stage"] != Stage.READY:
+            raise RuntimeError(f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage'].value}.")
         if isinstance(found_inf, bool):
             device = self._state["scale"].device if self._state is not None else torch.device("cpu")
             opt_state["host"] = found_inf
@@ -360,7 +367,7 @@ class GradScaler:
         else:
             found = found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0 else found_inf.float().reshape(())
             all_reduce_(found, "max", self.process_group)
-        opt_state.update(found_inf=found, has_grads=True, stage=_UNSCALED if unscaled else _CHECKED)
+        opt_state.update(found_inf=found, has_grads=True, stage=Stage.UNSCALED if unscaled else Stage.CHECKED)
 
     def will_skip(self, optimizer: torch.optim.Optimizer) -> bool:
         """Return whether ``step`` will skip ``optimizer`` (one host sync; ``step`` then reuses it).
@@ -410,13 +417,13 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale = self._require_state("step")["scale"] if self._enabled else None
         opt_state = self._opt_state(optimizer)
-        if opt_state["stage"] == _STEPPED:
+        if opt_state["stage"] == Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, opt_state, scale, args, kwargs)
-        if opt_state["stage"] == _READY:
+        if opt_state["stage"] == Stage.READY:
             self.unscale_(optimizer)
-        elif opt_state["stage"] == _CHECKED:
+        elif opt_state["stage"] == Stage.CHECKED:
             raise RuntimeError("inf_check_(unscaled=False) is only for optimizers that unscale themselves (fused=True).")
         if not opt_state["has_grads"]:
             raise ScalerUsageError(
@@ -426,7 +433,7 @@ class GradScaler:
         found_inf = opt_state["found_inf"]
         if not self.will_skip(optimizer):  # host sync: a plain optimizer can only be skipped from the host
             optimizer.step(*args, **kwargs)
-        opt_state["stage"] = _STEPPED
+        opt_state["stage"] = Stage.STEPPED
         return found_inf
 
     def abandon_iteration(self) -> None:
@@ -451,13 +458,13 @@ class GradScaler:
                 stacklevel=3,
             )
             optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-            opt_state["stage"] = _STEPPED
+            opt_state["stage"] = Stage.STEPPED
             return torch.zeros(()) if opt_state["found_inf"] is None else opt_state["found_inf"]
-        if opt_state["stage"] == _READY:  # check only (inv_scale 1): the optimizer's kernel unscales
+        if opt_state["stage"] == Stage.READY:  # check only (inv_scale 1): the optimizer's kernel unscales
             self._check_only(optimizer, opt_state)
         # a grad_scale the caller set (TrainStep's clip coefficient) multiplies the loss scale, as in torch
         user = getattr(optimizer, "grad_scale", None)
-        if opt_state["stage"] == _UNSCALED or scale is None:
+        if opt_state["stage"] == Stage.UNSCALED or scale is None:
             grad_scale = user
         else:
             grad_scale = scale if user is None else scale * user
@@ -467,7 +474,7 @@ class GradScaler:
             optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
-        opt_state["stage"] = _STEPPED
+        opt_state["stage"] = Stage.STEPPED
         return opt_state["found_inf"]
 
     def _check_only(self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any]) -> None:
@@ -487,7 +494,7 @@ class GradScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, one.to(device))
                 found_inf += local_inf.to(found_inf.device)
         all_reduce_(found_inf, "max", self.process_group)
-        opt_state.update(found_inf=found_inf, has_grads=bool(groups), stage=_CHECKED)
+        opt_state.update(found_inf=found_inf, has_grads=bool(groups), stage=Stage.CHECKED)
 
     def update(self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | None = None) -> None:
         """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``).
@@ -528,49 +535,14 @@ class GradScaler:
                 )
             device = state["scale"].device
             found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
-            if keep_if is None and self.config.hysteresis == 1 and self.config.max_scale is None and \
-                    device.type in ("cpu", "cuda"):  # where torch has the kernel
-                # every check read to the host (inf_check_ given a bool, or will_skip) and none overflowed
-                clean = all(s.get("host") is False for s in self._per_optimizer.values() if s["has_grads"])
-                self._update_by_torch(state, found_inf, clean=clean)
-            else:
-                self._update_by_rule(state, found_inf, keep_if)
+            new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
+                               self.config)
+            skipped = (found_inf != 0).long()
+            counters = (state["skip_count"] + skipped, state["skip_streak"] * skipped + skipped)
+            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"),
+                                  (*new, *counters)):
+                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
         self._per_optimizer = {}
-
-    def _update_by_rule(self, state: dict[str, Tensor], found_inf: Tensor, keep_if: Tensor | None) -> None:
-        """Write ``update_scale``'s next state and the skip counters; where ``keep_if``, keep the old ones."""
-        new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf, self.config)
-        skipped = (found_inf != 0).long()
-        counters = (state["skip_count"] + skipped, state["skip_streak"] * skipped + skipped)
-        for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), (*new, *counters)):
-            state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
-
-    def _update_by_torch(self, state: dict[str, Tensor], found_inf: Tensor, clean: bool = False) -> None:
-        """Do ``update_scale`` in place with torch's fused ``_amp_update_scale_``: ~10 small ops, not ~35.
-
-        For torch's own config (``hysteresis=1``, no ``max_scale``), where ``hysteresis_left``
-        is 0 or 1 and never changes a decision. Two additions make torch's kernel the rule: the
-        tracker is first clamped below ``growth_interval`` (the rule grows at ``>=``, the
-        kernel at ``==``: they part after ``set_growth_interval`` lowers it), and a backed-off
-        scale is floored. ``clean``: every inf check was read to the host and none found one.
-        ``tests/test_scaler.py`` holds it to ``update_scale`` (hypothesis).
-        """
-        config = self.config
-        scale, tracker = state["scale"], state["growth_tracker"]
-        tracker.clamp_(max=config.growth_interval - 1)
-        torch._amp_update_scale_(scale, tracker, found_inf.float(), config.growth_factor, config.backoff_factor,
-                                 config.growth_interval)
-        if clean:  # known on the host to be no overflow: no back-off, no floor, no skip to count (7 kernels less)
-            state["hysteresis_left"].masked_fill_(tracker == 0, 1)
-            state["skip_streak"].zero_()
-            return
-        overflow = found_inf != 0
-        floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
-        torch.maximum(scale, overflow * floor, out=scale)
-        state["hysteresis_left"].masked_fill_(tracker == 0, 1).masked_fill_(overflow, 0)  # refilled on growth
-        skipped = overflow.long()
-        state["skip_count"].add_(skipped)
-        state["skip_streak"].mul_(skipped).add_(skipped)
 
     # -- reading it ---------------------------------------------------------------------
 
@@ -694,7 +666,7 @@ class GradScaler:
         return config, (scale, tracker, left, count, streak)
 
     def __getstate__(self) -> dict[str, Any]:
-        if any(s["stage"] != _READY for s in self._per_optimizer.values()):
+        if any(s["stage"] != Stage.READY for s in self._per_optimizer.values()):
             raise ScalerUsageError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, "
                 "or at the end after scaler.update()."

@@ -94,7 +94,7 @@ class SpikeDetector(Hook):
     ``mean + clip_z * std`` of its window instead of skipping (between the two: clip, then
     skip). Only increases count (a loss drop is good news). The state is plain Python floats:
     its inputs are the host values ``TrainStep`` already holds for the record, so it adds no
-    sync. ``TrainStep(..., detector=SpikeDetector())`` logs ``z_loss``/``z_grad`` on every record.
+    sync. ``TrainStep(..., hooks=[SpikeDetector()])`` logs ``z_loss``/``z_grad`` on every record.
     As a hook: ``on_decision`` scores and decides (a ``Verdict``), ``on_record`` admits the
     step; in a plain loop call ``score``, ``decide`` and ``observe`` yourself.
 

@@ -13,10 +13,17 @@ steps only:
    no grad) gives a finite loss: the low-precision forward overflowed, and no loss scale helps;
 3. ``nonfinite_loss``: neither (the model's weights, or the loss itself, give NaN in fp32 too).
 
+On a ``forward_overflow`` the hook also names where: ``overflow_module`` re-runs the
+low-precision forward once more with a hook on every module and returns the first module, in
+the order the forward finishes them, whose inputs were finite and whose output was not (a
+module fed a non-finite value only passes it on). The record's ``culprit_module`` says it
+(``h.0.attn`` for attention logits past 65504, not the ``c_proj`` after it).
+
 The re-run replays the step's own forward: the same micro-batches, the same output fault
 (``Batch.corrupt_output``), the dropout masks of the same random state (restored after), and
 the module's buffers put back as they were (BatchNorm's running statistics). It costs one
-forward in fp32 on a bad step, none on any other (an fp32 run re-runs nothing: its forward
+forward in fp32 on a bad step (and one more, in the low precision, on a forward overflow),
+none on any other (an fp32 run re-runs nothing: its forward
 was already fp32). Under ``torch.distributed`` every rank re-runs its own part and the ranks
 agree with one all-reduce of two numbers: any rank's bad input makes it ``nonfinite_input``,
 else a finite fp32 global loss makes it ``forward_overflow``. A model whose weights are
@@ -38,11 +45,12 @@ from torch import Tensor, nn
 
 from .distributed import ProcessGroup, all_reduce_, is_distributed
 from .hooks import DecisionView, Hook, Verdict
+from .names import PRECISIONS
 from .reasons import Reason
 
-__all__ = ["Triage", "nonfinite_input", "rng_state", "triage"]
+__all__ = ["Triage", "nonfinite_input", "overflow_module", "rng_state", "triage"]
 
-_AUTOCAST = {"fp32": False, "bf16": True, "fp16": True}
+_AUTOCAST_DTYPE = dict(zip(PRECISIONS, (None, torch.bfloat16, torch.float16)))
 
 
 def _floating(obj: Any) -> Iterator[Tensor]:
@@ -119,6 +127,69 @@ def _fp32_loss(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any,
     return total
 
 
+def _nonfinite(obj: Any) -> list[Tensor]:
+    return [(~torch.isfinite(t)).any() for t in _floating(obj)]
+
+
+@torch.no_grad()
+def overflow_module(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, precision: str,
+                    rng: tuple[Tensor, Tensor | None] | None = None,
+                    process_group: ProcessGroup | None = None) -> str | None:
+    """Return the module whose low-precision output first went non-finite from finite inputs, or None.
+
+    Re-runs the step's forward under ``precision``'s autocast, as ``triage``'s fp32 re-run does
+    (the same micro-batches, output fault, dropout masks; the buffers put back), with a forward
+    hook on every module. Modules are taken in the order their forward finishes (a child before
+    its parent); the first whose floating inputs are finite and whose output is not made the
+    non-finite value. The flags stay on the device until one read at the end. Under
+    ``torch.distributed`` the ranks agree on the earliest module in ``named_modules`` order (one
+    all-reduce). ``""`` is the root module; None: no module's output went non-finite (the loss did).
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    >>> with torch.no_grad(): _ = net[2].weight.fill_(1e5)
+    >>> overflow_module(net, nn.functional.mse_loss, (torch.ones(1, 2), torch.zeros(1, 1)), precision="fp16")
+    '2'
+    """
+    names = {m: name for name, m in model.named_modules()}
+    index = {name: i for i, name in enumerate(names.values())}
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    seen: list[tuple[str, Tensor, Tensor]] = []
+
+    def watch(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        inputs, outputs = _nonfinite((args, kwargs)), _nonfinite(out)
+        if outputs:
+            bad_in = torch.stack(inputs).any() if inputs else torch.zeros((), dtype=torch.bool, device=device)
+            seen.append((names[module], bad_in, torch.stack(outputs).any()))
+
+    handles = [m.register_forward_hook(watch, with_kwargs=True) for m in names]
+    corrupt = getattr(batch, "corrupt_output", lambda out: out)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if rng is not None:
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state(rng[1], device)
+            for x, _, _ in _micro_batches(batch):
+                with torch.autocast(device.type, dtype=_AUTOCAST_DTYPE[precision] or torch.float32,
+                                    enabled=_AUTOCAST_DTYPE[precision] is not None):
+                    corrupt(model(**x) if isinstance(x, Mapping) else model(x))
+    finally:
+        for h in handles:
+            h.remove()
+        for b, saved in buffers:
+            b.copy_(saved)
+    where = len(index)
+    if seen:  # one read of every flag: a module that made the non-finite value had none coming in
+        flags = torch.stack([torch.stack([i.to(device), o.to(device)]) for _, i, o in seen]).tolist()
+        where = next((index[name] for (name, _, _), (bad_in, bad_out) in zip(seen, flags)
+                      if bad_out and not bad_in), where)
+    if is_distributed():
+        where = int(all_reduce_(torch.tensor([where], device=device), "min", process_group).item())
+    return list(index)[where] if where < len(index) else None
+
+
 def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, precision: str,
            rng: tuple[Tensor, Tensor | None] | None = None,
            process_group: ProcessGroup | None = None) -> Reason:
@@ -139,8 +210,8 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
     >>> triage(net, nn.functional.mse_loss, (x, y), precision="fp16")
     <Reason.FORWARD_OVERFLOW: 'forward_overflow'>
     """
-    if precision not in _AUTOCAST:
-        raise ValueError(f"precision must be one of {list(_AUTOCAST)}, got {precision!r}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     bad = nonfinite_input(*_inputs(batch)).to(device)  # on the model's device: NCCL reduces no CPU tensor
@@ -150,7 +221,7 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
     # fp16/bf16 weights have no fp32 forward to compare with (and fp32 inputs would not fit them); the
     # same on every rank, as the weights' dtypes are
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
-    if _AUTOCAST[precision] and not low:
+    if _AUTOCAST_DTYPE[precision] is not None and not low:
         loss = _fp32_loss(model, loss_fn, batch, rng)
     else:  # the forward was fp32 already (a re-run would give the same loss), or cannot be
         loss = torch.full((), float("nan"), dtype=torch.float64, device=device)
@@ -167,6 +238,8 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
 class Triage(Hook):
     """Refine a non-finite loss's skip reason (``triage``): ``nonfinite_input``, ``forward_overflow``, or not.
 
+    On a ``forward_overflow`` its verdict also sets ``culprit_module`` (``overflow_module``).
+
     With ``TrainStep`` (``triage=True``, or ``hooks=[Triage()]``) it reads the model, the loss
     function, the precision and the process group from the step. In a plain loop pass them,
     call ``pre_step(None, step)`` before the forward (it keeps the random state for the
@@ -182,12 +255,13 @@ class Triage(Hook):
     Verdict(skip=<Reason.NONFINITE_INPUT: 'nonfinite_input'>, clip_to=None, clip_reason=None, fields={})
     """
 
+    priority = 50
     per_step = True  # the loss must be checked on the host: with sync_every the check stays on the device
 
     def __init__(self, model: nn.Module | None = None, loss_fn: Callable[..., Tensor] | None = None,
                  precision: str | None = None, *, process_group: ProcessGroup | None = None) -> None:
-        if precision is not None and precision not in _AUTOCAST:
-            raise ValueError(f"precision must be one of {list(_AUTOCAST)}, got {precision!r}.")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
         self.model, self.loss_fn, self.precision = model, loss_fn, precision
         self.process_group = process_group
         self._rng: tuple[Tensor, Tensor | None] | None = None
@@ -213,5 +287,10 @@ class Triage(Hook):
         if self.model is None or self.loss_fn is None or self.precision is None:
             raise RuntimeError("Triage needs the model, the loss function and the precision: pass them, or "
                                "attach(trainer) first (TrainStep does).")
-        return Verdict(skip=triage(self.model, self.loss_fn, view.batch, precision=self.precision,
-                                   rng=self._rng, process_group=self.process_group))
+        reason = triage(self.model, self.loss_fn, view.batch, precision=self.precision, rng=self._rng,
+                        process_group=self.process_group)
+        if reason is not Reason.FORWARD_OVERFLOW:
+            return Verdict(skip=reason)
+        where = overflow_module(self.model, self.loss_fn, view.batch, precision=self.precision, rng=self._rng,
+                                process_group=self.process_group)
+        return Verdict(skip=reason, fields={} if where is None else {"culprit_module": where})

@@ -679,18 +679,6 @@ def test_property_clipping_is_idempotent(values, norm_type, max_norm):
         torch.testing.assert_close(g, o, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@settings(max_examples=300, deadline=None, database=None)
-@given(norm=st.floats(min_value=0.0, width=32) | st.sampled_from([0.0, 1e-45, 3.4e38, INF, NAN, -1.0]),
-       max_norm=st.floats(min_value=1e-30, max_value=1e30) | st.sampled_from([1e-6, 1.0, 3.5e38, INF]))
-def test_property_host_clip_coef_has_clip_coefs_bits(dtype, norm, max_norm):
-    """The coefficient TrainStep works out on the host is the device kernels' to the bit (torch is the oracle)."""
-    from labkit.clip import clip_coef, host_clip_coef
-    on_device = clip_coef(torch.tensor(norm, dtype=dtype), max_norm).item()
-    on_host = host_clip_coef(norm, max_norm, dtype)
-    assert on_host == on_device, (norm, max_norm, on_host, on_device)
-
-
 @settings(max_examples=300, deadline=None, database=None)
 @given(x=st.floats(allow_nan=False) | st.sampled_from([3.4028235e38, 3.40282357e38, 3.4028236e38, 1e-46, -1e39]))
 def test_property_round_to_float32_is_torchs_cast(x):

@@ -11,7 +11,7 @@ import torch
 
 import labkit
 from labkit.lab.defenses import KNOBS, DefenseExplorer, Defenses, ledger, plot_defenses
-from labkit.lab.demo import describe
+from labkit.lab.text import describe
 from labkit.lab.experiment import ExperimentConfig, run_experiment
 from labkit.lab.text import describe_rewind
 

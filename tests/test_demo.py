@@ -208,7 +208,7 @@ def test_an_unclipped_spike_is_reported_and_a_run_without_a_scaler_shows_no_scal
 
 
 def test_scales_print_as_powers_of_two_once_they_are_long():
-    from labkit.lab.demo import describe, format_scale
+    from labkit.lab.text import describe, format_scale
     from labkit.records import StepRecord
 
     assert describe(StepRecord(3, 1.0, scale=2.0**24, next_scale=2.0**23), 1.0) == ["step    3  SCALE 2^24 -> 2^23 (backoff)"]
@@ -216,7 +216,7 @@ def test_scales_print_as_powers_of_two_once_they_are_long():
 
 
 def test_a_fault_on_another_rank_keeps_its_tag_and_the_title_says_how_many_ranks():
-    from labkit.lab.demo import describe, title
+    from labkit.lab.text import describe, title
     from labkit.lab.experiment import ExperimentConfig
     from labkit.records import StepRecord
 

@@ -175,7 +175,7 @@ def scenario_rewind(rank, out):
     model = DDP(task.model())
     rewind = Rewind(back=4, skip=6, every=2)
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
-                     detector=SpikeDetector(window=8, skip_z=6.0), rewind=rewind, clip_alarm=None)
+                     hooks=[rewind, SpikeDetector(window=8, skip_z=6.0)], clip_alarm=None)  # rewind runs last
     while step.step_count < REWIND_STEPS:
         index = rewind.data_index(step.step_count)
         x, y = shard(task.batch(index), rank)

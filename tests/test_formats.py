@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from labkit.fp8 import Fp8Fault, Fp8Guard
+from labkit.formats.fp8 import Fp8Fault, Fp8Guard
 from labkit.lab.formats import (
-    NUMBER_LINE, GranularityExplorer, format_values, number_line, round_to, scaling_figure, stagnation_figure,
+    NUMBER_LINE, GranularityExplorer, format_values, number_line, round_trip, scaling_figure, stagnation_figure,
 )
-from labkit.precision import compare_remedies
+from labkit.formats.bf16 import compare_remedies
 
 
 def test_format_values_are_every_bit_pattern_and_agree_with_finfo():
@@ -28,7 +28,7 @@ def test_number_line_cursor_shows_where_each_format_puts_the_value():
     ax = fig.axes[0]
     cursor_points = [line for line in ax.get_lines() if line.get_marker() == "o"]
     labels = [t.get_text() for t in ax.texts]
-    assert labels == [f"{round_to(math.inf, name):g}" for name in NUMBER_LINE] == ["6", "448", "inf", "inf", "inf"]
+    assert labels == [f"{round_trip(math.inf, name):g}" for name in NUMBER_LINE] == ["6", "448", "inf", "inf", "inf"]
     assert [p.get_ydata()[0] for p in cursor_points] == list(range(len(NUMBER_LINE)))
     assert [t.get_text() for t in ax.get_yticklabels()] == list(NUMBER_LINE)
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.fp8 import (
+from labkit.formats.fp8 import (
     FORMATS, GRANULARITIES, REASONS, Fp8Fault, Fp8Guard, check_amax, linear, quantize, update_amax_history,
 )
 
@@ -221,7 +221,7 @@ def test_fp8_casts_are_the_same_bits_on_cuda_and_scaled_mm_runs_there():
 
 
 def test_a_sharded_tensor_is_scaled_by_the_whole_tensors_amax(monkeypatch):
-    import labkit.fp8 as fp8
+    import labkit.formats.fp8 as fp8
 
     other_rank = {"stats": torch.tensor([0.0, 10.0])}  # [non-finite?, amax] on the other shard
 

@@ -393,14 +393,14 @@ PS2_BANNED = {
         "        if std == 0:", "        if self.window < 0:\n            return labkit.spikes.rolling_z(values, x, 1)\n"
                                "        if std == 0:"),
 }
-PS3_SAVED = "import functools\nimport labkit.fp8, labkit.precision\n"
+PS3_SAVED = "import functools\nimport labkit.formats.fp8, labkit.formats.bf16\n"
 PS3_BANNED = {
     # the library's own function as the answer: the grader itself calls the ban's wrapper
-    "kahan_answer": "kahan_update = labkit.precision.kahan_add",
-    "fp8_answer": "quantize_tiles = functools.partial(labkit.fp8.quantize, granularity='tile128')",
+    "kahan_answer": "kahan_update = labkit.formats.bf16.kahan_add",
+    "fp8_answer": "quantize_tiles = functools.partial(labkit.formats.fp8.quantize, granularity='tile128')",
     # the trap raised in a try that swallows it, with an honest fallback that would pass
     "stale_answer": ga.solutions(ga.PS3)["stale_answer"].replace(
-        "    toward = ", "    try:\n        return labkit.precision.stale_fraction(update, weight, mask=update != 0)\n"
+        "    toward = ", "    try:\n        return labkit.formats.bf16.stale_fraction(update, weight, mask=update != 0)\n"
                         "    except BaseException:\n        pass\n    toward = ", 1),
 }
 

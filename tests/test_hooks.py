@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,6 @@ from labkit import GradScaler, ToyTask, TrainStep
 from labkit.clippers import ZClip
 from labkit.hooks import DecisionView, Hook, Verdict
 from labkit.reasons import Reason
-from labkit.spikes import SpikeDetector
 
 STEPS = 6
 NAN = pytest.approx(math.nan, nan_ok=True)
@@ -98,16 +96,16 @@ def test_moments_come_in_the_amp_order(task):
 class SkipAt(Hook):
     """Skips one step, as a spike detector would."""
 
-    def __init__(self, at, device=False):
-        self.at, self.device_decision = at, device
+    def __init__(self, at):
+        self.at = at
 
     def on_decision(self, trainer, view):
         return Verdict(skip=Reason.SPIKE_LOSS, fields={"z_loss": 9.5}) if view.step == self.at else None
 
 
 class ClipTo(Hook):
-    def __init__(self, limit, device=False):
-        self.limit, self.device_decision = limit, device
+    def __init__(self, limit):
+        self.limit = limit
 
     def on_decision(self, trainer, view):
         return Verdict(clip_to=self.limit)
@@ -118,17 +116,12 @@ def _dicts(records):
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
-def test_a_hook_skip_keeps_the_scale_the_same_on_the_host_and_the_device(task, kind):
+def test_a_hook_skip_keeps_the_scale(task, kind):
     model_h, records_h, train_h = run(task, [SkipAt(3)], kind=kind, max_norm=0.05)
-    model_d, records_d, train_d = run(task, [SkipAt(3, device=True)], kind=kind, max_norm=0.05)
-    assert train_h._decides_on_host() and not train_d._decides_on_host()
     skip = records_h[3]
     assert skip.skipped and skip.reason == "spike_loss" and type(skip.reason) is str and skip.z_loss == 9.5
     assert skip.next_scale == skip.scale and skip.clip_coef == 1.0 and skip.threshold == 0.05
     assert skip.top_grads and train_h.scaler.skip_count == 0  # named, and not counted as an overflow
-    assert _dicts(records_h) == _dicts(records_d)
-    for p, q in zip(model_h.parameters(), model_d.parameters()):
-        assert torch.equal(p, q)
     unskipped, _, _ = run(task, [], kind=kind, max_norm=0.05, steps=3)
     for p, q in zip(unskipped.parameters(), model_h.parameters()):  # step 3 never moved them
         assert not torch.equal(p, q)
@@ -137,45 +130,11 @@ def test_a_hook_skip_keeps_the_scale_the_same_on_the_host_and_the_device(task, k
 def test_a_hook_clip_cuts_deeper_than_the_clipper_and_names_itself(task):
     _, plain, _ = run(task, [], max_norm=1e6)
     _, records_h, _ = run(task, [ClipTo(0.02)], max_norm=1e6)
-    _, records_d, _ = run(task, [ClipTo(0.02, device=True)], max_norm=1e6)
-    assert _dicts(records_h) == _dicts(records_d)
     for r, p in zip(records_h, plain):
         assert r.clipped and r.clip_reason == "ClipTo" and r.threshold == 1e6
         assert r.grad_norm * r.clip_coef == pytest.approx(0.02, rel=1e-5)
     _, records, _ = run(task, [ClipTo(1e7)], max_norm=0.05)  # the clipper's cut is the deeper one
     assert all(r.clip_reason == "NormClip" for r in records if r.clipped)
-
-
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-@pytest.mark.parametrize("clip_z", [None, 2.0])
-def test_the_detector_decides_alike_on_the_host_and_the_device(task, clip_z, precision):
-    """SpikeDetector decides on the host's one read; kept on the device path (device_decision) its verdicts
-    and records are the same to the bit: the two implementations of the decision are one rule."""
-    def data(i):
-        x, y = task.batch(i)
-        return (x * 30.0 if i == 30 else x), y
-
-    def go(host):
-        torch.manual_seed(0)
-        model = task.model()
-        det = SpikeDetector(window=16, skip_z=6.0 if clip_z is None else None, clip_z=clip_z)
-        det.device_decision = not host
-        scaler = GradScaler("cpu", init_scale=256.0, enabled=precision == "fp16")
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        train = TrainStep(model, opt, task.loss_fn, precision=precision, max_norm=5.0, detector=det,
-                          clip_alarm=None, scaler=scaler)
-        assert train._decides_on_host() is host
-        return model, [train(*data(i)) for i in range(34)]
-
-    model_h, records_h = go(True)
-    model_d, records_d = go(False)
-    assert _dicts(records_h) == _dicts(records_d)
-    if clip_z is None:
-        assert records_h[30].reason in ("spike_loss", "spike_grad")
-    else:
-        assert any(r.clip_reason == "z_grad" for r in records_h)
-    for p, q in zip(model_h.parameters(), model_d.parameters()):
-        assert torch.equal(p, q)
 
 
 class Measure(Hook):
@@ -259,34 +218,10 @@ def test_hooks_must_be_hooks_and_per_step_ones_refuse_deferred_records(task):
         TrainStep(model, opt, task.loss_fn, hooks=[object()])
     with pytest.raises(TypeError, match="hooks must be a list"):
         TrainStep(model, opt, task.loss_fn, hooks=Recorder())
-    with pytest.raises(TypeError, match="detector must be a labkit.hooks.Hook"):
-        TrainStep(model, opt, task.loss_fn, detector=object())
     per_step = Recorder()
     per_step.per_step = True
     with pytest.raises(ValueError, match="sync_every"):
         TrainStep(model, opt, task.loss_fn, hooks=[per_step], sync_every=2)
-
-
-def test_an_observer_of_the_older_protocol_is_still_called(task):
-    class Old:
-        def __init__(self):
-            self.seen = []
-
-        def before_step(self, params, step):
-            self.seen.append(("before", step, len(params)))
-
-        def after_step(self, params, record):
-            self.seen.append(("after", record.step, record.skipped))
-
-    old = Old()
-    model = task.model()
-    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, observer=old,
-                      faults={1: "nan"})
-    for i in range(3):
-        train(*task.batch(i))
-    assert train.observer is old
-    n = len(list(model.parameters()))
-    assert old.seen == [("before", 0, n), ("after", 0, False), ("before", 2, n), ("after", 2, False)]
 
 
 def test_max_norm_and_a_clipper_together_are_an_error(task):
@@ -330,29 +265,6 @@ def test_a_scaler_iteration_can_be_abandoned_and_its_state_parsed_without_writin
     assert scaler.state_dict() == state
 
 
-def test_old_import_paths_work_for_one_release_with_a_deprecation_warning():
-    code = """
-import warnings
-warnings.simplefilter("always")
-with warnings.catch_warnings(record=True) as caught:
-    import labkit.precision as old_bf16, labkit.fp8 as old_fp8
-    from labkit.lab.demo import describe
-    from labkit.lab.formats import round_to
-    from labkit.records import REASONS
-    from labkit.rewind import SPIKE_REASONS
-import labkit.formats.bf16, labkit.formats.fp8, labkit.lab.text, labkit.lab.formats
-assert old_bf16 is labkit.formats.bf16 and old_fp8 is labkit.formats.fp8
-assert describe is labkit.lab.text.describe and round_to is labkit.lab.formats.round_trip
-assert REASONS == ("nonfinite_loss", "nonfinite_grad") and SPIKE_REASONS == ("spike_loss", "spike_grad")
-print(sorted(str(w.message).split(" ")[0] for w in caught if w.category is DeprecationWarning))
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(sorted(["labkit.precision", "labkit.fp8", "labkit.lab.demo.describe",
-                                              "labkit.lab.formats.round_to", "labkit.records.REASONS",
-                                              "labkit.rewind.SPIKE_REASONS"]))
-
-
 def test_the_lab_front_names_what_the_lessons_import():
     import labkit.lab as lab
     from labkit.lab.experiment import ExperimentConfig
@@ -370,3 +282,19 @@ def test_a_decision_view_reads_device_values_once_when_asked():
     view = DecisionView(0, torch.tensor(0.5), torch.tensor(2.0))
     assert (view.loss, view.norm) == (0.5, 2.0)
     assert labkit.hooks.Verdict().skip is None
+
+
+def test_hooks_carry_their_own_order(task):
+    """``priority``, higher first, ties as given: the alarms, then triage, then the rest, a rewind last,
+    wherever each was passed."""
+    from labkit.alarms import ClipAlarm, SkipAlarm
+    from labkit.rewind import Rewind
+    from labkit.triage import Triage
+
+    rewind, first, second = Rewind(back=2, skip=2), Recorder(), Recorder()
+    model = task.model()
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                      hooks=[rewind, first, second], triage=True)
+    kinds = [type(h) for h in train.hooks.members if type(h).__name__ != "BackwardOrder"]
+    assert kinds == [SkipAlarm, ClipAlarm, Triage, Recorder, Recorder, Rewind]
+    assert train.hooks.members.index(first) < train.hooks.members.index(second)

@@ -107,7 +107,7 @@ def plain_loop(task):
 def train_step_loop(task):
     model, first, opt, scaler, clipper, detector = parts(task)
     train = TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, clipper=clipper,
-                      detector=detector)
+                      hooks=[detector])
     for step in range(STEPS):
         first.grad_step = step
         train(*batch(task, step))
@@ -218,7 +218,7 @@ def test_rewind_in_a_plain_loop_undoes_what_trainstep_undoes():
 
     model_b, opt_b, detector_b = make()
     rewind_b = Rewind(back=4, skip=6, every=2)
-    train = TrainStep(model_b, opt_b, task.loss_fn, max_norm=None, detector=detector_b, rewind=rewind_b)
+    train = TrainStep(model_b, opt_b, task.loss_fn, max_norm=None, hooks=[rewind_b, detector_b])
     while train.step_count < 28:
         train(*data(rewind_b.data_index(train.step_count)))
     assert rewind.rewinds == rewind_b.rewinds == [(20, 16)]
@@ -234,4 +234,4 @@ def test_the_alarms_are_hooks_a_plain_loop_calls(hook):
         for step in range(3):
             hook.on_record(None, StepRecord(step, math.nan, skipped=isinstance(hook, SkipAlarm),
                                             clipped=isinstance(hook, ClipAlarm), reason="nonfinite_grad"))
-    assert len(caught) == 1
+    assert len(caught) == 1 and caught[0].filename == __file__  # the loop's own call

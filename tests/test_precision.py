@@ -10,8 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from labkit import TrainStep
-from labkit.lab.demo import describe
-from labkit.precision import (
+from labkit.lab.text import describe
+from labkit.formats.bf16 import (
     StaleMonitor, StaleUpdateWarning, accumulate, compare_remedies, kahan_add, stale_fraction, stochastic_round_bf16,
 )
 from labkit.tasks import ToyTask
@@ -66,7 +66,7 @@ def _bf16_step(monitor, lr=1e-4, dtype=torch.bfloat16):
     task = ToyTask(seed=0)
     model = task.model().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, observer=monitor)
+    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, hooks=[monitor])
 
 
 def test_stale_monitor_records_each_layer_like_a_hand_computation():
@@ -87,7 +87,8 @@ def test_stale_monitor_warns_once_per_streak_and_fp32_weights_stay_quiet():
         for i in range(5):
             step(*task.batch(i))
     assert len([w for w in caught if "0.weight" in str(w.message)]) == 1
-    assert step.observer.streaks["0.weight"] == 5
+    [monitor] = [h for h in step.hooks.members if isinstance(h, StaleMonitor)]
+    assert monitor.streaks["0.weight"] == 5
 
     task, _, step32 = _bf16_step(StaleMonitor(patience=1), dtype=torch.float32)
     with warnings.catch_warnings():

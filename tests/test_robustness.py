@@ -652,7 +652,7 @@ def test_a_damaged_clipper_or_detector_state_raises_before_anything_is_written(t
 
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
-                     max_norm=None, clipper=ZClip(), detector=SpikeDetector(window=16), faults={1: "nan"})
+                     max_norm=None, clipper=ZClip(), hooks=[SpikeDetector(window=16)], faults={1: "nan"})
     for i in range(3):
         step(*task.batch(i))
     good = step.state_dict()

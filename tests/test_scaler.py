@@ -371,16 +371,11 @@ def test_rule_with_hysteresis_1_and_no_bounds_is_torchs_rule(init_exp, growth, b
     counts=st.tuples(st.integers(0, 50), st.integers(0, 50)),
     read=st.booleans(),
 )
-def test_scaler_update_by_torchs_kernel_is_the_rule(scale, tracker, left, found, growth, backoff, interval, min_scale,
-                                                    counts, read):
-    """hysteresis 1 and no cap: update() takes torch's fused kernel; from any state, what the rule gives.
-
-    Includes what torch's kernel alone gets wrong for the rule: a tracker at or past a lowered
-    growth_interval (``set_growth_interval``), a scale backed off below the floor, a found_inf
-    of 2 (two optimizers) or NaN, and a scale already below ``min_scale`` (set by hand).
-    ``read``: the check was read to the host and found nothing (TrainStep's per-step records),
-    where update() leaves out the back-off's kernels.
-    """
+def test_scaler_update_is_torchs_kernel_with_the_floor(scale, tracker, left, found, growth, backoff, interval, min_scale,
+                                                       counts, read):
+    """hysteresis 1 and no cap: update() gives what torch's fused ``_amp_update_scale_`` gives, from any state,
+    with the rule's two additions: a tracker at or past a lowered growth_interval grows now (clamped first),
+    and a backed-off scale is floored (``min_scale``, else 2**-126). ``read``: the check was a host bool."""
     scaler = GradScaler("cpu", growth_factor=growth, backoff_factor=backoff, growth_interval=interval,
                         min_scale=min_scale)
     state = scaler._lazy_init(torch.device("cpu"))
@@ -388,11 +383,23 @@ def test_scaler_update_by_torchs_kernel_is_the_rule(scale, tracker, left, found,
     values = (t_scale(scale), t_int(tracker), t_int(left), torch.tensor(skips[0]), torch.tensor(skips[1]))
     for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), values):
         state[key].copy_(value)
-    expected = update_scale(*values[:3], torch.tensor(found), scaler.config)
-    scaler._update_by_torch(state, torch.tensor(found), clean=read and found == 0)
-    got = (state["scale"], state["growth_tracker"], state["hysteresis_left"])
-    for g, e in zip(got, expected):
-        assert g.dtype == e.dtype and torch.equal(g, e), (got, expected)
+    # the oracle: torch's kernel on copies
+    want_scale, want_tracker = values[0].clone(), values[1].clone().clamp_(max=interval - 1)
+    torch._amp_update_scale_(want_scale, want_tracker, torch.tensor(float(found)), growth, backoff, interval)
+    if found != 0:
+        floor = 2.0**-126 if min_scale is None else torch.tensor(min_scale, dtype=torch.float64)
+        if min_scale is not None:  # rounded inwards to float32, so a floor never lets the scale below it
+            f = floor.float()
+            floor = torch.nextafter(f, torch.tensor(math.inf)).item() if f.double() < floor else f.item()
+        want_scale = torch.maximum(want_scale, torch.tensor(floor, dtype=torch.float32))
+    w = torch.ones(1, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.0)
+    w.grad = torch.zeros(1)
+    scaler.inf_check_(opt, bool(found != 0) if read else torch.tensor(found), unscaled=True)
+    scaler.update()
+    assert torch.equal(state["scale"], want_scale), (state["scale"], want_scale)
+    assert torch.equal(state["growth_tracker"], want_tracker)
+    assert state["hysteresis_left"].item() == (0 if found != 0 else 1 if want_tracker == 0 else left)
     skipped = int(found != 0)
     assert (state["skip_count"].item(), state["skip_streak"].item()) == (skips[0] + skipped, (skips[1] + 1) * skipped)
 

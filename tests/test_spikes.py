@@ -64,12 +64,17 @@ def data(task, index, spike_at=SPIKE_AT, rank_slice=None):
     return x, y
 
 
+def detector_of(step):
+    [detector] = [h for h in step.hooks.members if isinstance(h, SpikeDetector)]
+    return detector
+
+
 def make(task, rewind=None, detector=True):
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
     return TrainStep(model, opt, task.loss_fn, precision="fp32", clipper=ZClip(warmup=5), scheduler=sched,
-                     detector=SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind=rewind,
+                     hooks=[h for h in (SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind) if h],
                      clip_alarm=None)
 
 
@@ -104,7 +109,7 @@ def test_rewound_run_equals_a_run_that_never_saw_the_skipped_window():
     assert step.scaler.state_dict() == oracle.scaler.state_dict()
     for k, v in step.clipper.state_dict().items():
         assert torch.equal(v, oracle.clipper.state_dict()[k]), k
-    assert step.detector.state_dict() == oracle.detector.state_dict()
+    assert detector_of(step).state_dict() == detector_of(oracle).state_dict()
     # the records tell the truth: the undone steps are kept as written, a rewind event after them, and the
     # step numbers repeat
     log = step.log
@@ -156,16 +161,16 @@ def test_detector_can_clip_instead_of_skip():
     task = ToyTask()
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, max_norm=None,
-                     detector=SpikeDetector(window=16, skip_z=None, clip_z=4.0), clip_alarm=None)
+                     hooks=[SpikeDetector(window=16, skip_z=None, clip_z=4.0)], clip_alarm=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(SPIKE_AT):
             step(*data(task, i))
-        limit = step.detector.clip_limit()
+        limit = detector_of(step).clip_limit()
         spike = step(*data(task, SPIKE_AT))
     assert not spike.skipped and spike.clipped and spike.clip_reason == "z_grad" and spike.z_grad > 4
     assert spike.grad_norm * spike.clip_coef == pytest.approx(limit, rel=1e-3)
-    assert max(step.detector.norms) == pytest.approx(limit, rel=1e-3)  # the window admits the clipped norm
+    assert max(detector_of(step).norms) == pytest.approx(limit, rel=1e-3)  # the window admits the clipped norm
 
 
 def test_format_z_caps_what_it_prints_beyond_a_hundred_sigma():

@@ -707,3 +707,78 @@ def test_no_gradient_of_the_last_step_lives_into_the_next_forward(task, precisio
     model.register_forward_pre_hook(lambda module, args: alive.append(sum(r() is not None for r in old)))
     record = train(*task.batch(1))
     assert alive == [0] and record.clipped and record.top_grads  # the forensics still had the gradients
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_two_param_groups_sum_the_norm_in_model_order_like_torch(precision):
+    """nanoGPT's two groups (decayed weights, then undecayed biases): the norm is summed in the model's
+    order, as ``clip_grad_norm_(model.parameters())`` sums it, so norms and parameters are torch's bits."""
+    task = labkit.tasks.GPTTask(block_size=16, batch_size=4, measure=False)
+
+    def groups(model):
+        params = list(model.parameters())
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    steps, max_norm, dtype = 6, 1.0, labkit.step.PRECISIONS[precision]
+    torch.manual_seed(0)
+    model = task.model()
+    train = labkit.TrainStep(model, torch.optim.AdamW(groups(model), lr=1e-3), task.loss_fn,
+                             precision=precision, max_norm=max_norm)
+    records = [train(*task.batch(i)) for i in range(steps)]
+
+    torch.manual_seed(0)
+    ref = task.model()
+    opt = torch.optim.AdamW(groups(ref), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    norms = []
+    for i in range(steps):
+        x, y = task.batch(i)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = task.loss_fn(ref(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
+        scaler.step(opt)
+        scaler.update()
+
+    assert [r.grad_norm for r in records] == norms  # to the bit, not approx
+    assert any(r.clipped for r in records)
+    assert_bitwise(params_of(model), params_of(ref), "params")
+
+
+@pytest.mark.parametrize("sync_every", [None, 2])
+def test_the_alarms_warn_at_the_users_call_not_inside_labkit(make_step, task, sync_every):
+    train = make_step(max_norm=1e-3, clip_window=2, sync_every=sync_every)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            train(*task.batch(i))  # the warning's line
+        train.flush()
+    [w] = [w for w in caught if issubclass(w.category, labkit.RepeatedClippingWarning)]
+    assert w.filename == __file__, w.filename
+
+
+def test_clipping_that_subsides_is_the_design_clipping_that_holds_is_the_symptom():
+    """The early steps of a max_norm=1 run clip most steps, fewer and fewer (nanoGPT: 63-70 % early):
+    no warning, though more than half of a window clipped; the same rate held, or growing, warns."""
+    from labkit.alarms import ClipAlarm
+
+    def fired(pattern, window=100):
+        alarm = ClipAlarm(rate=0.5, window=window)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, clipped in enumerate(pattern):
+                alarm.observe(clipped, step=i)
+        return [w for w in caught if issubclass(w.category, labkit.RepeatedClippingWarning)]
+
+    # clipped with a probability falling from 0.95 to 0.2 over 300 steps (a fixed draw)
+    g = torch.Generator().manual_seed(0)
+    falling = [bool(torch.rand((), generator=g) < 0.95 - 0.75 * i / 300) for i in range(300)]
+    assert sum(falling[:100]) > 70  # the rule before (more than half of the last 100) fired at step 99
+    assert fired(falling) == []
+    held = [bool(torch.rand((), generator=g) < 0.7) for _ in range(300)]
+    assert len(fired(held)) == 1
+    onset = [False] * 200 + [True] * 100  # a run that clipped rarely starts clipping every step
+    assert len(fired(onset)) == 1

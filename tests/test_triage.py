@@ -76,6 +76,50 @@ def test_an_fp16_forward_overflow_on_finite_data_reads_forward_overflow():
     assert step_for(overflowing_head(task), task)(x, y).reason == "nonfinite_loss"  # without triage
 
 
+def test_a_forward_overflow_names_the_module_whose_fp16_output_first_went_nonfinite():
+    task = ToyTask()
+    model = overflowing_head(task)
+    x, y = task.batch(0)
+    outs = {}
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: outs.setdefault(n, o) is None or None)
+             for n, m in model.named_children()]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):  # the oracle: torch's own fp16 forward
+        model(x)
+    for h in hooks:
+        h.remove()
+    assert torch.isfinite(outs["3"]).all() and not torch.isfinite(outs["4"]).all()  # layer 4 made the inf
+    step = step_for(model, task, triage=True)
+    record = step(x, y)
+    assert (record.reason, record.culprit_module) == ("forward_overflow", "4")
+    assert "(the forward overflowed) in 4" in describe(record, 1.0)[0]
+    assert step_for(task.model(), task, triage=True)(x, y).culprit_module is None  # a good step: no re-run
+
+
+def test_the_gpts_attention_overflow_is_named_at_the_attention_not_the_projection_after_it():
+    """q.k past 65504 in block 1's attention: its input is finite, its output (and c_proj's) not."""
+    task = labkit.tasks.GPTTask(attention="explicit", measure=False)
+    torch.manual_seed(0)
+    model = task.model()
+    with torch.no_grad():
+        model.h[1].attn.c_attn.weight.mul_(1e3)
+    x, y = task.batch(0)
+    seen = {}
+    attn = model.h[1].attn
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: seen.setdefault(n, (a[0], o)) is None or None)
+             for n, m in (("attn", attn), ("c_attn", attn.c_attn), ("c_proj", attn.c_proj))]
+    with torch.no_grad():
+        assert torch.isfinite(task.loss_fn(model(x), y))  # fp32: finite
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert not torch.isfinite(task.loss_fn(model(x), y))
+    for h in hooks:
+        h.remove()
+    assert torch.isfinite(seen["attn"][0]).all() and torch.isfinite(seen["c_attn"][1]).all()
+    assert not torch.isfinite(seen["c_proj"][0]).all()  # c_proj is fed the non-finite value: not its origin
+    record = step_for(model, task, triage=True)(x, y)
+    assert (record.reason, record.culprit_module) == ("forward_overflow", "h.1.attn")
+
+
 def test_nan_weights_read_nonfinite_loss():
     task = ToyTask()
     model = task.model()

@@ -118,8 +118,8 @@ class Clipper:
     - ``after_step_(params) -> Tensor | None``: after the optimizer stepped, clip the update;
       return ``[coef, threshold]``, or None.
 
-    What the step reads instead of a type: ``on_host`` (``host_coef`` gives ``coef_``'s bits
-    from a norm already read to the host: the clipper has no state), ``fused_ok`` (a global
+    What the step reads instead of a type: ``on_host`` (the coefficient is a function of the
+    norm alone: the clipper has no state, so deferred records may take it), ``fused_ok`` (a global
     coefficient is all it does: no ``clip_unscaled_``, no ``after_step_``, so a fused optimizer
     can apply it and the step asks nothing more), ``fixed_threshold`` (the
     threshold known without a step, ``NormClip``'s ``max_norm``), ``max_consecutive_clips``
@@ -166,10 +166,6 @@ class Clipper:
     def coef_(self, norms: Tensor, norm: Tensor) -> tuple[Tensor | None, float | Tensor | None]:
         """Return ``(coef, threshold)`` for the global norm, the norm admitted; ``(None, None)``: none."""
         return None, None
-
-    def host_coef(self, norm: float, dtype: torch.dtype) -> float:
-        """Return ``coef_``'s coefficient of a norm already read to the host (``on_host`` clippers only)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps state on the device: it has no host_coef.")
 
     def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor | None:
         """Clip the unscaled gradients per tensor in place; return ``[coef, threshold]``, or None."""

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from ..clip import check_max_norm, clip_coef, host_clip_coef
+from ..clip import check_max_norm, clip_coef
 from .base import Clipper
 
 __all__ = ["NormClip"]
@@ -19,6 +18,7 @@ class NormClip(Clipper):
     ``TrainStep`` watches a fixed threshold instead). ``TrainStep(max_norm=1.0)`` means
     ``TrainStep(clipper=NormClip(1.0))``.
 
+    >>> import torch
     >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([3.0, 4.0])
     >>> NormClip(1.0).clip_([w]), w.grad
     (tensor(5.), tensor([0.6000, 0.8000]))
@@ -38,9 +38,6 @@ class NormClip(Clipper):
         # with the Python float and in the norm's own dtype, as torch's clip_grad_norm_: float64
         # gradients clip bit for bit as torch's do; nothing to observe
         return clip_coef(norm, self.max_norm), self.max_norm
-
-    def host_coef(self, norm: float, dtype: torch.dtype) -> float:
-        return host_clip_coef(norm, self.max_norm, dtype)
 
     def __repr__(self) -> str:
         return f"NormClip(max_norm={self.max_norm:g})"

@@ -86,7 +86,7 @@ def stale_fraction(
 class StaleMonitor(Hook):
     """Record each layer's stale fraction in ``StepRecord.stale`` and warn on a long stale streak.
 
-    A hook (``TrainStep(hooks=[...])`` or ``observer=...``): ``pre_optim_step`` copies the
+    A hook (``TrainStep(hooks=[...])``): ``pre_optim_step`` copies the
     weights right before the optimizer step and ``post_step`` compares them right after (in a
     plain loop: ``before_step(params, step)`` and ``after_step(params, record)``), so the update
     measured is the one the optimizer really applied, ``w_after - w_before``, counted over the

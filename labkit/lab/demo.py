@@ -16,6 +16,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from ..names import PRECISIONS
 from .text import describe as _describe
 from .text import format_scale as _format_scale
 from .text import title as _title
@@ -34,7 +35,6 @@ __all__ = ["build_parser", "init_distributed", "main", "run_demo"]
 DEFAULT_FAULTS = ["50:spike:10", "120:nan", "200-204:overflow"]
 # The GPT needs no injected fault (its overflows come by themselves) and SGD's lr for it is higher.
 TASK_DEFAULTS = {"toy": {"faults": DEFAULT_FAULTS, "lr": 0.05}, "gpt": {"faults": [], "lr": 0.3}}
-PRECISIONS = ("fp32", "bf16", "fp16")  # labkit.step.PRECISIONS, without importing torch for --help
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a loss scale lives in float32
 
 
@@ -318,16 +318,3 @@ def _ranges(steps: list[int]) -> str:
         else:
             runs.append([s, s])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-
-
-_MOVED = {"describe": "describe", "format_scale": "format_scale", "title": "title", "SPIKE_REASONS": "SKIP_WHY"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:  # the lab's text helpers live in labkit.lab.text; this CLI module kept them one release
-        from . import text
-
-        warnings.warn(f"labkit.lab.demo.{name} is labkit.lab.text.{_MOVED[name]} (also in labkit.lab): import it "
-                      "from there.", DeprecationWarning, stacklevel=2)
-        return getattr(text, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,6 @@ from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
-from ..hooks import Hook
 from ..records import StepRecord
 from ..steplog import StepLog
 from ..scaler import GradScaler, check_init_scale
@@ -258,10 +257,9 @@ def run_experiment(
     streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
     else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
     steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
-    step (``TrainStep(observer=...)``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
-    ``labkit.lab.moments.AdamWatch``: hooks, attached by the step); an observer of the older
-    protocol with an ``attach(trainer)`` method is first handed the ``TrainStep``. Where to show a
-    run is not part of its config. With ``config.triage`` (the default) a non-finite loss is
+    step (``TrainStep(hooks=[...])``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
+    ``labkit.lab.moments.AdamWatch``: a ``labkit.hooks.Hook``, attached by the step). Where to show
+    a run is not part of its config. With ``config.triage`` (the default) a non-finite loss is
     triaged (``TrainStep(triage=True)``): the record says ``nonfinite_input`` (bad data) or
     ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
@@ -287,16 +285,14 @@ def run_experiment(
     loss_fn = mse if weight == 1.0 else (lambda out, y: mse(out, y) * weight)
     faults = config.fault_schedule() if config.fault_rank in (None, me) else FaultSchedule()
     d = config.defenses
-    extra = {} if d is None else {"clipper": d.clipper(), "detector": d.detector(), "rewind": d.rewind()}
+    extra = {} if d is None else {"clipper": d.clipper()}
+    detector, rewind = (None, None) if d is None else (d.detector(), d.rewind())
     if d is not None:
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, observer=observer, triage=config.triage,
-                     hooks=[monitor] if monitor is not None else [], **extra)
-    if observer is not None and not isinstance(observer, Hook) and hasattr(observer, "attach"):
-        observer.attach(step)  # an observer of the older protocol (a Hook is attached by the step)
-    rewind = extra.get("rewind")
+                     faults=faults, log_path=log_path, triage=config.triage,
+                     hooks=[h for h in (observer, monitor, detector, rewind) if h is not None], **extra)
     telemetry = None
     try:
         if trackers and me == 0:  # the records are the same on every rank

@@ -270,13 +270,3 @@ def scaling_figure(runs: Mapping[str, Sequence[CastRecord]], fault_step: int | N
     ax_sat.set_title("what the cast did: no NaN, no inf, no skip", fontsize=9)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.9, wspace=0.25)
     return fig
-
-
-def __getattr__(name: str) -> object:
-    if name == "round_to":  # one name, one meaning: labkit.clip.round_to rounds to a torch dtype
-        import warnings
-
-        warnings.warn("labkit.lab.formats.round_to is now round_trip (a cast to an FP format and back).",
-                      DeprecationWarning, stacklevel=2)
-        return round_trip
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

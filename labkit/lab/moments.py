@@ -38,7 +38,7 @@ class AdamWatch(Hook):
     """Record, per optimizer step, Adam's ``v_hat``, the step size it allows, and the update applied.
 
     A ``labkit.hooks.Hook``: pass it to the step (``run_experiment(config, observer=watch)``,
-    ``TrainStep(observer=watch)`` or ``hooks=[watch]``), which attaches it to its optimizer and
+    or ``TrainStep(hooks=[watch])``), which attaches it to its optimizer and
     calls it around every optimizer step; a plain loop passes ``optimizer=`` and calls
     ``before_step``/``after_step`` around ``optimizer.step()``. After
     each step it reads the optimizer's own ``exp_avg_sq`` and ``step`` (nothing is recomputed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ..names import module_of
 from ..reasons import Reason
 
 if TYPE_CHECKING:
@@ -44,8 +45,7 @@ def culprit(record: StepRecord) -> str | None:
     'wte.weight, as used by lm_head'
     """
     name, module = record.get("first_nonfinite"), record.get("culprit_module")
-    # blame.module_of's rule, written out: this module must not import torch (`demo --help` is instant)
-    if name is None or module is None or name.rpartition(".")[0] == module:
+    if name is None or module is None or module_of(name) == module:
         return name
     return f"{name}, as used by {module}"
 
@@ -86,7 +86,10 @@ def describe(
         lines.append(f"{at} SKIP  {record.reason}: {SKIP_WHY[record.reason]} at {z:+.1f} sigma{tag}")
     elif record.skipped:
         if record.reason in LOSS_WHY:
-            what = f"{LOSS_WHY[record.reason]}: backward skipped" + (", scale untouched" if scaler else "")
+            where = f" in {record.get('culprit_module')}" if record.reason == Reason.FORWARD_OVERFLOW and \
+                record.get("culprit_module") is not None else ""
+            what = f"{LOSS_WHY[record.reason]}{where}: backward skipped" + \
+                (", scale untouched" if scaler else "")
         elif record.get("first_nonfinite") is not None:
             what = f"gradient not finite (first in backward: {culprit(record)})"
         else:

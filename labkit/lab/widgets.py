@@ -25,6 +25,7 @@ from typing import Any
 import ipywidgets as W
 
 from ..faults import KINDS
+from ..names import PRECISIONS
 from ..steplog import StepLog
 from ..validate import check_int
 from .experiment import ExperimentConfig, run_experiment
@@ -147,7 +148,7 @@ def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
     if name == "growth_interval":
         return W.IntSlider(value=value, min=1, max=200, description="growth_interval", continuous_update=False)
     if name == "precision":
-        return W.ToggleButtons(options=["fp32", "bf16", "fp16"], value=value, description="precision")
+        return W.ToggleButtons(options=list(PRECISIONS), value=value, description="precision")
     if name == "loss_scaling":
         return W.Checkbox(value=value, description="loss scaling")
     if name == "lr":  # a grid of exact values, with the given one on it: a student can always return to it

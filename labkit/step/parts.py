@@ -1,8 +1,8 @@
 """The parts a guarded step is built from, checked before anything is created: a clear error for each.
 
 ``check_parts``: the model, optimizer, loss, scheduler and device; ``make_clipper``: the
-clip stage from ``max_norm`` or ``clipper``; ``make_hooks``: the alarms, the older keyword
-arguments (``observer``, ``detector``, ``rewind``) and ``hooks=[...]`` as one ordered list;
+clip stage from ``max_norm`` or ``clipper``; ``make_hooks``: the alarms, ``triage`` and
+``hooks=[...]`` as one list (``labkit.hooks.Hooks`` orders it by each hook's ``priority``);
 ``GuardedParams``: the parameters the step guards, the optimizer's at each step.
 """
 
@@ -18,7 +18,7 @@ from ..alarms import ClipAlarm, SkipAlarm
 from ..clip import check_max_norm
 from ..clippers import Clipper, NormClip
 from ..distributed import rank
-from ..hooks import Hook, ObserverHook
+from ..hooks import Hook
 from ..scaler import check_device
 from ..triage import Triage
 
@@ -105,15 +105,13 @@ def make_clipper(max_norm: float | None, clipper: Clipper | None) -> Clipper | N
 
 
 def make_hooks(
-    skip_alarm: int | None, clip_alarm: float | None, clip_window: int, observer: Any, detector: Hook | None,
-    hooks: Sequence[Hook], rewind: Hook | None, triage: bool = False,
+    skip_alarm: int | None, clip_alarm: float | None, clip_window: int, hooks: Sequence[Hook],
+    triage: bool = False,
 ) -> tuple[SkipAlarm, ClipAlarm, list[Hook]]:
-    """Return the alarms and every hook in the order the step calls them.
+    """Return the alarms and every hook of the step: the alarms, ``Triage`` if ``triage``, then ``hooks``.
 
-    The alarms first (they number the skip streak the others read), then ``Triage`` if
-    ``triage`` (its skip reason is the first verdict), ``observer`` (a ``Hook``, or an object of
-    the older ``before_step``/``after_step`` protocol), ``detector``, ``hooks``, and ``rewind``
-    last: it may restore a snapshot of everything the others hold.
+    The order they are called in is their ``priority``'s (``labkit.hooks.Hook``): the alarms
+    first, ``Triage`` next, a ``Rewind`` last, wherever each is in ``hooks``.
     """
     if not isinstance(triage, bool):
         raise TypeError(f"triage must be True or False (for your own labkit.triage.Triage, pass "
@@ -123,14 +121,7 @@ def make_hooks(
         skips.threshold = clips.rate = None
     if isinstance(hooks, Hook) or not isinstance(hooks, Sequence):
         raise TypeError(f"hooks must be a list of labkit.hooks.Hook objects, got {type(hooks).__name__}.")
-    watcher = [] if observer is None else [observer if isinstance(observer, Hook) else ObserverHook(observer)]
-    for name, part in (("detector", detector), ("rewind", rewind)):
-        if part is not None and not isinstance(part, Hook):
-            raise TypeError(
-                f"{name} must be a labkit.hooks.Hook (a SpikeDetector, a Rewind), got {type(part).__name__}."
-            )
-    middle = [*([Triage()] if triage else []), *watcher, *([detector] if detector else []), *hooks]
-    return skips, clips, [skips, clips, *middle, *([rewind] if rewind else [])]
+    return skips, clips, [skips, clips, *([Triage()] if triage else []), *hooks]
 
 
 def check_deferred(sync_every: int | None, hooks: Sequence[Hook], clipper: Clipper | None) -> None:
@@ -146,11 +137,16 @@ def check_deferred(sync_every: int | None, hooks: Sequence[Hook], clipper: Clipp
 class GuardedParams:
     """``(name, parameter)`` of every parameter the optimizer holds now (progressive unfreezing too).
 
-    Read from ``optimizer.param_groups`` at each call; the list is rebuilt only when a group is
-    added or its parameter list changes (a tuple compare per step, no pass over the model).
+    In the model's order (``model.parameters()``), not the groups': the global norm is summed in
+    this order, and ``clip_grad_norm_(model.parameters())`` sums it so, so with several groups
+    (nanoGPT's decayed and undecayed) the norm is torch's to the bit, not one ulp off. Parameters
+    the model does not hold come last, in the groups' order. Read from
+    ``optimizer.param_groups`` at each call; the list is rebuilt only when a group is added or
+    its parameter list changes (a tuple compare per step, no pass over the model).
 
-    >>> layer = nn.Linear(2, 1); params = GuardedParams(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
-    >>> [name for name, _ in params()]
+    >>> layer = nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD([{"params": [layer.bias]}, {"params": [layer.weight]}], lr=0.1)
+    >>> [name for name, _ in GuardedParams(layer, opt)()]
     ['weight', 'bias']
     """
 
@@ -163,8 +159,10 @@ class GuardedParams:
         groups = self.optimizer.param_groups
         key = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if key != self.key:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            self.params = [(names.get(id(p), f"group{g}.param{i}"), p) for g, group in enumerate(groups)
-                           for i, p in enumerate(group["params"])]
+            held = {id(p): f"group{g}.param{i}" for g, group in enumerate(groups)
+                    for i, p in enumerate(group["params"])}
+            ours = [(n, p) for n, p in self.model.named_parameters() if held.pop(id(p), None) is not None]
+            others = [(held[id(p)], p) for group in groups for p in group["params"] if id(p) in held]
+            self.params = ours + others
             self.key = key
         return self.params

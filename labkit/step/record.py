@@ -16,10 +16,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..blame import module_of, placed
+from ..blame import placed
 from ..clip import first_nonfinite
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, all_reduce_, is_distributed
+from ..names import module_of
 from ..reasons import Reason
 from ..logfile import LogWriteError
 from ..records import CORE, StepRecord, put

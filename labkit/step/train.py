@@ -1,8 +1,8 @@
 """``TrainStep``: the guarded training step, the one place where the AMP order lives, read top to bottom.
 
 Its parts pass data explicitly and never reach back into it: ``batch`` (the batch, its
-micro-batches, the buffers kept), ``decision`` (unscale, check and clip as one pure decision,
-on the host or on the device), ``record`` (the record, forensics, deferred records) and
+micro-batches, the buffers kept), ``decision`` (unscale, check and clip as one pure decision
+on the device, read to the host once), ``record`` (the record, forensics, deferred records) and
 ``parts`` (what it is built from, checked). Defenses and monitors join through
 ``labkit.hooks``; the step imports none of them.
 """
@@ -31,7 +31,7 @@ from ..scaler import GradScaler
 from ..steplog import StepLog
 from ..validate import check_int
 from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, check_loss
-from .decision import Decision, decide_on_device, decide_on_host, read, skip_bad_loss, unscaled_norms
+from .decision import Decision, decide, read, skip_bad_loss, unscaled_norms
 from .parts import DEFAULT_MAX_NORM, GuardedParams, check_deferred, check_parts, make_clipper, make_hooks
 from .record import SKIPPED, Outcome, Pending, build
 
@@ -50,16 +50,17 @@ class TrainStep:
 
     Unscale, check and clip take three passes over the gradients, not torch's five: one read
     for the per-tensor norms of the *scaled* gradients (a NaN/inf among them is the inf
-    check), one read-write by ``coef / scale``; a skipped step writes nothing, nor does one
-    known on the host to multiply by 1. A ``fused=True`` optimizer (torch's Adam, AdamW, SGD,
+    check), one read-write by ``coef / scale``; a skipped step writes nothing, nor does an
+    fp32 step read to multiply by 1. A ``fused=True`` optimizer (torch's Adam, AdamW, SGD,
     Adagrad) does that multiply itself: ``scale / coef`` is its ``grad_scale``.
 
-    Host syncs per step (``sync_every=None``): one per micro-batch for the loss check, one read
-    of the norm and the scale that decides the step (the check, the coefficient and the record
-    are then float arithmetic with the kernels' own bits), one of the next scale (none when
-    the scaler is disabled). A fused optimizer on a GPU, a clipper with state (``ZClip``) or a
-    hook that asks keep the decision on the device. With ``sync_every=N`` the loss check and
-    the skip stay on the device (a NaN/inf loss still skips and leaves the scale alone;
+    One decision path: the check and the coefficient are 0-dim tensors on the device
+    (``labkit.step.decision``). Host syncs per step (``sync_every=None``): one per micro-batch
+    for the loss check; for a plain optimizer, one read of the decision (it must be skipped
+    from the host) and, with an enabled scaler, one of the next scale; for a fused one, one
+    read of the record's row after the update (its kernel skips by itself). A hook whose
+    ``on_decision`` reads the view's loss or norm adds one. With ``sync_every=N`` the loss check
+    and the skip stay on the device (a NaN/inf loss still skips and leaves the scale alone;
     backward runs on it), the records are ``DeferredRecord``s copied over in one batch every N
     steps or when one is read, and the scheduler steps every call, as in torch's AMP recipe.
 
@@ -73,12 +74,11 @@ class TrainStep:
     parameters, the optimizer, the scaler and the module's buffers (BatchNorm's running
     statistics) as they were. ``log_window=N`` keeps only the last N records in ``log``.
 
-    Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments:
-    ``hooks=[...]`` and the older keywords, which become hooks: ``skip_alarm``, ``clip_alarm``
-    (the alarms, first), ``triage`` (``labkit.triage``: why a loss was not finite), ``observer``
-    (e.g. ``StaleMonitor``), ``detector`` (``SpikeDetector``) and ``rewind`` (``Rewind``, last). The
-    clip stage is ``clipper`` or ``max_norm`` (``NormClip``). Skips name the first non-finite gradient
-    in backward order (``labkit.blame``).
+    Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments, in the
+    order of their ``priority``: ``hooks=[...]`` (``StaleMonitor``, ``SpikeDetector``, ``Rewind``,
+    your own), the alarms (``skip_alarm``, ``clip_alarm``) and ``triage`` (``labkit.triage``: why
+    a loss was not finite). The clip stage is ``clipper`` or ``max_norm`` (``NormClip``). Skips
+    name the first non-finite gradient in backward order (``labkit.blame``).
 
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
@@ -94,9 +94,8 @@ class TrainStep:
         accumulation_steps: int = 1, skip_alarm: int | None = 8, clip_alarm: float | None = 0.5,
         clip_window: int = 100, faults: FaultSchedule | dict | list[str] | None = None,
         log_path: str | os.PathLike | None = None, log_window: int | None = None,
-        process_group: ProcessGroup | None = None, sync_every: int | None = None, observer: Any = None,
-        clipper: Clipper | None = None, detector: Hook | None = None, rewind: Hook | None = None,
-        hooks: Sequence[Hook] = (), triage: bool = False,
+        process_group: ProcessGroup | None = None, sync_every: int | None = None,
+        clipper: Clipper | None = None, hooks: Sequence[Hook] = (), triage: bool = False,
     ) -> None:
         self.device = check_parts(model, optimizer, loss_fn, scheduler, device)
         if precision not in PRECISIONS:
@@ -115,20 +114,16 @@ class TrainStep:
         self.model, self.optimizer, self.loss_fn, self.precision = model, optimizer, loss_fn, precision
         self.sync_every = check_int("sync_every", sync_every, 1, none="read every step")
         self.clipper = make_clipper(max_norm, clipper)
-        self.skip_alarm, self.clip_alarm, ordered = make_hooks(skip_alarm, clip_alarm, clip_window, observer,
-                                                               detector, hooks, rewind, triage)
+        self.skip_alarm, self.clip_alarm, members = make_hooks(skip_alarm, clip_alarm, clip_window, hooks,
+                                                               triage)
         self.backward_order = BackwardOrder()  # where backward produced each gradient: the record's culprit
-        self.hooks = Hooks([self.backward_order, *ordered])
-        self.observer, self.detector, self.rewind = observer, detector, rewind
+        self.hooks = Hooks([self.backward_order, *members])
         check_deferred(sync_every, self.hooks.members, self.clipper)
         self.norm_type = check_norm_type(norm_type)
         if not self.norm_type > 0:  # the inf check rides on the norms: a p > 0 norm is inf/NaN on inf/NaN
             raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got "
                              f"{norm_type!r}.")
         self.scheduler, self.process_group = scheduler, process_group
-        # a read decides a plain optimizer's step anyway, and on a CPU it costs nothing
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        self._host_can_decide = self.device.type == "cpu" or not fused
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         if scaler.is_enabled():
@@ -140,6 +135,7 @@ class TrainStep:
         self._params: list[tuple[str, nn.Parameter]] = []  # this step's (read once, in _decide)
         self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
         self._pending = Pending()
+        self._one: Tensor | None = None  # a disabled scaler's scale, on the gradients' device
         self.hooks.attach(self)  # a Rewind takes its first snapshot: a spike in the first steps rewinds here
 
     def __call__(self, inputs: Tensor | Mapping[str, Any], targets: Tensor | None = None) -> StepRecord:
@@ -163,7 +159,7 @@ class TrainStep:
             decision = self._decide(step, loss, batch, measures)  # unscaled norms -> check -> clip, verdict
             found = None
             if not loss.bad:  # a non-finite loss: nothing to step, the scale untouched
-                found = self._step_or_skip(step, decision)  # unscale and clip (one multiply) -> step, or skip
+                found = self._step_or_skip(step, decision, measures)  # unscale+clip (one multiply), step/skip
                 self._update_scale(decision, loss)  # back off, keep or grow the scale
             outcome = self._outcome(step, lrs, batch, loss, decision, found, measures)
         except BaseException:  # the model, loss or optimizer raised: nothing of this step is kept
@@ -198,20 +194,13 @@ class TrainStep:
         return LossCheck(round_to(float(total), torch.float32))
 
     def _decide(self, step: int, loss: LossCheck, batch: Batch, measures: dict[str, Tensor]) -> Decision:
-        """Read the gradients once for their norms; decide on the host or the device, with the hooks' say."""
+        """Read the gradients once for their norms; decide on the device, with the hooks' say."""
         scaler, enabled = self.scaler, self.scaler.is_enabled()
         if loss.bad:  # backward never ran: the hooks may still say why
             scale, *measured = read(scaler.get_scale_async(), *measures.values()) if measures else \
                 [scaler.get_scale()]
             verdict = self._verdict(step, loss.value, math.nan, scale=scale, loss_bad=True, batch=batch)
-            verdict = verdict.measured(zip(measures, measured))
-            return skip_bad_loss(scale, verdict, self.device)
-        host = self._decides_on_host()
-        scale = None  # a disabled scaler's is 1: the host path does not ask for it
-        if not host:
-            scale = scaler.get_scale_async().clone()  # update() writes the state; the record reads it after
-        elif enabled:
-            scale = scaler.get_scale_async()  # read with the norm, before update()
+            return skip_bad_loss(scale, verdict.measured(zip(measures, measured)))
         named, grads = [], []
         self._params = self._named_params()  # this step's: the hooks and the clipper see the same list
         for name, p in self._params:
@@ -223,20 +212,15 @@ class TrainStep:
                 named.append((name, g))
                 grads.append(g)
         self._named_grads = named
-        norms, norm, inv_scale = unscaled_norms(grads, scale if enabled else None, self.norm_type)
-        if not host:
-            verdict = self._verdict(step, loss.value, norm, norms=norms, scale=scale, batch=batch)
-            return decide_on_device(norm, norms, scale, inv_scale, self.clipper, verdict, loss.flag)
-        # host sync, needed: a plain optimizer is skipped from the host (on a CPU a read is free). From the
-        # norm and the scale read here, the check, the coefficient and the record are a few float operations
-        # with the kernels' own bits, not ~25 0-dim kernels. The norm is global (DDP's gradients are equal,
-        # FSDP2's norm is all-reduced): so is the decision, with no all-reduce of its own.
-        norm_value, *rest = read(norm, *([scale] if enabled else []), *measures.values())
-        scale_value = rest.pop(0) if enabled else None
-        verdict = self._verdict(step, loss.value, norm_value, norms=norms, batch=batch,
-                                scale=1.0 if scale_value is None else scale_value)
-        verdict = verdict.measured(zip(measures, rest))
-        return decide_on_host(norm_value, norms, scale_value, self.clipper, verdict)
+        # update() writes the scaler's state in place: the record reads this step's scale after it
+        scale = scaler.get_scale_async().clone() if enabled else None
+        norms, norm, inv_scale = unscaled_norms(grads, scale, self.norm_type)
+        if scale is None:  # a disabled scaler's: one 1 on the norm's device, made once
+            if self._one is None or self._one.device != norm.device:
+                self._one = torch.ones((), device=norm.device)
+            scale = self._one
+        verdict = self._verdict(step, loss.value, norm, norms=norms, scale=scale, batch=batch)
+        return decide(norm, norms, scale, inv_scale, self.clipper, verdict, loss.flag)
 
     def _verdict(self, step: int, loss: float | Tensor, norm: float | Tensor, **view: Any) -> Verdict:
         """Return the hooks' say on this step (no view is built when none of them decides)."""
@@ -244,19 +228,25 @@ class TrainStep:
             return NO_VERDICT
         return self.hooks.on_decision(self, DecisionView(step, loss, norm, **view))
 
-    def _step_or_skip(self, step: int, d: Decision) -> Tensor:
+    def _step_or_skip(self, step: int, d: Decision, measures: dict[str, Tensor]) -> Tensor:
         """Step the optimizer on the unscaled, clipped gradients, or skip it; return ``found_inf``."""
         opt, scaler, clipper, params = self.optimizer, self.scaler, self.clipper, self._params
-        if getattr(opt, "_step_supports_amp_scaling", False):  # fused: its kernel unscales, clips and skips
+        fused = getattr(opt, "_step_supports_amp_scaling", False)  # its kernel unscales, clips and skips
+        # host sync, needed: a plain optimizer is skipped from the host; a fused one's read is free on a CPU,
+        # and a coefficient of 1 read there spares its kernel a division of every gradient
+        if self.sync_every is None and (not fused or self.device.type == "cpu"):
+            d.read(*measures.values())
+        found = d.skip if d.host is None else d.host[2] != 0
+        if fused:
             if clipper is not None and not clipper.fused_ok:
                 raise ValueError(f"{type(clipper).__name__} clips the gradients or the update itself: use a "
                                  "non-fused optimizer with it (fused=False).")
-            scaler.inf_check_(opt, d.skip, unscaled=False)
+            scaler.inf_check_(opt, found, unscaled=False)
             opt.grad_scale = d.grad_scale()  # type: ignore[attr-defined]  # the scaler multiplies in the scale
             self.hooks.pre_optim_step(self, step, params)  # whether the kernel skips is on the device
             return scaler.step_async(opt)
-        scaler.inf_check_(opt, d.skip, unscaled=True)
-        if not scaler.will_skip(opt):  # host sync on the device path: a plain optimizer skips from the host
+        scaler.inf_check_(opt, found, unscaled=True)
+        if not scaler.will_skip(opt):  # deferred records: the one read of found_inf a plain optimizer needs
             factor = d.factor()  # pass 2 (read-write): unscale and clip in one multiply; x1 is left out
             if factor is not None:
                 scale_grads_([g for _, g in self._named_grads], factor)
@@ -272,12 +262,10 @@ class TrainStep:
         """Back off on an overflow, else count to growth; a hook's skip or a bad loss keep the scale."""
         if not d.keep_scale and loss.flag is None:
             self.scaler.update()
-            return
-        device = d.scale.device if isinstance(d.scale, Tensor) else self.scaler.get_scale_async().device
-        if d.keep_scale:
-            self.scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=device))
+        elif d.keep_scale:
+            self.scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=d.scale.device))
         else:  # a non-finite loss found on the device is no scaling problem either
-            self.scaler.update(keep_if=loss.flag.to(device))  # type: ignore[union-attr]
+            self.scaler.update(keep_if=loss.flag.to(d.scale.device))  # type: ignore[union-attr]
 
     def _outcome(self, step: int, lrs: list[float], batch: Batch, loss: LossCheck, d: Decision,
                  found: Tensor | None, measures: dict[str, Tensor]) -> Outcome:
@@ -287,19 +275,23 @@ class TrainStep:
                     uses=self.backward_order.uses)
         if loss.bad:
             o.values = [loss.value, 1.0, math.nan, 1.0, d.scale, d.scale, 1.0]
-        elif not isinstance(d.norm, Tensor):  # decided on the host: the next scale is the one read left
-            o.values = [loss.value, 0.0, d.norm, d.coef, d.scale, self.scaler.get_scale(), float(d.skip)]
+        elif d.host is not None:  # read to step a plain optimizer: only the next scale is left to read
+            norm, coef, skip, scale = d.host[:4]
+            o.values = [loss.value, 0.0, norm, coef, scale, self.scaler.get_scale(), skip, *d.measured]
+            o.measures = tuple(measures)
         else:
             dev = d.norm.device
-            flag = loss.flag if loss.flag is not None else torch.zeros((), device=dev)
-            o.values = torch.stack([  # stack promotes the dtypes: one float64 row, read in one copy
-                torch.as_tensor(loss.value).to(dev), flag.to(dev), d.norm, d.coef.to(dev),  # type: ignore[union-attr]
-                d.scale.to(dev), self.scaler.get_scale_async().to(dev), found.to(dev),  # type: ignore[union-attr]
-                *(m.to(dev) for m in measures.values()),
-            ]).double()
+            # a disabled scaler's next scale is this step's 1: no tensor made for it
+            next_scale = self.scaler.get_scale_async() if self.scaler.is_enabled() else d.scale
+            row = [d.norm, d.coef.to(dev), d.scale.to(dev), next_scale.to(dev), found.to(dev),  # type: ignore[union-attr]
+                   *(m.to(dev) for m in measures.values())]
             o.measures = tuple(measures)
-            if self.sync_every is None:
-                o.values = o.values.tolist()  # the record's one read
+            if self.sync_every is None:  # the loss was checked on the host: the device's numbers, one read
+                norm, coef, scale, nxt, skip, *measured = torch.stack(row).double().tolist()
+                o.values = [loss.value, 0.0, norm, coef, scale, nxt, skip, *measured]
+            else:  # stack promotes the dtypes: one float64 row, read in one copy at the flush
+                o.values = torch.stack([torch.as_tensor(loss.value).to(dev), loss.flag.to(dev),  # type: ignore[union-attr]
+                                        *row]).double()
         return o
 
     def _finish(self, o: Outcome, buffers: Buffers, stepped: bool) -> StepRecord:
@@ -332,17 +324,6 @@ class TrainStep:
 
     def _append(self, record: StepRecord) -> None:
         self._log.append(record, self.hooks.on_record(self, record))  # hooks first; a rewind's event follows
-
-    def _decides_on_host(self) -> bool:
-        """Whether the check and the coefficient are done on the host, from one read of the norm and scale.
-
-        With per-step records, where a host sync decides the step anyway (an optimizer that is not
-        ``fused=True``) or costs nothing (a CPU). A clipper whose state is on the device, or a hook
-        that asks for the device path (``device_decision``), keeps it.
-        """
-        clipper = self.clipper
-        return self._host_can_decide and self.sync_every is None and not self.hooks.device_decision and \
-            (clipper is None or clipper.on_host)
 
     @property
     def max_norm(self) -> float | None:
@@ -379,7 +360,7 @@ class TrainStep:
         if not isinstance(state, dict):
             raise TypeError(f"TrainStep state must be a dict from TrainStep.state_dict(), got "
                             f"{type(state).__name__}.")
-        missing = {"step", "skip_alarm", "clip_alarm", "scaler"} - state.keys()
+        missing = {"step", "scaler"} - state.keys()  # each hook checks its own entry, where there is one
         if missing:
             raise KeyError(f"TrainStep state_dict lacks {sorted(missing)}; pass what TrainStep.state_dict() "
                            "returned.")
