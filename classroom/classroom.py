@@ -126,8 +126,8 @@ def build_venv(venv: Path, python: str) -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "-r", "requirements.txt", "-r", "requirements-nbgrader.txt", "-r",
                     "classroom/requirements.txt"], cwd=REPO, check=True)
-    # requirements.txt installs labkit editable, from this checkout: the class runs a copy instead, so
-    # the checkout may be private, and editing it does not change what a running class imports
+    # labkit itself as a copy, not editable from this checkout: the checkout may be private, and editing
+    # it does not change what a running class imports
     subprocess.run([*pip, "--no-deps", "--force-reinstall", "."], cwd=REPO, check=True)
 
 

@@ -1,4 +1,4 @@
-"""``python -m labkit demo|grading|export|sweep ...``: demo, grader, log into trackers, LR sweep."""
+"""``python -m labkit demo|show|grading|export|sweep ...``: demo, a log shown, grader, trackers, LR sweep."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 COMMANDS = {  # name: (module whose main(argv) runs it, what it does); imported only when run
     "demo": ("labkit.lab.demo", "train the toy task through injected faults"),
+    "show": ("labkit.lab.show", "a log.jsonl from any loop: its event lines, summary and figure (PNG)"),
     "grading": ("labkit.grading.__main__", "release and grade the exercises"),
     "export": ("labkit.export.replay", "replay a log.jsonl into TensorBoard, trackio, MLflow or W&B"),
     "sweep": ("labkit.lab.sweep", "final loss against learning rate on the GPT task, per mitigation"),

@@ -3,21 +3,34 @@
 Four kinds, each deterministic:
 
 - ``spike``: the inputs times ``magnitude`` (default 1000): a single bad batch that spikes
-  the gradient norm by orders of magnitude. Clipping is the belt.
+  the gradient norm by orders of magnitude. Clipping is the belt. A batch with no floating
+  tensor (token ids) cannot be scaled: the loss the step uses is, so the gradient norm moves by
+  exactly ``magnitude``.
 - ``nan`` / ``inf``: one input entry set to NaN / +inf: invalid data. The loss is not
-  finite, so the step must be skipped before backward (clipping cannot repair it).
-- ``overflow``: the forward is untouched, but the gradient flowing back out of the model's
-  output is driven to twice fp16's largest value (65504 * 2 = 131008 in the largest entry).
-  Under fp16 the scaled backward overflows at any loss scale, so the scaler must skip and
-  back off; fp32 and bf16 can hold it, and see a gradient spike instead.
+  finite, so the step must be skipped before backward (clipping cannot repair it). With token
+  ids the first activation the data makes (an embedding's output: the first floating output of
+  a module in the forward) gets the entry instead.
+- ``overflow``: the forward is untouched, but the gradient flowing back into the activation
+  nearest the loss (the first module output backward reaches in the autocast dtype: an LM head's
+  logits, a regression's output) is driven to twice fp16's largest value (65504 * 2 = 131008 in
+  its largest entry). Under fp16 the scaled backward overflows at any loss scale, so the scaler
+  must skip and back off; fp32 and bf16 can hold it, and see a gradient spike instead. A loss
+  computed inside the model (nanoGPT's ``(logits, loss)``) overflows too: the activation is the
+  logits, not the fp32 loss.
+
+In ``TrainStep`` a fault fires once per step number: a step that a rewind replays (the same
+number again) runs without it, as the data that carried it was skipped. An ``Injection`` is one
+step's fault at work and says whether it acted; the record names a fault only if it did, and a
+fault that cannot act on the model raises, saying where to inject instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +40,7 @@ from torch import Tensor
 from .records import Field, declare
 from .validate import check_int
 
-__all__ = ["Fault", "FaultSchedule"]
+__all__ = ["Fault", "FaultSchedule", "Injection"]
 
 KINDS = ("spike", "nan", "inf", "overflow")
 FP16_MAX = 65504.0
@@ -80,7 +93,7 @@ class Fault:
             if not inputs.is_floating_point():
                 raise TypeError(
                     f"a {self.kind} fault needs floating-point inputs, got {inputs.dtype}; for token ids, "
-                    "inject it into the embeddings (or use the overflow fault, which acts on the output)."
+                    "put it into the first activation (TrainStep(faults=...) does: an Injection's forward)."
                 )
             bad = inputs.clone(memory_format=torch.contiguous_format)  # so view(-1) writes into it
             bad.view(-1)[0] = float(self.kind)
@@ -95,17 +108,14 @@ class Fault:
         """
         if self.kind != "overflow":
             return output
-        if isinstance(output, Tensor):
-            return _OverflowBackward.apply(output) if output.is_floating_point() else output
-        if isinstance(output, Mapping):
-            new = copy.copy(output)  # keeps the output's own class (ModelOutput, OrderedDict, ...)
-            for key, value in output.items():
-                new[key] = self.corrupt_output(value)
-            return new
-        if isinstance(output, (tuple, list)):
-            items = [self.corrupt_output(o) for o in output]
-            return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
-        return output
+        return _map_floating(output, _OverflowBackward.apply)
+
+
+def _overflow(grad: Tensor) -> Tensor:
+    """Return ``grad`` rescaled so its largest entry is 2 * 65504, in ``grad``'s own dtype."""
+    peak = grad.detach().float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    # Rounded back into grad's own dtype: fp16 turns 131008 into inf, fp32/bf16 hold it.
+    return (grad.float() * (2 * FP16_MAX / peak)).to(grad.dtype)
 
 
 class _OverflowBackward(torch.autograd.Function):
@@ -117,9 +127,144 @@ class _OverflowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        peak = grad.detach().float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
-        # Rounded back into grad's own dtype: fp16 turns 131008 into inf, fp32/bf16 hold it.
-        return (grad.float() * (2 * FP16_MAX / peak)).to(grad.dtype)
+        return _overflow(grad)
+
+
+class _FirstInBackward(torch.autograd.Function):
+    """Identity forward; in backward the first of a step's marked outputs reached in ``dtype`` overflows.
+
+    Backward reaches the outputs nearest the loss first, so the one rescaled is the activation the
+    loss was computed from, whichever tensor the loss function picked out of the model's output.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, injection: Injection) -> Tensor:  # type: ignore[override]
+        ctx.injection = injection
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        inj = ctx.injection
+        if inj.backward_done or (inj.dtype is not None and grad.dtype != inj.dtype):
+            return grad, None
+        inj.backward_done = inj.acted = True
+        return _overflow(grad), None
+
+
+def _map_floating(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """Return ``out`` (a tensor, tuple, list or dict of them) with ``fn`` applied to its floating tensors."""
+    if isinstance(out, Tensor):
+        return fn(out) if out.is_floating_point() else out
+    if isinstance(out, Mapping):
+        new = copy.copy(out)  # keeps the output's own class (ModelOutput, OrderedDict, ...)
+        for key, value in out.items():
+            new[key] = _map_floating(value, fn)
+        return new
+    if isinstance(out, (tuple, list)):
+        items = [_map_floating(o, fn) for o in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return out
+
+
+class Injection:
+    """One step's fault at work: where it acts (the inputs, the forward, the loss), and whether it did.
+
+    ``batch`` corrupts a (micro-)batch with a floating tensor; ``forward`` is the context the
+    model runs in (NaN/inf into the first activation of token ids; ``overflow``'s backward);
+    ``loss`` scales the loss of a ``spike`` the inputs could not carry. ``acted`` is read after
+    backward: the record names the fault only then.
+
+    >>> from torch import nn
+    >>> emb = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)); inj = Injection(Fault("nan"))
+    >>> ids = inj.batch(torch.tensor([[1, 2]]))  # token ids carry no NaN: the embedding's output will
+    >>> with inj.forward(emb): out = emb(ids)
+    >>> bool(out.isnan().any()), inj.acted
+    (True, True)
+    """
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault, self.acted, self.backward_done = fault, False, False
+        self.on_inputs: bool | None = None  # known at the first batch: did it hold a floating tensor?
+        self.dtype: torch.dtype | None = None  # overflow: the activations' dtype its backward rescales
+
+    @property
+    def label(self) -> str | None:
+        """The fault's label for the record if it acted, else None."""
+        return self.fault.label if self.acted else None
+
+    def batch(self, batch: Any) -> Any:
+        """Return the (micro-)batch, corrupted where it holds a floating tensor (spike, nan, inf)."""
+        if self.fault.kind == "overflow":
+            return batch
+        if self.on_inputs is None:
+            self.on_inputs = next(_floating_tensors(batch), None) is not None
+        if not self.on_inputs:
+            return batch
+        self.acted = True
+        return self.fault.corrupt_batch(batch)
+
+    def loss(self, loss: Tensor) -> Tensor:
+        """Return the loss the step uses: a spike's ``magnitude`` times it if the inputs could not carry it."""
+        if self.fault.kind == "spike" and self.on_inputs is False:
+            self.acted = True
+            return loss * self.fault.magnitude
+        return loss
+
+    @contextlib.contextmanager
+    def forward(self, model: torch.nn.Module) -> Iterator[None]:
+        """Run ``model``'s forward with the fault where it acts inside it (token ids' NaN/inf, overflow).
+
+        One global module forward hook for the duration, answering for ``model``'s modules only; a
+        step without such a fault registers nothing.
+        """
+        kind = self.fault.kind
+        in_forward = kind == "overflow" or kind in ("nan", "inf") and self.on_inputs is False
+        if not in_forward:
+            yield
+            return
+        ours = {id(m) for m in model.modules()}
+        if kind == "overflow":
+            device = next((p.device.type for p in model.parameters()), "cpu")
+            self.backward_done = False  # each micro-batch's backward overflows
+            self.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+        done = False  # this forward's: triage's fp32 re-run gets the NaN again
+
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+            nonlocal done
+            if id(module) not in ours:
+                return None
+            if kind == "overflow":
+                return _map_floating(out, lambda t: _FirstInBackward.apply(t, self) if t.requires_grad else t)
+            first = None if done else next(_floating_tensors(out), None)
+            if first is None:  # the NaN/inf went into the first activation already, or this has none
+                return None
+            done = self.acted = True
+            return _map_floating(out, lambda t: self.fault.corrupt_inputs(t) if t is first else t)
+
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+        if kind != "overflow" and not done:
+            raise TypeError(
+                f"the {kind} fault found no floating tensor to put a {kind} in: the batch holds none (token "
+                "ids) and no module of the model output one. Put it into the data yourself, or use the "
+                "spike or overflow fault, which act on the loss and its backward."
+            )
+
+
+def _floating_tensors(out: Any) -> Iterator[Tensor]:
+    if isinstance(out, Tensor):
+        if out.is_floating_point():
+            yield out
+    elif isinstance(out, Mapping):
+        for v in out.values():
+            yield from _floating_tensors(v)
+    elif isinstance(out, (tuple, list)):
+        for v in out:
+            yield from _floating_tensors(v)
 
 
 _EXAMPLE = "e.g. 50:spike:1000, 120:nan or 200-204:overflow"

@@ -20,7 +20,7 @@ module fed a non-finite value only passes it on). The record's ``culprit_module`
 (``h.0.attn`` for attention logits past 65504, not the ``c_proj`` after it).
 
 The re-run replays the step's own forward: the same micro-batches, the same output fault
-(``Batch.corrupt_output``), the dropout masks of the same random state (restored after), and
+(``Batch.loss``), the dropout masks of the same random state (restored after), and
 the module's buffers put back as they were (BatchNorm's running statistics). It costs one
 forward in fp32 on a bad step (and one more, in the low precision, on a forward overflow),
 none on any other (an fp32 run re-runs nothing: its forward
@@ -105,7 +105,6 @@ def _fp32_loss(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any,
     """Re-run the step's forward in fp32 without grad; return its loss (float64, micro-batches weighed)."""
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    corrupt = getattr(batch, "corrupt_output", lambda out: out)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cuda = [device] if device.type == "cuda" else []
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -118,8 +117,11 @@ def _fp32_loss(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any,
                 if rng[1] is not None:
                     torch.cuda.set_rng_state(rng[1], device)
             for x, y, weight in _micro_batches(batch):
-                out = corrupt(model(**x) if isinstance(x, Mapping) else model(x))
-                loss = loss_fn(out) if y is None else loss_fn(out, y)
+                if hasattr(batch, "loss"):  # the step's Batch: its fault acts where it acted in the step
+                    loss = batch.loss(model, loss_fn, x, y)
+                else:
+                    out = model(**x) if isinstance(x, Mapping) else model(x)
+                    loss = loss_fn(out) if y is None else loss_fn(out, y)
                 total = total + loss.detach().to(torch.float64).reshape(()) * weight
     finally:
         for b, saved in buffers:  # the re-run's BatchNorm statistics are not the step's

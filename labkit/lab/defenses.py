@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, ZClip
 from ..clippers.base import FEEDS
+from ..faults import Fault
 from ..reasons import LOSS, Reason
 from ..records import StepRecord
 from ..steplog import StepLog
@@ -129,9 +130,12 @@ class Defenses:
         return None if self.rewind_back is None else Rewind(back=self.rewind_back, skip=self.rewind_skip)
 
     def corrupt(self, index: int, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """Return batch ``index``, its inputs times ``spike_size`` if it is the spiky one."""
+        """Return batch ``index``, its inputs times ``spike_size`` if it is the spiky one (``Fault``'s spike).
+
+        Keyed by the data index, not the step: a rewind that skips past it never meets it again.
+        """
         x, y = batch
-        return (x * self.spike_size, y) if index == self.spike_step else (x, y)
+        return (Fault("spike", self.spike_size).corrupt_inputs(x), y) if index == self.spike_step else (x, y)
 
     def loss_weight(self, step: int) -> float:
         """Return the loss multiplier at ``step``: ``shift_size`` from ``shift_step`` on."""

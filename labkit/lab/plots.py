@@ -37,6 +37,16 @@ def _skip_marks(steps: Sequence[int]) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def _mark_isolated(line) -> None:  # type: ignore[no-untyped-def]
+    """Put a marker on each finite point with no finite neighbour (between skips): a line alone draws none."""
+    y = [math.isfinite(v) for v in line.get_ydata()]
+    lone = [i for i, ok in enumerate(y)
+            if ok and not (i > 0 and y[i - 1]) and not (i + 1 < len(y) and y[i + 1])]
+    line.set_marker("o" if lone else "None")
+    line.set_markersize(3)
+    line.set_markevery(lone or None)
+
+
 def _drawn(line) -> bool:  # type: ignore[no-untyped-def]
     """Whether a line shows anything: a finite point (a NaN-only line draws nothing)."""
     return line.get_visible() and any(math.isfinite(y) for y in line.get_ydata())
@@ -183,6 +193,9 @@ def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = No
     fig = Figure(figsize=(9, 2.3 * len(panels) + 0.4), layout="constrained")
     drawn = _Panels(fig, ("run",), panels, max_norm)
     drawn.set_run("run", list(log))
+    for (_, key), line in drawn.lines.items():
+        if key in ("pre", "post", "loss"):
+            _mark_isolated(line)
     drawn.rescale()
     summary = log.summary()
     fig.suptitle(title or f"{summary['steps']} steps, {summary['skipped']} skipped, {summary['clipped']} clipped")

@@ -1,19 +1,20 @@
-"""One step's batch: checked, moved to the device, split into micro-batches; the module's buffers kept."""
+"""One step's batch: checked, moved, split into micro-batches or taken as given; the module's buffers kept."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..faults import Fault
+from ..faults import Fault, Injection
 
 __all__ = [
-    "PRECISIONS", "Batch", "Buffers", "LossCheck", "autocast", "batch_size", "check_loss", "split",
-    "to_device",
+    "PRECISIONS", "Batch", "Buffers", "LossCheck", "autocast", "batch_size", "check_loss",
+    "given_micro_batches", "gradient_sync", "split", "to_device",
 ]
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,17 +86,100 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def check_loss(loss: Any) -> Tensor:
-    """Return ``loss`` if backward can run on it, else raise saying what ``loss_fn`` must return."""
+def given_micro_batches(inputs: Any, k: int) -> list[tuple[Any, Any]] | None:
+    """Return the micro-batches a loop fetched itself as ``(inputs, targets)`` pairs, or None for one batch.
+
+    A list is the step's micro-batches (``len`` of them; ``k``, ``accumulation_steps``, must
+    agree unless it is 1); an iterator gives ``k`` (``next`` ``k`` times, no more: a data
+    loader's iterator goes on where the step left it); a callable is called ``k`` times (as
+    nanoGPT's ``get_batch``). Each is a tensor or a dict (``loss_fn(output)``), or an
+    ``(inputs, targets)`` pair. All are taken before anything changes, so a bad one raises first.
+
+    >>> [x.tolist() for x, _ in given_micro_batches([torch.zeros(1), torch.ones(1)], 1)]
+    [[0.0], [1.0]]
+    >>> len(given_micro_batches(lambda: (torch.zeros(2, 3), torch.zeros(2)), 4))
+    4
+    """
+    if isinstance(inputs, (Tensor, Mapping)):
+        return None
+    if isinstance(inputs, tuple):
+        raise TypeError(
+            "a tuple is ambiguous here: pass one batch as step(inputs, targets), or the micro-batches as a "
+            "list, step([(x0, y0), (x1, y1), ...])."
+        )
+    if isinstance(inputs, list):
+        if not inputs:
+            raise ValueError("the list of micro-batches is empty: pass at least one.")
+        if not _is_batch(inputs[0]):  # nested Python numbers: a batch not yet a tensor (batch_size says so)
+            return None
+        if k != 1 and len(inputs) != k:
+            raise ValueError(f"got {len(inputs)} micro-batches with accumulation_steps={k}: pass {k}, or "
+                             "leave accumulation_steps at 1 to take the list's length.")
+        items = inputs
+    elif isinstance(inputs, Iterator):
+        items = list(itertools.islice(inputs, k))
+        if len(items) < k:
+            raise ValueError(f"the iterator gave {len(items)} micro-batches; accumulation_steps={k} needs "
+                             f"{k}.")
+    elif callable(inputs):
+        items = [inputs() for _ in range(k)]
+    else:
+        return None  # batch_size says what a batch may be
+    pairs = []
+    for i, item in enumerate(items):
+        if not _is_batch(item):
+            raise TypeError(f"micro-batch {i} is a {type(item).__name__}: each must be a tensor, a dict of "
+                            "tensors (model(**batch)) or an (inputs, targets) pair of them.")
+        pairs.append((item, None) if isinstance(item, (Tensor, Mapping)) else (item[0], item[1]))
+        batch_size(*pairs[-1], 1)
+    return pairs
+
+
+def _is_batch(item: Any) -> bool:
+    """Whether ``item`` is one micro-batch: a tensor, a dict, or an ``(inputs, targets)`` pair of them."""
+    if isinstance(item, (tuple, list)):
+        return len(item) == 2 and isinstance(item[0], (Tensor, Mapping))
+    return isinstance(item, (Tensor, Mapping))
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
+    """Run one micro-batch's forward and backward with the gradient reduction on (the last one) or off.
+
+    Off is DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync(False)`` (switched back
+    on after): the gradients accumulate locally and are reduced once per optimizer step, in the
+    last micro-batch's backward, as nanoGPT's ``require_backward_grad_sync`` does. Any other
+    model runs as it is.
+
+    >>> with gradient_sync(nn.Linear(1, 1), on=False): pass
+    """
+    no_sync = None if on else getattr(model, "no_sync", None)
+    switch = None if on else getattr(model, "set_requires_gradient_sync", None)
+    if callable(no_sync):
+        with no_sync():
+            yield
+    elif callable(switch):
+        switch(False)
+        try:
+            yield
+        finally:
+            switch(True)
+    else:
+        yield
+
+
+def check_loss(loss: Any, grad: bool = True) -> Tensor:
+    """Return ``loss`` if backward can run on it (``grad``), else raise saying what loss_fn must return."""
     if not isinstance(loss, Tensor):
-        hint = " (return the loss alone, not a tuple)" if isinstance(loss, (tuple, list)) else ""
+        tup = isinstance(loss, (tuple, list))
+        hint = " (return the loss alone, not a tuple: e.g. lambda out: out[1])" if tup else ""
         raise TypeError(
             f"loss_fn must return a tensor that requires grad, got {type(loss).__name__}{hint}; a Python "
             "number carries no gradient: return e.g. nn.functional.mse_loss(output, targets)."
         )
     if loss.numel() != 1:
         raise ValueError(f"loss_fn must return one number (reduction='mean'), got shape {tuple(loss.shape)}.")
-    if not loss.requires_grad:
+    if grad and not loss.requires_grad:
         raise ValueError(
             "the loss does not require grad: it was detached (.item(), .detach(), torch.no_grad()) or no "
             "trainable parameter was used; return the loss tensor straight from the model's output."
@@ -106,19 +190,40 @@ def check_loss(loss: Any) -> Tensor:
 class Batch:
     """A step's batch, checked (before anything changes), on the device, with the scheduled fault applied.
 
+    One batch is split into ``k`` micro-batches, each weighed by its share of the samples (exact
+    for a mean-reduced loss). Micro-batches a loop fetched itself (``given_micro_batches``) are
+    each ``loss / k``, as nanoGPT's ``loss / gradient_accumulation_steps``: the gradient is the
+    mean of the micro-batches' mean losses.
+
     >>> b = Batch(torch.zeros(6, 2), torch.zeros(6, 1), 2, torch.device("cpu"), None)
     >>> [(tuple(x.shape), w) for x, _, w in b.micro_batches()]
     [((3, 2), 0.5), ((3, 2), 0.5)]
     """
 
     def __init__(self, inputs: Any, targets: Any, k: int, device: torch.device, fault: Fault | None) -> None:
-        self.n, self.k, self.fault = batch_size(inputs, targets, k), k, fault
-        self.inputs, self.targets = to_device(inputs, device), to_device(targets, device)
-        if fault is not None:
-            self.inputs = fault.corrupt_batch(self.inputs)  # before anything changes: it may refuse the batch
+        self.injection = Injection(fault) if fault is not None else None
+        given = given_micro_batches(inputs, k)
+        if given is not None and targets is not None:
+            raise TypeError("with micro-batches, pass each one's targets inside it: "
+                            "step([(x0, y0), (x1, y1)]).")
+        self.given = given is not None
+        if given is None:
+            self.n, self.k = batch_size(inputs, targets, k), k
+            self.inputs, self.targets = self._corrupt(to_device(inputs, device)), to_device(targets, device)
+        else:
+            self.k = len(given)
+            self.parts = [(self._corrupt(to_device(x, device)), to_device(y, device)) for x, y in given]
+            self.inputs, self.targets = [x for x, _ in self.parts], [y for _, y in self.parts]
+
+    def _corrupt(self, inputs: Any) -> Any:
+        return inputs if self.injection is None else self.injection.batch(inputs)
 
     def micro_batches(self) -> Iterator[tuple[Any, Any, float]]:
         """Yield ``(inputs, targets, weight)``: each micro-batch's share of a mean-reduced loss."""
+        if self.given:
+            for x, y in self.parts:
+                yield x, y, 1.0 / self.k
+            return
         if self.k == 1:
             yield self.inputs, self.targets, 1.0
             return
@@ -126,14 +231,27 @@ class Batch:
             # exact for a mean-reduced loss, even with unequal splits
             yield x, y, batch_size(x, None, 1) / self.n
 
-    def corrupt_output(self, out: Any) -> Any:
-        """Return the model's output with the scheduled fault applied (``overflow``), or as it is."""
-        return out if self.fault is None else self.fault.corrupt_output(out)
+    def loss(self, model: nn.Module, loss_fn: Any, x: Any, y: Any) -> Tensor:
+        """Run one micro-batch's forward and loss, with the step's fault where it acts; return the loss.
+
+        Under ``torch.no_grad()`` (triage's re-run) the loss is not asked to require grad.
+        """
+        inj = self.injection
+        with inj.forward(model) if inj is not None else contextlib.nullcontext():
+            out = model(**x) if isinstance(x, Mapping) else model(x)
+        loss = check_loss(loss_fn(out) if y is None else loss_fn(out, y), grad=torch.is_grad_enabled())
+        return loss if inj is None else inj.loss(loss)
+
+    def share(self, loss: Tensor, weight: float) -> Tensor:
+        """Return a micro-batch's share of the step's loss, the one backward runs on."""
+        if weight == 1:  # x1 is exact: one op less
+            return loss
+        return loss / self.k if self.given else loss * weight
 
     @property
     def label(self) -> str | None:
-        """The fault's label for the record, e.g. ``"spike:10"``."""
-        return self.fault.label if self.fault is not None else None
+        """The fault's label for the record, e.g. ``"spike:10"``, if it acted."""
+        return self.injection.label if self.injection is not None else None
 
 
 class Buffers:

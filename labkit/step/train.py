@@ -13,7 +13,7 @@ import copy
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from ..records import StepRecord
 from ..scaler import GradScaler
 from ..steplog import StepLog
 from ..validate import check_int
-from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, check_loss
+from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, gradient_sync
 from .decision import Decision, decide, read, skip_bad_loss, unscaled_norms
 from .parts import DEFAULT_MAX_NORM, GuardedParams, check_deferred, check_parts, make_clipper, make_hooks
 from .record import SKIPPED, Outcome, Pending, build
@@ -130,7 +130,7 @@ class TrainStep:
             check_scaled_norm_type(self.norm_type)
         self.scaler, self.faults = scaler, FaultSchedule.coerce(faults)
         self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, all else valid
-        self.step_count = 0
+        self.step_count = self._unseen = 0  # _unseen: the first step not run yet (a fault fires once)
         self._named_params = GuardedParams(model, optimizer)
         self._params: list[tuple[str, nn.Parameter]] = []  # this step's (read once, in _decide)
         self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
@@ -138,18 +138,17 @@ class TrainStep:
         self._one: Tensor | None = None  # a disabled scaler's scale, on the gradients' device
         self.hooks.attach(self)  # a Rewind takes its first snapshot: a spike in the first steps rewinds here
 
-    def __call__(self, inputs: Tensor | Mapping[str, Any], targets: Tensor | None = None) -> StepRecord:
-        """Train on one batch (split into ``accumulation_steps`` micro-batches) and record it.
+    def __call__(self, inputs: Any, targets: Tensor | None = None) -> StepRecord:
+        """Train on one batch (split in ``accumulation_steps`` micro-batches) or on micro-batches; record it.
 
-        ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors (``model(**inputs)``,
-        e.g. a Hugging Face batch); with ``targets=None`` the loss is ``loss_fn(output)`` (e.g.
-        ``lambda out: out.loss``). Bad arguments raise before anything changes. An error from
-        the model, the loss or the optimizer passes through unchanged, with the parameters,
-        buffers, scaler and counters as they were; the scheduler's error is raised after the
-        step it follows is complete and recorded.
-        """
+        ``inputs``: a tensor (``model(inputs)``), a dict of tensors (``model(**inputs)``; with
+        ``targets=None`` the loss is ``loss_fn(output)``), or the micro-batches a loop fetched (a list,
+        an iterator, a callable: ``batch.given_micro_batches``). Bad arguments raise before anything
+        changes; an error from the model, loss or optimizer leaves all as it was (a scheduler's: raised
+        after its step is recorded)."""
         step = self.step_count
-        batch = Batch(inputs, targets, self.accumulation_steps, self.device, self.faults.get(step))
+        fault = self.faults.get(step) if step >= self._unseen else None
+        batch = Batch(inputs, targets, self.accumulation_steps, self.device, fault)
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         buffers = Buffers(self.model)  # the forward changes them before the loss is checked
         self.hooks.pre_step(self, step)
@@ -175,20 +174,20 @@ class TrainStep:
         self._named_grads = []
         self.optimizer.zero_grad(set_to_none=True)
         deferred, total, flag = self.sync_every is not None, 0.0, None
-        for x, y, weight in batch.micro_batches():
-            with autocast(self.precision, self.device):
-                out = batch.corrupt_output(self.model(**x) if isinstance(x, Mapping) else self.model(x))
-                loss = check_loss(self.loss_fn(out) if y is None else self.loss_fn(out, y))
-            mean = mean_across(loss.detach(), self.process_group)
-            if deferred:  # the check stays on the device; backward runs on a bad batch, its step is skipped
-                flag = ~torch.isfinite(mean) if flag is None else flag | ~torch.isfinite(mean)
-            else:
-                value = mean.item()  # host sync, needed: on a bad batch backward must not run, on any rank
-                if not math.isfinite(value):
-                    return LossCheck(value, bad=True)
-                mean = value
-            total = total + mean * weight
-            self.scaler.scale(loss if weight == 1 else loss * weight).backward()  # x1 is exact: one op less
+        for i, (x, y, weight) in enumerate(batch.micro_batches()):
+            with gradient_sync(self.model, on=i == batch.k - 1):  # DDP/FSDP2 reduce in the last backward only
+                with autocast(self.precision, self.device):
+                    loss = batch.loss(self.model, self.loss_fn, x, y)
+                mean = mean_across(loss.detach(), self.process_group)
+                if deferred:  # the check stays on the device; backward runs on a bad batch, the step skips
+                    flag = ~torch.isfinite(mean) if flag is None else flag | ~torch.isfinite(mean)
+                else:
+                    value = mean.item()  # host sync, needed: backward must not run on a bad batch, any rank
+                    if not math.isfinite(value):
+                        return LossCheck(value, bad=True)
+                    mean = value
+                total = total + mean * weight
+                self.scaler.scale(batch.share(loss, weight)).backward()
         if deferred:
             return LossCheck(torch.as_tensor(total).reshape(()), flag=flag)
         return LossCheck(round_to(float(total), torch.float32))
@@ -313,6 +312,7 @@ class TrainStep:
             if deferred or stepped:
                 self.hooks.post_step(self, self._params, record)
             self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
+            self._unseen = max(self._unseen, self.step_count)
             if not deferred:
                 self._append(record)  # raises LogWriteError on a full disk; the record is kept in memory
             elif len(self._pending) >= self.sync_every:  # type: ignore[operator]
