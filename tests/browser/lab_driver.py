@@ -246,15 +246,19 @@ class Notebook:
                     const tags = c.sharedModel.getMetadata().tags || [];
                     for (let j = 0; j < c.outputs.length; j++) {{ const o = c.outputs.get(j).toJSON();
                       if (o.output_type === 'error' && !tags.includes('raises-exception'))
-                        return {{cell: i, ename: o.ename, evalue: o.evalue, source: c.sharedModel.getSource()}}; }}
+                        return {{cell: i, ename: o.ename, evalue: o.evalue, traceback: o.traceback,
+                                source: c.sharedModel.getSource()}}; }}
                     if (c.executionCount == null) done = false; }}
                   return done && nb.sessionContext.kernelDisplayStatus === 'idle'; }}""",
             arg=self.path, timeout=timeout * 1000, polling=200).json_value()
         if outcome is not True:
             source = "\n    ".join(outcome["source"].splitlines()[:6])
+            # a bare assert has no message: name the line that raised (IPython's "---->" arrow)
+            raised = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(outcome["traceback"])).splitlines()
+                      if line.startswith("---->")]
             raise AssertionError(f"{self.path}: Run All stopped at cell {outcome['cell']} after "
                                  f"{time.perf_counter() - start:.0f} s with {outcome['ename']}: "
-                                 f"{outcome['evalue']}\n  the cell:\n    {source}")
+                                 f"{outcome['evalue'] or (raised[-1] if raised else '')}\n  the cell:\n    {source}")
         return time.perf_counter() - start
 
     def cells(self) -> list[dict]:
