@@ -1,38 +1,72 @@
 #!/usr/bin/env bash
-# One script for one CUDA GPU, under 8 minutes: the cuda tests, the notebooks under nbval on
-# CUDA, the benchmarks on CUDA, and the host syncs per TrainStep step counted by
-# torch.cuda.set_sync_debug_mode("warn") (each synchronizing CUDA call warns once).
+# One script for one CUDA GPU: the cuda tests, every lesson and problem set under nbval on CUDA and
+# again under LABKIT_PERTURB=1 (the portability pass: each runs to the end, no error output), the
+# host syncs per TrainStep step counted by torch.cuda.set_sync_debug_mode("warn") (each
+# synchronizing CUDA call warns once), and the benchmarks on CUDA. It prints what failed, part by
+# part, at the end, and exits 1 if anything did.
 #
-#   bash benchmarks/gpu_check.sh            # PYTHON=... to pick the interpreter (default .venv/bin/python)
+#   bash benchmarks/gpu_check.sh                  # every part; PYTHON=... picks the interpreter
+#   bash benchmarks/gpu_check.sh nbval perturb    # only these parts (tests nbval perturb syncs bench)
 #
+# Each part has its own timeout (a part that runs out is reported as failed). Where one call may
+# run at most 10 minutes, run it in two: `tests nbval` and `perturb syncs bench`.
 # Without a GPU it says so and runs the parts a CPU can: the sync count (torch has no CUDA syncs
 # to report there, so it prints the trapped host reads instead) and the benchmark at --quick sizes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export PYTHONPATH=$PWD
+parts=${*:-tests nbval perturb syncs bench}
 start=$SECONDS
-part() { echo; echo "== $1 (t=$((SECONDS - start)) s)"; }
+rc=0
+failed=$(mktemp)
+trap 'rm -f "$failed"' EXIT
+
+want() { [[ " $parts " == *" $1 "* ]]; }
+
+# check NAME SECONDS COMMAND...: run one part; its pytest FAILED/ERROR lines (or why it failed) go to the summary
+check() {
+  local name=$1 seconds=$2 log status
+  shift 2
+  echo; echo "== $name (t=$((SECONDS - start)) s)"
+  log=$(mktemp)
+  set +e
+  timeout "$seconds" "$@" 2>&1 | tee "$log"
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ]; then
+    rc=1
+    sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E '^(FAILED|ERROR) ' | sed "s/^/$name: /" >> "$failed" || true
+    if [ "$status" -eq 124 ]; then
+      echo "$name: timed out after $seconds s" >> "$failed"
+    elif ! grep -qF "$name: " "$failed"; then
+      echo "$name: exited with $status" >> "$failed"
+    fi
+  fi
+  rm -f "$log"
+}
 
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   gpu=1
   "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
 else
   gpu=0
-  echo "No CUDA GPU here: the cuda tests, nbval on CUDA and the full-size benchmark are skipped."
+  echo "No CUDA GPU here: the cuda tests, the notebooks on CUDA and the full-size benchmark are skipped."
 fi
 
-rc=0
 if [ "$gpu" = 1 ]; then
-  part "cuda tests (tests marked cuda, incl. tests/test_fused.py's)"
-  timeout 120 "$PY" -m pytest -q -p no:randomly -m cuda tests || rc=1
-
-  part "notebooks under nbval (they run on CUDA when torch.cuda.is_available())"
-  timeout 120 "$PY" -m pytest -q -p no:randomly notebooks/*.ipynb || rc=1
+  # -rf: the short summary lists each failed test (a notebook's cell under nbval) on a FAILED line
+  want tests && check "cuda tests" 120 "$PY" -m pytest -q -rf -m cuda tests
+  # The stored outputs are the CPU's: a cell tagged nbval-check-output that differs on CUDA fails here.
+  want nbval && check "nbval on CUDA" 480 "$PY" -m pytest -q -rf notebooks/0*.ipynb notebooks/exercises/*.ipynb
+  # Under LABKIT_PERTURB no stored output can hold, so this pass only asks that each notebook runs
+  # to the end with no error output (tests/portability.py; the lessons pick CUDA themselves).
+  want perturb && check "LABKIT_PERTURB=1 on CUDA" 480 env LABKIT_PORTABILITY=LABKIT_PERTURB=1 \
+    "$PY" -m pytest -q -rf -m portability tests/test_portability*.py
 fi
 
-part "host syncs per step (set_sync_debug_mode('warn') on CUDA; trapped host reads on CPU)"
-timeout 90 "$PY" - <<'EOF' || rc=1
+want syncs && check "host syncs per step (set_sync_debug_mode('warn') on CUDA; trapped host reads on CPU)" \
+  90 "$PY" - <<'EOF'
 import sys
 import warnings
 
@@ -81,12 +115,18 @@ for fused in (False, True):
         print(f"  AdamW {'fused  ' if fused else 'foreach'} sync_every={str(every):<4} {run(fused, every):5.2f} syncs/step", flush=True)
 EOF
 
-part "benchmarks"
-if [ "$gpu" = 1 ]; then
-  timeout 150 "$PY" benchmarks/bench_step.py --device cuda || rc=1
-else
-  timeout 600 "$PY" benchmarks/bench_step.py --device cpu --quick || rc=1
+if want bench; then
+  if [ "$gpu" = 1 ]; then
+    check "benchmarks" 150 "$PY" benchmarks/bench_step.py --device cuda
+  else
+    check "benchmarks (--quick, CPU)" 600 "$PY" benchmarks/bench_step.py --device cpu --quick
+  fi
 fi
 
-part "done, rc=$rc"
+echo; echo "== summary (t=$((SECONDS - start)) s; parts: $parts)"
+if [ -s "$failed" ]; then
+  echo "FAILED:"; sed 's/^/  /' "$failed"
+else
+  echo "all passed"
+fi
 exit "$rc"

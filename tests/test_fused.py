@@ -140,10 +140,18 @@ def test_fused_adamw_matches_textbook(task, max_norm):
     model, records, _ = labkit_run(task, "adamw-fused", max_norm)
     assert [r.skipped for r in records] == skipped
     assert [r.scale for r in records] == scales
+    # The two updates round differently in fp32 (~3e-8 apart), and once a weight sits at an fp16
+    # rounding boundary the autocast forward rounds it one fp16 ulp (2^-11 relative) apart: the later
+    # norms then differ by up to ~1e-4 relative, and Adam, whose step is about lr whatever the gradient's
+    # size, carries that into the weights (up to 9.3e-4 here). Whether and where that happens depends on
+    # the machine's bits: none unperturbed on this Xeon, at step 3 under LABKIT_PERTURB=1 (measured over
+    # seeds 1-10 with ATEN_CPU_CAPABILITY avx512, avx2 and default). A wrong coef or grad_scale moves the
+    # norm by far more than 1e-3, and a step skipped or taken twice moves the weights by ~lr = 1e-2
+    # (9.9e-3 measured for one step fewer): both still fail.
     for r, n in zip(records, norms):
-        assert r.grad_norm == pytest.approx(n, rel=1e-6)
+        assert r.grad_norm == pytest.approx(n, rel=1e-3)
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-3)
 
 
 def test_fused_adamw_skips_without_touching_state(task):

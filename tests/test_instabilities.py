@@ -27,6 +27,7 @@ from labkit.records import StepRecord
 from labkit.steplog import StepLog
 from labkit.tasks import GPTTask
 from labkit.tasks.gpt import LogitMonitor, cross_entropy_with_z_loss
+from labkit.tasks.perturb import PERTURB_ENV
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
 # the CPU default's width, context and heads (head dim 16), as in lesson 07
@@ -47,7 +48,10 @@ def bitwise(x):
 @pytest.mark.parametrize("precision, optimizer, lr",
                          [("fp32", "adam", 3e-3), ("fp16", "sgd", 0.3), ("bf16", "adam", 3e-3)])
 def test_options_are_off_by_default_and_records_are_bitwise_those_of_the_gpt_before_them(precision, optimizer,
-                                                                                        lr):
+                                                                                        lr, monkeypatch):
+    # the oracle is the code from before LABKIT_PERTURB, which never nudges: compare unperturbed
+    # (the nudge itself is tested in test_perturb.py)
+    monkeypatch.delenv(PERTURB_ENV, raising=False)
     task = GPTTask(**TINY)
     assert (task.qk_norm, task.z_loss, task.logit_softcap, task.attn_softcap, task.attention) == \
         (False, 0.0, None, None, "sdpa")
@@ -421,7 +425,9 @@ def test_fp16_forward_overflow_skips_losses_that_the_fp32_forward_of_the_same_st
     # and it storms: the next steps skip too, the scale untouched
     after = [step(*task.batch(j)) for j in range(record.step + 1, record.step + 9)]
     assert sum(r.reason == "nonfinite_loss" for r in after) >= 6
-    assert {r.scale for r in after if r.reason == "nonfinite_loss"} == {record.scale}
+    # each loss skip leaves the scale where it was (a backward overflow among them may halve it:
+    # whether one does depends on the machine's bits, as under LABKIT_PERTURB=1)
+    assert all(r.next_scale == r.scale for r in after if r.reason == "nonfinite_loss")
 
 
 def test_qk_norm_keeps_the_steps_where_the_baseline_overflows_in_fp16_finite():

@@ -40,5 +40,5 @@ def expect(what: str) -> Iterator[None]:
     except Exception as e:  # any error in a check: an index not found is as much a miss as a false assert
         if strict():
             raise AssertionError(f"lesson check failed: {what} ({type(e).__name__}: {e})") from e
-        detail = str(e) or type(e).__name__
+        detail = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message holds
         print(f"check not met on this machine: {what} ({detail}); the text may not match this run.")

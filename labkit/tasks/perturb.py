@@ -11,11 +11,11 @@ gets the same nudge, so two arms on the same seed still start from the same weig
 (the default), nothing changes.
 
 >>> import os, torch
->>> os.environ["LABKIT_PERTURB"] = "1"
+>>> saved = os.environ.get("LABKIT_PERTURB"); os.environ["LABKIT_PERTURB"] = "1"
 >>> w = torch.nn.Linear(4, 4); before = w.weight.detach().clone(); _ = perturb_(w)
 >>> bool((w.weight != before).any()), bool(((w.weight - before).abs() <= before.abs() * 2.0**-16).all())
 (True, True)
->>> del os.environ["LABKIT_PERTURB"]
+>>> _ = os.environ.pop("LABKIT_PERTURB") if saved is None else os.environ.update(LABKIT_PERTURB=saved)
 """
 
 from __future__ import annotations

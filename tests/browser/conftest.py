@@ -86,14 +86,21 @@ def notebooks(lab, browser):  # type: ignore[no-untyped-def]
     context.set_default_timeout(60_000)
     page = context.new_page()  # one lab, the notebooks in its tabs
     opened: dict[str, tuple[Notebook, float, dict | None]] = {}
+    stopped: dict[str, str] = {}  # a notebook whose Run All stopped on an error: each of its tests fails at once
 
     def get(path: str, run: bool = True) -> Notebook:
+        if path in stopped:
+            pytest.fail(f"{stopped[path]}\n(as the first test of this notebook reported)", pytrace=False)
         if path not in opened:
             nb = Notebook.open(page, lab, path)
             seconds, report = 0.0, None
             if run:
                 nb.kernel(INSTALL_VIEW)
-                seconds = nb.run_all()
+                try:
+                    seconds = nb.run_all()
+                except AssertionError as e:
+                    stopped[path] = str(e)
+                    raise
                 report = nb.value("_labkit_view.report()")
             opened[path] = nb, seconds, report
         nb = opened[path][0]

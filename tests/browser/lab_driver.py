@@ -227,17 +227,38 @@ class Notebook:
         return self.page.evaluate(f"(path) => {{ const nb = ({_FIND})(path); {body} }}", self.path)
 
     def run_all(self, timeout: float = 150.0) -> float:
-        """Click Run > Run All Cells, wait until every code cell has run; return the seconds it took."""
+        """Click Run > Run All Cells, wait until every code cell has run; return the seconds it took.
+
+        A cell that raises stops Run All (later cells never run): the wait ends at the first
+        error output, which is raised as an AssertionError naming its cell, at once rather than
+        after ``timeout``. A cell tagged ``raises-exception`` (JupyterLab runs on past it) is not one.
+        """
         start = time.perf_counter()
         self.activate()
         self.page.get_by_role("menuitem", name="Run", exact=True).click()
         self.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
-        # Done = every code cell has an execution count and the kernel is idle again (a cell
-        # that raised stops Run All: later cells keep no count, and the wait times out).
-        self._wait(f"""(path) => {{ const nb = ({_FIND})(path); const cells = nb.content.model.cells;
-                      for (let i = 0; i < cells.length; i++) {{ const c = cells.get(i);
-                        if (c.type === 'code' && c.executionCount == null) return false; }}
-                      return nb.sessionContext.kernelDisplayStatus === 'idle'; }}""", timeout)
+        # Done = every code cell has an execution count and the kernel is idle again; stopped = an
+        # error output (Run All clears every cell's outputs as it queues them, so it is this run's).
+        outcome = self.page.wait_for_function(
+            f"""(path) => {{ const nb = ({_FIND})(path); const cells = nb.content.model.cells; let done = true;
+                  for (let i = 0; i < cells.length; i++) {{ const c = cells.get(i);
+                    if (c.type !== 'code') continue;
+                    const tags = c.sharedModel.getMetadata().tags || [];
+                    for (let j = 0; j < c.outputs.length; j++) {{ const o = c.outputs.get(j).toJSON();
+                      if (o.output_type === 'error' && !tags.includes('raises-exception'))
+                        return {{cell: i, ename: o.ename, evalue: o.evalue, traceback: o.traceback,
+                                source: c.sharedModel.getSource()}}; }}
+                    if (c.executionCount == null) done = false; }}
+                  return done && nb.sessionContext.kernelDisplayStatus === 'idle'; }}""",
+            arg=self.path, timeout=timeout * 1000, polling=200).json_value()
+        if outcome is not True:
+            source = "\n    ".join(outcome["source"].splitlines()[:6])
+            # a bare assert has no message: name the line that raised (IPython's "---->" arrow)
+            raised = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(outcome["traceback"])).splitlines()
+                      if line.startswith("---->")]
+            raise AssertionError(f"{self.path}: Run All stopped at cell {outcome['cell']} after "
+                                 f"{time.perf_counter() - start:.0f} s with {outcome['ename']}: "
+                                 f"{outcome['evalue'] or (raised[-1] if raised else '')}\n  the cell:\n    {source}")
         return time.perf_counter() - start
 
     def cells(self) -> list[dict]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 import time
 
+import nbformat
 import pytest
-from lab_driver import (NOTEBOOKS, RELEASE, LabServer, alive, canvas_pixels, descendants, drag, type_into,
+from lab_driver import (NOTEBOOKS, RELEASE, LabServer, Notebook, alive, canvas_pixels, descendants, drag, type_into,
                         wait_for_redraw)
 from playwright.sync_api import expect
 
@@ -276,6 +277,33 @@ def test_the_student_release_shows_stubs_and_locks_the_tests(notebooks, tmp_path
         content = nb.root.locator(".jp-Cell").nth(i).locator(".cm-content")
         expect(content).to_have_attribute("aria-readonly", "true")
     shot(nb, tmp_path, "exercise_release", nb.root.locator(".jp-Cell").nth(answers[0]))
+
+
+def test_run_all_stops_at_the_first_error_at_once_and_names_its_cell(browser, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_markdown_cell("a lesson's text"),
+             nbformat.v4.new_code_cell("raise KeyError('meant to')", metadata={"tags": ["raises-exception"]}),
+             nbformat.v4.new_code_cell("def check():\n    assert x + 1 == 3\ncheck()"),  # a bare assert: no message
+             nbformat.v4.new_code_cell("import time; time.sleep(600)")]  # never runs: Run All stops before it
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}  # as the lessons'
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernelspec}), root / "stops.ipynb")
+    server = LabServer(root, tmp_path).start()
+    context = browser.new_context()
+    try:
+        nb = Notebook.open(context.new_page(), server, "stops.ipynb")
+        start = time.monotonic()
+        with pytest.raises(AssertionError) as failure:
+            nb.run_all(timeout=150)
+        seconds = time.monotonic() - start
+    finally:
+        context.close()
+        server.stop()
+    message = str(failure.value)
+    print(f"after {seconds:.1f} s: {message}")
+    assert message.startswith("stops.ipynb: Run All stopped at cell 3 after "), message
+    assert "AssertionError: ----> 2     assert x + 1 == 3\n  the cell:\n    def check():" in message, message
+    assert seconds < 30, f"the error was reported after {seconds:.0f} s"
 
 
 def test_the_server_and_its_kernels_stop(tmp_path):
