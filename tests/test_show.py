@@ -14,7 +14,8 @@ import torch
 import labkit
 from labkit.lab import plot_log
 from labkit.lab.show import main
-from labkit.records import StepLog, StepRecord
+from labkit.records import StepRecord
+from labkit.steplog import StepLog
 
 ROOT = Path(__file__).resolve().parent.parent
 

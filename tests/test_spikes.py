@@ -192,7 +192,7 @@ def test_a_rewind_is_an_event_so_the_log_read_back_from_its_file_says_what_the_l
         rewind = Rewind(back=3, skip=2)
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, log_path=path,
-                     detector=SpikeDetector(window=8, skip_z=6.0), rewind=rewind, clip_alarm=None)
+                     hooks=[SpikeDetector(window=8, skip_z=6.0), rewind], clip_alarm=None)
     fed = []
     while step.step_count < 20:
         fed.append(rewind.data_index(step.step_count))
@@ -218,8 +218,8 @@ def test_a_rewind_moves_past_the_bad_batch_once_and_the_loss_recovers():
     with pytest.warns(LabkitWarning, match="Rewind\\(back=20, skip=10\\)"):
         rewind = Rewind(back=20, skip=10)
     model = task.model()
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, detector=SpikeDetector(),
-                     rewind=rewind, clip_alarm=None)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                     hooks=[SpikeDetector(), rewind], clip_alarm=None)
     fed, losses = [], {}
     while step.step_count < 140:
         fed.append(rewind.data_index(step.step_count))
@@ -245,7 +245,7 @@ def test_repeated_rewinds_add_up_their_skips_and_running_out_says_which_steps():
         return False
 
     rewind = Rewind(back=4, skip=4, every=4, max_rewinds=2, trigger=trigger)
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, rewind=rewind,
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, hooks=[rewind],
                      clip_alarm=None)
     with pytest.warns(LabkitWarning, match=r"step 14 asked for a rewind .* max_rewinds=2 were made \(steps "
                                            r"10->4, 12->8\); the run goes on without rewinding"):

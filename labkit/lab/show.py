@@ -15,9 +15,10 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from ..records import StepLog, StepRecord
+from ..records import StepRecord
+from ..steplog import StepLog
 from .plots import had_scaler, plot_log
-from .text import describe, format_scale
+from .text import describe, describe_rewind, format_scale
 
 __all__ = ["main", "show"]
 
@@ -28,7 +29,9 @@ def fixed_threshold(log: StepLog) -> float | None:
     >>> fixed_threshold(StepLog([StepRecord(0, 1.0, threshold=0.5, clip_reason="NormClip")]))
     0.5
     """
-    seen = {r.threshold for r in log if r.clip_reason == "NormClip" and math.isfinite(r.threshold)}
+    # get: a log read back where the clippers that declare these fields were never imported
+    seen = {r.get("threshold") for r in log
+            if r.get("clip_reason") == "NormClip" and math.isfinite(r.get("threshold", math.nan))}
     return seen.pop() if len(seen) == 1 else None
 
 
@@ -60,8 +63,10 @@ def show(path: str | os.PathLike, png: str | os.PathLike | None = None, max_norm
     if not len(log):
         raise ValueError(f"{os.fspath(path)} holds no records: nothing to show.")
     max_norm = fixed_threshold(log) if max_norm is None else max_norm
-    for record in log:
-        for line in describe(record, max_norm if max_norm is not None else _own_threshold(record)):
+    after = log.events_after()
+    for i, record in enumerate(log):
+        limit = max_norm if max_norm is not None else _own_threshold(record)
+        for line in [*describe(record, limit), *(describe_rewind(e) for e in after.get(i, ()))]:
             echo(line)
     echo("\nsummary")
     for key, value in summary_rows(log):
@@ -73,7 +78,8 @@ def show(path: str | os.PathLike, png: str | os.PathLike | None = None, max_norm
 
 
 def _own_threshold(record: StepRecord) -> float | None:
-    return record.threshold if math.isfinite(record.threshold) else None
+    threshold = record.get("threshold", math.nan)
+    return threshold if math.isfinite(threshold) else None
 
 
 def main(argv: list[str] | None = None) -> int:

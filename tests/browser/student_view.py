@@ -145,7 +145,7 @@ def _lab_objects(namespace: dict) -> list:
 
 def _controls_of(obj: object) -> list:
     held = []
-    for value in vars(obj).values():
+    for value in getattr(obj, "__dict__", {}).values():  # a slotted object (a StepRecord) holds no widget
         values = list(value.values()) if isinstance(value, dict) else [value]
         held += [v for v in values if is_control(v)]
     return held

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..static import banned_calls, explain, tampering
+
 __all__ = ["Check", "check", "judge_cases", "run_cases"]
 
 # ---------------------------------------------------------------- calling student code
@@ -404,17 +406,15 @@ def _scan(name: str, fn: Callable, banned: tuple[str, ...]) -> str | None:
     the grader is not run, and the part it answers is not scored (a cell outside every answer
     withholds the whole notebook); a banned library function in ``fn``'s own cell loses the part.
     """
-    from .. import static
-
     own = f"{name}'s cell"
     for what, source in _cells(fn):
-        found = static.tampering(source)
+        found = tampering(source)
         if found:
             then = ("so this part would score 0 (the other parts are graded as usual)" if what == own else
                     "so the part it answers would score 0, or, outside every answer, the whole notebook")
             return (f"{what} cannot be graded as written: the grader never runs a cell that could reach "
-                    f"into it, {then}. " + "; ".join(static.explain(f) for f in found) + ".")
-        hits = static.banned_calls(source, banned) if what == own else []
+                    f"into it, {then}. " + "; ".join(explain(f) for f in found) + ".")
+        hits = banned_calls(source, banned) if what == own else []
         if hits:
             return f"{what} uses what this part asks you to write yourself: {'; '.join(hits)}."
     return None
