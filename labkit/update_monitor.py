@@ -114,13 +114,18 @@ class UpdateMonitor(Hook):
                 continue
             last = self._steps.get(id(p))
             # the optimizer's own count moved, or the step was skipped (a scaler's overflow, a hook's
-            # skip): compared as tensors, where they live, so nothing is read on the host
-            moved = torch.ones((), dtype=torch.bool) if last is None else torch.as_tensor(count_now != last)
-            self._steps[id(p)] = torch.as_tensor(count_now).detach().clone()
-            measures[f"update_rms/{name}"] = torch.where(moved, rms, torch.full_like(rms, math.nan))
+            # skip): compared as tensors where they live, nothing read on the host; the mask (0 or NaN)
+            # is added, as a 0-dim tensor may join a kernel on another device (torch's CPU count with
+            # CUDA parameters) where torch.where would refuse it; + 0 keeps rms's bits
+            count_now = torch.as_tensor(count_now)
+            moved = count_now != last if last is not None else torch.ones((), dtype=torch.bool,
+                                                                         device=count_now.device)
+            self._steps[id(p)] = count_now.detach().clone()
+            mask = torch.where(moved, 0.0, math.nan)
+            measures[f"update_rms/{name}"] = rms + mask.to(rms.dtype)
             if id(p) in before:
                 delta = (p.detach().double() - before[id(p)].double()) / lrs[id(p)]
-                squares.append(torch.where(moved, delta.square().sum(), math.nan).to(rms.device))
+                squares.append(delta.square().sum() + mask.double())
                 count += p.numel()
         if squares and count:
             measures["applied_update_rms"] = (torch.stack(squares).sum() / count).sqrt().float()
@@ -133,13 +138,15 @@ class UpdateMonitor(Hook):
 
     def on_record(self, trainer: Any, record: Any) -> None:
         """Name the peak tensor and warn (rank 0, once per episode) when it passes the threshold."""
+        if not record.update_rms:  # nothing measured: the first step, or after a non-finite loss
+            return
+        put(record.fields, "update_step", record.step - 1)
         rms = {k: v for k, v in record.update_rms.items() if not math.isnan(v)}
-        if not rms:
+        if not rms:  # that optimizer step was skipped
             return
         peak = max(rms, key=rms.__getitem__)
         put(record.fields, "update_rms_max", rms[peak])
         put(record.fields, "update_rms_peak", peak)
-        put(record.fields, "update_step", record.step - 1)
         self.observe(rms[peak], peak, record.step - 1)
 
     def observe(self, peak_rms: float, tensor: str, step: int) -> bool:

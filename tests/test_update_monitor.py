@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import warnings
 
@@ -144,6 +145,7 @@ def test_a_skipped_step_reads_nan():
     assert records[3].skipped and not records[4].skipped
     assert all(math.isnan(v) for v in records[4].update_rms.values())
     assert math.isnan(records[4].applied_update_rms) and records[4].update_rms_peak is None
+    assert records[4].update_step == 3 and math.isnan(records[4].update_rms_max)
     assert all(math.isfinite(v) for r in (records[3], records[5]) for v in r.update_rms.values())
 
 
@@ -172,6 +174,51 @@ def test_the_alarm_fires_on_a_staged_rms_spike_naming_the_tensor_and_the_cures()
     assert r.update_step == 60 and r.update_rms_peak == "weight" and r.update_rms_max > 3
     assert r.grad_norm < 1.0  # under the clip threshold: gradient clipping did not see it
     assert max(rec.update_rms_max for rec in records[1:61]) < 3
+    # the loss has not moved when the alarm comes (here it never does: a convex regression; in the probe's
+    # memorising GPT the loss peaks 1-3 steps after the RMS spike)
+    assert r.loss <= 1.2 * statistics.median(rec.loss for rec in records[41:61])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_deferred_records_carry_the_same_fields(fused):
+    """TrainStep(sync_every=3): the measures ride the batched copy, the same values as the per-step mode."""
+    def run(sync_every):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), fused=fused)
+        train = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision="fp16", max_norm=None,
+                                 hooks=[UpdateMonitor()], sync_every=sync_every, faults={4: "overflow"})
+        x, y = data()
+        for _ in range(9):
+            train(x, y)
+        return [{k: r.get(k) for k in UpdateMonitor.record_fields} for r in train.log]
+
+    per_step, deferred = run(None), run(3)
+    assert len(per_step[5]["update_rms"]) == 4 and per_step[8]["update_rms_max"] > 0
+    assert repr(per_step) == repr(deferred)  # repr: NaN == NaN
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU count is above")
+def test_the_monitor_never_syncs_a_deferred_step_on_cuda():
+    """torch's own sync detector (as tests/test_fused.py): a fused, deferred step stays without a sync."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), fused=True)
+    train = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision="fp16", max_norm=None,
+                             hooks=[UpdateMonitor()], sync_every=4)
+    x, y = (t.cuda() for t in data())
+    train(x, y)
+    train(x, y)
+    train.flush()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            train(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(list(train.log)[-1].update_rms) == 4
 
 
 def test_no_alarm_on_a_steady_run():
