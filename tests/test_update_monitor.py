@@ -226,3 +226,47 @@ def test_no_alarm_on_a_steady_run():
         warnings.simplefilter("error", UpdateSpikeWarning)
         records = staged_run(jump_at=10**6)
     assert max(r.update_rms_max for r in records[1:]) < 3
+
+
+# ---------------------------------------------------------------- two gloo ranks (DDP)
+
+
+def ddp_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(8, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+        train = labkit.TrainStep(model, opt, nn.functional.mse_loss, max_norm=1.0, hooks=[UpdateMonitor()])
+        model.module.weight.register_hook(lambda g: g * (1e-3 if train.step_count < 30 else 1.0))
+        x, y = (t.tensor_split(2)[rank] for t in data())  # each rank its half: local gradients differ
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = [train(x, y) for _ in range(40)]
+        fields = [{k: r.get(k) for k in UpdateMonitor.record_fields} for r in records]
+        spikes = sum(issubclass(w.category, UpdateSpikeWarning) for w in caught)
+    finally:
+        dist.destroy_process_group()
+    torch.save({"fields": fields, "spikes": spikes}, out / f"rank{rank}.pt")
+
+
+def test_ddp_ranks_record_the_same_values_and_only_rank_0_warns(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(ddp_worker, args=(port, tmp_path), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert repr(r0["fields"]) == repr(r1["fields"])  # bitwise, NaN included: the gradients were all-reduced
+    assert r0["fields"][31]["update_rms_max"] > 3 and r0["fields"][31]["update_step"] == 30
+    assert (r0["spikes"], r1["spikes"]) == (1, 0)
