@@ -49,7 +49,11 @@ class UpdateMonitor(Hook):
     ``update_rms_max`` and ``update_rms_peak`` (the largest and its tensor), ``applied_update_rms``
     the RMS over every coordinate of ``(theta_t - theta_{t-1}) / lr`` (weight decay and
     StableAdamW's clip included). A skipped optimizer step gives NaN. ``optimizer``: the one to
-    read (default: the trainer's). Refused: an optimizer without a second moment. Cost per step:
+    read (default: the trainer's). Refused as ``read_update_rms`` refuses: an optimizer without a
+    second moment (SGD, Adagrad), Adam with L2 ``weight_decay``. In a plain loop call
+    ``pre_optim_step`` before ``optimizer.step()`` (else no ``applied_update_rms``), ``post_step``
+    after it, take the tensors from the next step's ``post_backward`` and hand the record (its
+    numbers on the host) to ``on_record``, which names the peak and warns. Cost per step:
     a copy of the parameters (for the applied update) and one pass over the gradients and ``v``;
     no host sync. Under DDP every rank holds the same gradients and states, so the same values;
     under FSDP2 each rank holds a shard, and the means would need an all-reduce of the sums
