@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .names import FP16_MAX
 from .records import Field, declare
 from .validate import check_int
 
 __all__ = ["Fault", "FaultSchedule", "Injection"]
 
 KINDS = ("spike", "nan", "inf", "overflow")
-FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)

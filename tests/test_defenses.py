@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.lab.defenses import KNOBS, DefenseExplorer, Defenses, ledger, plot_defenses
+from labkit.lab.defenses import KNOBS, Defenses, ledger, plot_defenses
+from labkit.lab.explorer import DefenseExplorer
 from labkit.lab.text import describe
 from labkit.lab.experiment import ExperimentConfig, run_experiment
 from labkit.lab.text import describe_rewind

@@ -8,7 +8,7 @@ import torch
 
 import labkit
 
-FP16_MAX = 65504.0
+FP16_MAX = torch.finfo(torch.float16).max
 KINDS = ["spike", "nan", "inf", "overflow"]
 
 

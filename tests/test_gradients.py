@@ -77,6 +77,20 @@ def test_u_curve_sawtooth_and_heatmap_show_what_the_run_did():
     assert image.tolist() == [[0.0, 3.0], [-1.0, -1.0]]
 
 
+def test_a_root_parameter_is_one_layer_the_root_module_with_torchs_norm():
+    model = torch.nn.Linear(4, 3)  # weight and bias belong to the root module, which torch names ""
+    probe = GradientProbe()
+    probe.attach(model)
+    probe.begin(0)
+    probe.loss_hook(model(torch.randn(5, 4, generator=torch.Generator().manual_seed(0))).square().sum()).backward()
+    probe.close()
+    assert probe.layers == [""]  # one layer, not "weight" and "bias" as two
+    expected = torch.linalg.vector_norm(torch.cat([model.weight.grad.flatten(), model.bias.grad.flatten()]))
+    assert probe.layer_norms[""] == [pytest.approx(expected.item(), rel=1e-6)]
+    ticks = plot_layer_heatmap(probe).axes[0].get_yticklabels()
+    assert [t.get_text() for t in ticks] == ["(root)"]
+
+
 class _Boom(torch.autograd.Function):
     """Identity forward; backward turns the gradient into inf: an overflow in the middle of the model."""
 

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from labkit.lab.plots import LiveDashboard, plot_log
+from labkit.lab.plots import LiveDashboard, plot_log, plot_scale_and_skips
 from labkit.records import StepRecord
 from labkit.steplog import StepLog
 
@@ -265,3 +265,21 @@ def test_nothing_is_cut_off_at_the_edges_of_the_canvas(runs):
     box, canvas = fig.get_tightbbox(fig.canvas.get_renderer()), fig.bbox_inches
     assert box.x0 >= canvas.x0 and box.y0 >= canvas.y0 and box.x1 <= canvas.x1 and box.y1 <= canvas.y1, (box, canvas)
     assert fig._suptitle.get_text().count("\n") == (len(runs) - 1 if len(runs) > 2 else 0)
+
+
+def test_the_scale_plot_draws_each_skip_under_its_own_reason_never_a_spike_as_a_loss_skip():
+    reasons = ["nonfinite_loss", "forward_overflow", "nonfinite_grad", "spike_grad", "spike_loss", "dead_scale",
+               "my_hook"]
+    log = StepLog([StepRecord(0, 1.0, scale=8.0, next_scale=8.0)]
+                  + [StepRecord(i, math.nan if i < 3 else 1.0, scale=8.0, next_scale=8.0, skipped=True, reason=r)
+                     for i, r in enumerate(reasons, 1)])
+    ax = plot_scale_and_skips({"run": log}).axes[0]
+    drawn = {line.get_label(): line.get_xdata().tolist() for line in ax.get_lines()[1:]}
+    assert drawn == {
+        "skipped: loss not finite (forward): 2": [1, 2],  # nonfinite_loss and triage's forward_overflow
+        "skipped: gradient not finite (backward): 1": [3],
+        "skipped: spike (z-score): 2": [4, 5],
+        "skipped: loss scale dead (1/scale overflows): 1": [6],
+        "skipped: my_hook: 1": [7],  # a hook's own reason keeps its name
+    }
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss scale", *drawn]

@@ -46,10 +46,6 @@ def imports(path: Path) -> set[str]:
 
 
 GRAPH = {name: imports(path) for name, path in MODULES.items()}
-# Known, each owned by a change under way; no other edge may close a cycle:
-# - DefenseExplorer (lab/defenses) runs run_experiment (lab/experiment), which builds the defenses: issue
-#   33's step 7 moves DefenseExplorer out.
-KNOWN_CYCLE_EDGES = {("labkit.lab.defenses", "labkit.lab.experiment")}
 
 
 def test_no_import_cycle_in_labkit():
@@ -60,8 +56,6 @@ def test_no_import_cycle_in_labkit():
         state[node] = 1
         path.append(node)
         for nxt in sorted(GRAPH[node]):
-            if (node, nxt) in KNOWN_CYCLE_EDGES:
-                continue
             if state.get(nxt) == 1:
                 cycle = path[path.index(nxt):] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))

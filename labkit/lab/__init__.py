@@ -11,7 +11,8 @@ import typing
 
 _LAZY = {
     ".checks": ("expect",),
-    ".defenses": ("DefenseExplorer", "Defenses", "ledger", "plot_defenses"),
+    ".defenses": ("Defenses", "ledger", "plot_defenses"),
+    ".explorer": ("DefenseExplorer",),
     ".experiment": ("ExperimentConfig", "default_device", "run_experiment"),
     ".formats": ("GranularityExplorer", "granularity_rows", "number_line", "round_trip", "scaling_figure",
                  "stagnation_figure"),
@@ -29,8 +30,9 @@ _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .checks import expect
-    from .defenses import DefenseExplorer, Defenses, ledger, plot_defenses
+    from .defenses import Defenses, ledger, plot_defenses
     from .experiment import ExperimentConfig, default_device, run_experiment
+    from .explorer import DefenseExplorer
     from .formats import (
         GranularityExplorer, granularity_rows, number_line, round_trip, scaling_figure, stagnation_figure,
     )

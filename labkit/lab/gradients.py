@@ -31,6 +31,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from ..names import module_of
 from ..steplog import StepLog
 from ..tasks import Task
 from .plots import _ipympl_active
@@ -102,10 +103,6 @@ class GradStat:
     amax: float
     zero_fraction: float
     linear: bool = True
-
-
-def _module_of(param_name: str) -> str:
-    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
 class GradientProbe:
@@ -228,12 +225,12 @@ class GradientProbe:
         linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
         self._tied = {pid for pid, names in aliases.items() if len(names) > 1}
         for name, p in model.named_parameters():
-            groups.setdefault(_module_of(name), []).append(p)
+            groups.setdefault(module_of(name), []).append(p)
             label = " = ".join(aliases[id(p)])
             # a tied weight's .grad adds its uses; if one is not a Linear (an fp32 embedding), it is not fp16's
             only_linear = id(p) in linear and id(p) not in self._tied
             self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda p, module=_module_of(name), label=label, lin=only_linear: self._param_grad(module, label, p,
+                lambda p, module=module_of(name), label=label, lin=only_linear: self._param_grad(module, label, p,
                                                                                                   lin)))
         self.layers = list(groups)
         self._norms = {m: [] for m in self.layers}
@@ -619,7 +616,8 @@ def plot_layer_heatmap(probes: GradientProbe | Mapping[str, GradientProbe], titl
         n = grid.shape[1]
         im = ax.imshow(grid.numpy(), aspect="auto", interpolation="nearest", cmap=cmap, vmin=lo, vmax=hi,
                        extent=(-0.5, n - 0.5, len(layers) - 0.5, -0.5))
-        ax.set_yticks(range(len(layers)), layers, fontsize=7)
+        # torch names the root module "" (named_modules): a root parameter's row gets a visible label
+        ax.set_yticks(range(len(layers)), [m or "(root)" for m in layers], fontsize=7)
         if name:
             ax.set_title(name, fontsize=9, loc="left")
         grey = (~torch.isfinite(grid)).any(dim=0).nonzero().flatten().tolist()

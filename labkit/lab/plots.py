@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 
+from ..reasons import LOSS, SPIKES, Reason
 from ..records import StepRecord
 from ..steplog import StepLog
 from ..validate import check_int
@@ -365,12 +366,24 @@ class LiveDashboard:
         self._image.value = buf.getvalue()
 
 
+# Which skips a scale plot tells apart, by labkit.reasons' sets (one home for "which skips are loss skips")
+_SKIP_KINDS: tuple[tuple[tuple[str, ...], str, str, str], ...] = (
+    (LOSS, "^", "C3", "skipped: loss not finite (forward)"),
+    ((Reason.NONFINITE_GRAD,), "v", "C1", "skipped: gradient not finite (backward)"),
+    ((Reason.DEAD_SCALE,), "s", "C5", "skipped: loss scale dead (1/scale overflows)"),
+    (SPIKES, "D", "C2", "skipped: spike (z-score)"),
+)
+_KNOWN = frozenset(reason for reasons, *_ in _SKIP_KINDS for reason in reasons)
+
+
 def plot_scale_and_skips(logs: Mapping[str, StepLog], title: str = "") -> Figure:
     """Return each run's loss scale against step (log2 axis), its skipped steps marked by why they skipped.
 
     A backward overflow (``nonfinite_grad``) halves the scale and the run goes on: the sawtooth. A
     forward overflow makes the loss itself not finite (``nonfinite_loss``): backward never runs,
-    the scale is left alone, and every later batch that overflows skips again at the same scale.
+    the scale is left alone, and every later batch that overflows skips again at the same scale. The
+    kinds are ``labkit.reasons``' sets (``LOSS`` takes triage's refinements too); a spike detector's skip,
+    a dead scale and a hook's own reason each get their own mark.
 
     >>> from labkit.records import StepRecord
     >>> log = StepLog([StepRecord(0, math.nan, scale=4.0, next_scale=4.0, skipped=True,
@@ -382,14 +395,15 @@ def plot_scale_and_skips(logs: Mapping[str, StepLog], title: str = "") -> Figure
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    kinds = {"nonfinite_loss": ("^", "C3", "skipped: loss not finite (forward)"),
-             "nonfinite_grad": ("v", "C1", "skipped: gradient not finite (backward)")}
     for ax, (name, log) in zip(fig.subplots(1, len(logs), squeeze=False)[0], logs.items()):
         steps, scales = log.column("step"), log.column("scale")
         ax.plot(steps, scales, drawstyle="steps-post", color="C4", lw=1.2, label="loss scale")
-        for reason, (marker, color, label) in kinds.items():
-            hit = [r for r in log if r.skipped and (r.reason == reason or reason == "nonfinite_loss" and
-                                                    r.reason not in kinds)]
+        skips = [r for r in log if r.skipped]
+        # a reason no set names (a user's hook's own) is drawn under its own name, never as another's
+        others = dict.fromkeys(str(r.reason) for r in skips if r.reason not in _KNOWN)
+        kinds = [*_SKIP_KINDS, *(((reason,), "x", "C7", f"skipped: {reason}") for reason in others)]
+        for reasons, marker, color, label in kinds:
+            hit = [r for r in skips if r.reason in reasons]
             if hit:
                 ax.plot([r.step for r in hit], [r.scale for r in hit], marker, color=color, ms=5, ls="none",
                         label=f"{label}: {len(hit)}")

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..names import FP16_MAX, PRECISIONS
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -49,7 +51,6 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
     "z_loss": (False, True),
     "qk_norm+z_loss": (True, True),
 }
-FP16_MAX = 65504.0
 SCHEDULES = ("cosine", "constant")
 
 
@@ -808,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, flag in sizes:
         default = getattr(d, name)
         p.add_argument(f"--{flag}", type=int, default=default, help=f"{name} (default {default})")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=d.precision,
+    p.add_argument("--precision", choices=list(PRECISIONS), default=d.precision,
                    help="fp16 runs with the dynamic loss scaler (slow on a CPU without native fp16)")
     p.add_argument("--attention", choices=["sdpa", "explicit"], default=d.attention,
                    help="explicit forms q @ k.T as a tensor, which overflows in fp16 (default sdpa)")

@@ -11,13 +11,17 @@ import torch
 from torch import Tensor, nn
 
 from ..faults import Fault, Injection
+from ..names import PRECISIONS as NAMES
 
 __all__ = [
     "PRECISIONS", "Batch", "Buffers", "LossCheck", "autocast", "batch_size", "check_loss",
     "given_micro_batches", "gradient_sync", "split", "to_device",
 ]
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# keyed by labkit.names.PRECISIONS, the one list of names the CLI and widgets offer: a name added there
+# without a dtype here fails at import, not at a student's first fp8 run
+PRECISIONS: dict[str, torch.dtype | None] = dict(zip(NAMES, (None, torch.bfloat16, torch.float16),
+                                                strict=True))
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

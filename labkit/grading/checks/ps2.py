@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from labkit.clip import clip_grad_norm_ as ref_clip_grad_norm_
 from labkit.clippers import ZClip
+from labkit.names import FP16_MAX
 from labkit.reasons import Reason
 from labkit.records import StepRecord
 from labkit.scaler import GradScaler
@@ -271,7 +272,7 @@ def _judge_read(name: str, case: _RunCase, out: dict[str, Any], hidden: bool, se
 # ---------------------------------------------------------------- 2. what fp16 loses at a loss scale
 
 
-FP16_MAX, FP16_TINY, FP16_SUBNORMAL = 65504.0, 2.0**-14, 2.0**-24
+FP16_TINY, FP16_SUBNORMAL = 2.0**-14, 2.0**-24
 
 
 @functools.lru_cache(maxsize=4)
