@@ -445,7 +445,7 @@ def live_figures(namespace: dict | None = None) -> list[Figure]:
     for manager in Gcf.get_all_fig_managers():  # pyplot's open figures, without making one current
         figures[id(manager.canvas.figure)] = manager.canvas.figure
     for obj in _lab_objects(namespace):
-        for value in vars(obj).values():
+        for value in getattr(obj, "__dict__", {}).values():  # a slotted StepRecord holds no figure
             inner = [value, *vars(value).values()] if hasattr(value, "__dict__") else [value]
             for figure in inner:
                 if isinstance(figure, Figure):
