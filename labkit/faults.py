@@ -41,7 +41,7 @@ from .names import FP16_MAX
 from .records import Field, declare
 from .validate import check_int
 
-__all__ = ["Fault", "FaultSchedule", "Injection"]
+__all__ = ["Fault", "FaultSchedule", "Injection", "floating_tensors"]
 
 KINDS = ("spike", "nan", "inf", "overflow")
 
@@ -197,7 +197,7 @@ class Injection:
         if self.fault.kind == "overflow":
             return batch
         if self.on_inputs is None:
-            self.on_inputs = next(_floating_tensors(batch), None) is not None
+            self.on_inputs = next(floating_tensors(batch), None) is not None
         if not self.on_inputs:
             return batch
         self.acted = True
@@ -236,7 +236,7 @@ class Injection:
                 return None
             if kind == "overflow":
                 return _map_floating(out, lambda t: _FirstInBackward.apply(t, self) if t.requires_grad else t)
-            first = None if done else next(_floating_tensors(out), None)
+            first = None if done else next(floating_tensors(out), None)
             if first is None:  # the NaN/inf went into the first activation already, or this has none
                 return None
             done = self.acted = True
@@ -255,16 +255,21 @@ class Injection:
             )
 
 
-def _floating_tensors(out: Any) -> Iterator[Tensor]:
+def floating_tensors(out: Any) -> Iterator[Tensor]:
+    """Yield the floating tensors in ``out`` (a tensor, or dicts, tuples and lists of them), in order.
+
+    >>> [t.dtype for t in floating_tensors({"ids": torch.zeros(2, dtype=torch.long), "x": (torch.ones(1),)})]
+    [torch.float32]
+    """
     if isinstance(out, Tensor):
         if out.is_floating_point():
             yield out
     elif isinstance(out, Mapping):
         for v in out.values():
-            yield from _floating_tensors(v)
+            yield from floating_tensors(v)
     elif isinstance(out, (tuple, list)):
         for v in out:
-            yield from _floating_tensors(v)
+            yield from floating_tensors(v)
 
 
 _EXAMPLE = "e.g. 50:spike:1000, 120:nan or 200-204:overflow"

@@ -37,13 +37,14 @@ step's rules do not change (skipped, the scale untouched, every rank the same).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .distributed import ProcessGroup, all_reduce_, is_distributed
+from .faults import floating_tensors
 from .hooks import DecisionView, Hook, Verdict
 from .names import PRECISIONS
 from .reasons import Reason
@@ -51,18 +52,6 @@ from .reasons import Reason
 __all__ = ["Triage", "nonfinite_input", "overflow_module", "rng_state", "triage"]
 
 _AUTOCAST_DTYPE = dict(zip(PRECISIONS, (None, torch.bfloat16, torch.float16)))
-
-
-def _floating(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        if obj.is_floating_point():
-            yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _floating(v)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from _floating(v)
 
 
 def nonfinite_input(*batch: Any) -> Tensor:
@@ -74,7 +63,7 @@ def nonfinite_input(*batch: Any) -> Tensor:
     >>> bool(nonfinite_input(torch.tensor([1.0, nan]), torch.ones(2))), bool(nonfinite_input(torch.ones(2)))
     (True, False)
     """
-    flags = [(~torch.isfinite(t)).any() for t in _floating(batch)]
+    flags = [(~torch.isfinite(t)).any() for t in floating_tensors(batch)]
     if not flags:
         return torch.zeros((), dtype=torch.bool)
     return torch.stack([f.to(flags[0].device) for f in flags]).any()
@@ -130,7 +119,7 @@ def _fp32_loss(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any,
 
 
 def _nonfinite(obj: Any) -> list[Tensor]:
-    return [(~torch.isfinite(t)).any() for t in _floating(obj)]
+    return [(~torch.isfinite(t)).any() for t in floating_tensors(obj)]
 
 
 @torch.no_grad()

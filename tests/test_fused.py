@@ -10,12 +10,12 @@ counters with ``.item()``; on a GPU those are no syncs, so they are not counted)
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
 import labkit
+from host_reads import SyncCounter
 
 STEPS = 6
 
@@ -167,26 +167,6 @@ def test_fused_adamw_skips_without_touching_state(task):
 
 
 # ---------------------------------------------------------------- host syncs per step
-
-
-class SyncCounter:
-    """Count host reads of tensors made from labkit's own code."""
-
-    NAMES = ("item", "__bool__", "tolist", "__float__", "__int__", "cpu", "numpy")
-
-    def __init__(self, monkeypatch):
-        self.count = 0
-        for name in self.NAMES:
-            real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(real))
-
-    def _wrap(self, real):
-        def trapped(t, *args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("labkit"):
-                self.count += 1
-            return real(t, *args, **kwargs)
-        return trapped
 
 
 @pytest.mark.parametrize(

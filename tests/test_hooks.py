@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from labkit import GradScaler, ToyTask, TrainStep
 from labkit.clippers import ZClip
 from labkit.hooks import DecisionView, Hook, Verdict
 from labkit.reasons import Reason
+from host_reads import SyncCounter
 
 STEPS = 6
 NAN = pytest.approx(math.nan, nan_ok=True)
@@ -148,20 +148,6 @@ class Measure(Hook):
 
     def post_backward(self, trainer, step):
         return {"z_loss": next(self.model.parameters()).detach().abs().max()}
-
-
-class SyncCounter:
-    def __init__(self, monkeypatch):
-        self.count = 0
-        for name in ("item", "__bool__", "tolist", "__float__", "__int__", "cpu", "numpy"):
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name)))
-
-    def _wrap(self, real):
-        def trapped(t, *args, **kwargs):
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("labkit"):
-                self.count += 1
-            return real(t, *args, **kwargs)
-        return trapped
 
 
 @pytest.mark.parametrize("precision, kind, sync_every", [("fp16", "sgd", None), ("fp32", "sgd", None),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit.optim import StableAdamW, read_update_rms, update_rms
+from host_reads import READS, SyncCounter
 
 PROPERTY = settings(max_examples=100, deadline=None, database=None)
 SLOW_PROPERTY = settings(max_examples=25, deadline=None, database=None)
@@ -461,24 +461,6 @@ def test_step_hooks_run_once_and_a_copy_still_clips():
     assert moved == pytest.approx([0.0484 / 4.362] * 3, rel=2e-3)
 
 
-class HostReads:
-    """Count host reads of tensors made from labkit's own frames (torch's AdamW reads its CPU step itself)."""
-
-    NAMES = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "cpu", "numpy")
-
-    def __init__(self, monkeypatch):
-        self.count = 0
-        for name in self.NAMES:
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name)))
-
-    def _wrap(self, real):
-        def trapped(t, *args, **kwargs):
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("labkit"):
-                self.count += 1
-            return real(t, *args, **kwargs)
-        return trapped
-
-
 @pytest.mark.parametrize("impl", [{"foreach": False}, {"foreach": True}, {"fused": True}],
                          ids=["single", "foreach", "fused"])
 def test_no_host_read_in_the_step_or_the_read(monkeypatch, impl):
@@ -488,7 +470,7 @@ def test_no_host_read_in_the_step_or_the_read(monkeypatch, impl):
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    reads = HostReads(monkeypatch)
+    reads = SyncCounter(monkeypatch, (*READS, "__index__"))
     for k in (1.0, 1e3, float("nan")):
         for p in params:
             p.grad = torch.randn_like(p) * k
