@@ -343,3 +343,17 @@ def test_the_lr_slider_holds_its_value_exactly_on_its_grid():
     panel.controls["lr"].value = 0.3
     panel.controls["lr"].value = 0.8  # a student's drag back to the text's value
     assert panel.config.lr == 0.8 and panel.logs["run"][0].lr == 0.8
+
+
+def test_a_panel_waiting_for_run_says_its_settings_changed_and_comes_back_when_they_are_put_back():
+    panel = ControlPanel(BASE, {"fault": "nan", "fault_step": 2}, auto_run=False)
+    panel.controls["fault_step"].value = 3  # before any run: nothing on screen to contradict
+    assert panel.status.value == "not run yet"
+    panel.run()
+    shown = panel.status.value
+    assert "settings changed" not in shown
+    panel.controls["fault_step"].value = 4
+    assert panel.status.value.startswith("settings changed (fault_step): press Run")
+    assert panel.figure_mismatches() == ["fault_step: the control says 4, the figure shows 3"]
+    panel.controls["fault_step"].value = 3  # put back: the figure shows the controls again
+    assert panel.status.value == shown and panel.figure_mismatches() == []

@@ -206,6 +206,7 @@ class ControlPanel:
         # thread may change them while a run reads them), and the values of the run on screen.
         self._settings = self.config, self.values()
         self.shown_values: dict[str, Any] | None = None
+        self._shown_status = ""  # the status line of the run on screen
         for variant in self.variants.values():
             dataclasses.replace(self.config, **variant)  # a bad variant fails here, not in a callback
         self.dashboard = LiveDashboard(self.config.max_norm, runs=tuple(self.variants), panels=panels, every=every)
@@ -275,6 +276,10 @@ class ControlPanel:
             return
         if self.auto_run:
             self.run()
+        elif self.shown_values is not None and not self._running:  # the figure no longer shows the controls
+            changed = self.figure_mismatches()
+            self.status.value = (f"settings changed ({', '.join(m.split(':')[0] for m in changed)}): press Run; "
+                                 "the figure shows the last run") if changed else self._shown_status
 
     def run(self) -> dict[str, StepLog]:
         """Run every variant with the current settings (or, if a run is going, ask it to run again)."""
@@ -329,7 +334,7 @@ class ControlPanel:
         self.seconds = time.perf_counter() - start if trained else math.nan
         self.logs, self.alarms, self.error = logs, alarms, None
         self.shown_values = dict(values)
-        self.status.value = self._status_html(config)
+        self.status.value = self._shown_status = self._status_html(config)
         rows = event_rows(logs, {name: c.max_norm for name, c in configs.items()}, self.table_rows,
                           scaler={name: scaler_runs(c) for name, c in configs.items()})
         self.table.value = _table_html(rows, multi=len(logs) > 1)
