@@ -240,10 +240,13 @@ def test_03_run_button_runs_the_new_settings_and_the_table_gains_the_skip(notebo
     while nb.value("[panel.config.faults, panel.config.precision]") != [["150:nan"], "fp16"]:
         assert time.monotonic() < deadline, "the kernel never saw the new settings"
         time.sleep(0.2)
-    assert status.inner_text() == before_text  # auto_run=False: changing settings ran nothing
+    # auto_run=False: changing settings ran nothing, and the panel says its figure is the last run
+    expect(status).to_contain_text(re.compile(r"^settings changed \(.*fault_step.*\): press Run"))
+    changed = status.inner_text()
+    assert changed != before_text and nb.value("panel.logs['run'].skipped_steps") != [150]
     expect(events).not_to_contain_text(re.compile(r"step\s+150\s+SKIP"))
     panel.locator(".labkit-run").click()
-    after = finished(status, before_text)
+    after = finished(status, changed)
     expect(events).to_contain_text(re.compile(r"step\s+150\s+SKIP\s+nonfinite_input"))
     assert "run: 1 skipped" in after, after
     assert nb.value("panel.logs['run'].skipped_steps") == [150]
