@@ -83,9 +83,7 @@ def _decisions(case: _DetCase, mistake: str | None = None) -> list[tuple[str, fl
         finite = math.isfinite(loss) and math.isfinite(norm)
         zl, zg = z(losses, loss), z(norms, norm)
         action, limit = "log", None
-        if not finite:
-            action = "skip"
-        elif case.skip_z is not None and (zl > case.skip_z or zg > case.skip_z):
+        if not finite or case.skip_z is not None and (zl > case.skip_z or zg > case.skip_z):
             action = "skip"
         elif case.clip_z is not None and zg > case.clip_z:
             recent = norms[-case.window:]
@@ -179,7 +177,7 @@ def _run_detector(fn: Callable, case: _DetCase) -> dict[str, Any]:
         steps = []
         if "raised" not in made:
             for loss, norm in case.series:
-                out = call_student(lambda: made["value"].decide(loss, norm))
+                out = call_student(made["value"].decide, loss, norm)
                 out["value"] = ship(out.get("value"))
                 steps.append(out)
                 if "raised" in out or traps:

@@ -136,18 +136,18 @@ def _drive(fn: Callable, case: _ZCase, traps: list[str], resume_at: int | None) 
     clipper, steps = made["value"], []
     for t in range(len(case.norms)):
         if t == resume_at:
-            saved = call_student(lambda: _roundtrip(clipper.state_dict()))
+            saved = call_student(lambda c=clipper: _roundtrip(c.state_dict()))
             if "raised" in saved:
                 return {**saved, "steps": steps, "message": f"at the resume (step {t}): {saved['message']}"}
             again = call_student(fn, **case.config)
             loaded = again if "raised" in again else \
-                call_student(lambda: again["value"].load_state_dict(saved["value"]))
+                call_student(again["value"].load_state_dict, saved["value"])
             if "raised" in loaded:
                 return {**loaded, "steps": steps}
             clipper = again["value"]
         params = case.params(t)
         with no_host_sync(traps, ZCLIP_ADVICE):
-            out = call_student(lambda: clipper.clip_(params))
+            out = call_student(clipper.clip_, params)
         out.update(value=ship(out.get("value")), grads=grads_of(params))
         steps.append(out)
         if "raised" in out or traps:
