@@ -155,3 +155,47 @@ def test_no_part_reaches_into_anothers_privates():
         "self.scaler._abandon_iteration (line 1)", "clipper._to (line 2)"]
     for path in [*STEP.glob("*.py"), LABKIT / "hooks.py", LABKIT / "rewind.py", LABKIT / "spikes.py"]:
         assert private_reaches(path.read_text()) == [], path.name
+
+
+def private_imports(source: str) -> list[str]:
+    """``from module import _name``: a private name taken from another module (the name, not its alias)."""
+    return [f"{a.name} (line {node.lineno})" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+GRADING = LABKIT / "grading"
+SETS = sorted(p.parent for p in (GRADING / "checks").glob("*/__init__.py"))
+
+
+def test_grading_takes_no_private_name_from_another_module():
+    """What a module of the grader uses from another is public there (``core.call_student``, not _call)."""
+    source = "from .core import ship, _call\nfrom x import _d as d\n"
+    assert private_imports(source) == ["_call (line 1)", "_d (line 2)"]
+    for path in sorted(GRADING.rglob("*.py")):
+        assert private_imports(path.read_text()) == [], path.relative_to(LABKIT)
+
+
+def parts_of(package: Path) -> list[str]:
+    """The modules of a problem set's package that define a part's ``CHECK``; the others are shared."""
+    def defines_check(path: Path) -> bool:
+        return any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "CHECK" for t in n.targets)
+                   for n in ast.parse(path.read_text()).body)
+    modules = [p for p in package.glob("*.py") if p.name != "__init__.py"]
+    return sorted(module_name(p) for p in modules if defines_check(p))
+
+
+@pytest.mark.parametrize("package", SETS, ids=lambda p: p.name)
+def test_a_problem_sets_parts_stand_alone(package):
+    """One module per part: a part imports the set's shared modules (bans, cases), never another part
+    or the set's face (which imports every part)."""
+    face, parts = module_name(package / "__init__.py"), parts_of(package)
+    assert len(parts) >= 2 and all(m.startswith(face + ".") for m in parts), parts
+    for part in parts:
+        assert not GRAPH[part] & {face, *parts}, (part, GRAPH[part] & {face, *parts})
+
+
+@pytest.mark.parametrize("path", sorted((GRADING / "checks").rglob("*.py")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_grading_check_modules_are_small(path):
+    assert len(path.read_text().splitlines()) <= 400, f"{path.name} has grown past 400 lines: split it"

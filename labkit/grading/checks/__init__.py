@@ -1,10 +1,11 @@
 """Autograder checks: run a student's function on visible and hidden cases against labkit's own.
 
 One package per problem set (``ps1``, ``ps2``, ``ps3``) with one module per part of the set,
-each holding its check's cases, student side, judge and ``check_*`` function, and ``core``
-for what they share (calling student code, shipping its results as data, the host-sync and
-ban traps). Each check has two
-halves that meet only through data: ``run`` calls the student's function on a case and
+each holding its check's cases, student side, judge and ``check_*`` function, and a ``bans``
+module (what each part asks the student to write); ``core`` holds what they all share (calling
+student code, shipping its results as data, the host-sync and ban traps, running a check) and
+``cells`` reads the student's cells as the grader will. Each check has two halves that meet
+only through data: ``run`` calls the student's function on a case and
 returns what it saw (tensors, numbers, strings: what ``torch.save``/
 ``torch.load(weights_only=True)`` carries), and ``judge`` compares that with labkit's
 reference and returns the failure message, or None. The grader runs ``run`` in the

@@ -10,7 +10,7 @@ thresholds) built from ``seed``, quoted in every failure so it can be replayed.
 from __future__ import annotations
 
 from ..core import Check
-from . import clip, norm, scale, skip, step
+from . import bans, clip, norm, scale, skip, step
 from .clip import check_clip
 from .norm import check_grad_norm
 from .scale import check_update_scale
@@ -29,9 +29,9 @@ CHECKS: dict[str, Check] = {
 }
 # the library functions each part asks the student to write (trapped while it runs)
 BANNED: dict[str, tuple[str, ...]] = {
-    "check_grad_norm": norm.NORM_FUNCS,
-    "check_clip": clip.CLIP_FUNCS,
-    "check_skip_decision": skip.STEP_FUNCS,
-    "check_update_scale": scale.SCALE_FUNCS,
-    "check_guarded_step": step.STEP_FUNCS,
+    "check_grad_norm": bans.NORM_FUNCS,
+    "check_clip": bans.CLIP_FUNCS,
+    "check_skip_decision": bans.STEP_FUNCS,
+    "check_update_scale": bans.SCALE_FUNCS,
+    "check_guarded_step": bans.STEP_FUNCS,
 }

@@ -28,10 +28,8 @@ from ..core import (
     same_bits,
     ship,
 )
+from .bans import CLIP_FUNCS
 from .gradients import GradCase, gradient_cases, none_hint
-
-CLIP_FUNCS = ("labkit.clip_grad_norm_", "labkit.clip_grads_with_norm_", "torch.nn.utils.clip_grad_norm_",
-              "torch.nn.utils.clip_grads_with_norm_")
 
 
 def _tolerance(dtype: torch.dtype) -> float:

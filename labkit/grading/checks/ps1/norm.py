@@ -25,10 +25,8 @@ from ..core import (
     same_bits,
     ship,
 )
+from .bans import NORM_FUNCS
 from .gradients import HALF, GradCase, gradient_cases, none_hint
-
-NORM_FUNCS = ("labkit.grad_norm", "labkit.clip_grad_norm_", "labkit.clip.per_tensor_norms",
-              "torch.nn.utils.clip_grad_norm_", "torch.nn.utils.get_total_norm")
 
 
 def _diagnose_norm(got: float, want: float, case: GradCase) -> str:

@@ -23,9 +23,7 @@ from ..core import (
     raised_problem,
     ship,
 )
-
-SCALE_FUNCS = ("labkit.update_scale", "labkit.GradScaler", "torch.amp.GradScaler")
-
+from .bans import SCALE_FUNCS
 
 State = tuple[float, int, int]  # (scale, growth_tracker, hysteresis_left), as plain numbers
 

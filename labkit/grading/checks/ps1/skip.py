@@ -22,10 +22,10 @@ from ..core import (
     raised_problem,
     ship,
 )
+from .bans import STEP_FUNCS
 from .gradients import GradCase, none_hint, poisoned, random_grads, scaled_randn
 
 REASONS = (None, *(r.value for r in COUNTED))  # what a student's skip decision may return
-STEP_FUNCS = ("labkit.TrainStep",)
 
 
 def _skip_cases(hidden: bool, seed: int) -> list[tuple[GradCase, str | None]]:

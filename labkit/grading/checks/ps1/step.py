@@ -27,8 +27,7 @@ from ..core import (
     raised_problem,
     ship,
 )
-
-STEP_FUNCS = ("labkit.TrainStep",)
+from .bans import STEP_FUNCS
 
 
 @dataclass

@@ -21,7 +21,7 @@ gives the student's numbers.
 from __future__ import annotations
 
 from ..core import Check
-from . import clip_effect, detector, fp16_range, read_run, zclip
+from . import bans, clip_effect, detector, fp16_range, read_run, zclip
 from .clip_effect import check_clip_effect
 from .detector import check_spike_detector
 from .fp16_range import check_fp16_range
@@ -40,9 +40,9 @@ CHECKS: dict[str, Check] = {
 }
 # the library functions each part asks the student to write (trapped while it runs)
 BANNED: dict[str, tuple[str, ...]] = {
-    "check_read_run": detector.SPIKE_FUNCS,
+    "check_read_run": bans.SPIKE_FUNCS,
     "check_fp16_range": (),
-    "check_zscore_clipper": zclip.ZCLIP_FUNCS,
-    "check_spike_detector": detector.SPIKE_FUNCS,
+    "check_zscore_clipper": bans.ZCLIP_FUNCS,
+    "check_spike_detector": bans.SPIKE_FUNCS,
     "check_clip_effect": (),
 }

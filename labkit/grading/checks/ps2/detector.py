@@ -22,8 +22,7 @@ from ..core import (
     raised_problem,
     ship,
 )
-
-SPIKE_FUNCS = ("labkit.spikes.rolling_z", "labkit.spikes.SpikeDetector", "labkit.spikes.spike_score")
+from .bans import SPIKE_FUNCS
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ..core import (
     raised_problem,
     ship,
 )
-from .detector import SPIKE_FUNCS
+from .bans import SPIKE_FUNCS
 from .tiny_gpt import TINY_GPT, one_thread
 
 

@@ -28,13 +28,7 @@ from ..core import (
     same_bits,
     ship,
 )
-
-ZCLIP_FUNCS = ("labkit.clippers.ZClip", "labkit.clippers.zclip.zclip_update",
-               "labkit.clippers.zclip.zclip_limit", "labkit.clippers.GlobalClipper",
-               "labkit.clippers.NormClip", "labkit.clippers.AutoClip", "labkit.clippers.AdaGC",
-               "labkit.clippers.AGC", "labkit.clippers.UpdateNormClip", "labkit.clippers.base.feed_value",
-               "labkit.clippers.base.lockin_guard", "labkit.TrainStep")
-
+from .bans import ZCLIP_FUNCS
 
 ZCLIP_ADVICE = ("keep the statistics as tensors and decide with torch.where (clip or not, warm-up or not, "
                 "finite or not), never with an `if` on a tensor")

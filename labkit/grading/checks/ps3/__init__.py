@@ -20,7 +20,7 @@ that gives the student's numbers.
 from __future__ import annotations
 
 from ..core import Check
-from . import delayed, fp8_tiles, kahan, stale
+from . import bans, delayed, fp8_tiles, kahan, stale
 from .delayed import check_delayed_scaling
 from .fp8_tiles import check_fp8_tiles
 from .kahan import check_kahan_update
@@ -37,8 +37,8 @@ CHECKS: dict[str, Check] = {
 }
 # the library functions each part asks the student to write (trapped while it runs)
 BANNED: dict[str, tuple[str, ...]] = {
-    "check_stale_fraction": stale.STALE_FUNCS,
-    "check_kahan_update": kahan.KAHAN_FUNCS,
-    "check_fp8_tiles": fp8_tiles.FP8_FUNCS,
-    "check_delayed_scaling": fp8_tiles.FP8_FUNCS,
+    "check_stale_fraction": bans.STALE_FUNCS,
+    "check_kahan_update": bans.KAHAN_FUNCS,
+    "check_fp8_tiles": bans.FP8_FUNCS,
+    "check_delayed_scaling": bans.FP8_FUNCS,
 }

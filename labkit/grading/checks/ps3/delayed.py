@@ -24,7 +24,7 @@ from ..core import (
     raised_problem,
     ship,
 )
-from .fp8_tiles import FP8_FUNCS
+from .bans import FP8_FUNCS
 
 
 @dataclass

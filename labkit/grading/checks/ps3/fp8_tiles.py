@@ -25,10 +25,7 @@ from ..core import (
     raised_problem,
     ship,
 )
-
-FP8_FUNCS = ("labkit.formats.fp8.quantize", "labkit.formats.fp8.check_amax", "labkit.formats.fp8.Fp8Guard",
-             "labkit.formats.fp8.update_amax_history", "labkit.formats.fp8._block_amax",
-             "labkit.formats.fp8._block_view", "labkit.formats.fp8._expand")
+from .bans import FP8_FUNCS
 
 
 @dataclass

@@ -22,9 +22,8 @@ from ..core import (
     raised_problem,
     ship,
 )
+from .bans import KAHAN_FUNCS
 from .bits import BF16, adjacent, ulp_of
-
-KAHAN_FUNCS = ("labkit.formats.bf16.kahan_add", "labkit.formats.bf16.stochastic_round_bf16")
 
 
 @dataclass

@@ -25,10 +25,8 @@ from ..core import (
     raised_problem,
     ship,
 )
+from .bans import STALE_FUNCS
 from .bits import BF16, adjacent, ulp_of
-
-STALE_FUNCS = ("labkit.formats.bf16.stale_fraction", "labkit.formats.bf16._stale",
-               "labkit.formats.bf16.StaleMonitor")
 
 
 @dataclass
