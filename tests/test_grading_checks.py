@@ -18,7 +18,7 @@ from labkit.grading import (
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _undo_bans():
+def undo_bans():
     """Put back every home the ban wrappers took (they stay by design in a submission's process)."""
     import importlib
 

@@ -18,13 +18,14 @@ import pytest
 from labkit.grading.notebook import grade, read
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_grading import (
+from test_grading import (  # noqa: E402
     AUTOGRADED,
     NORM_IN_FP16,
     SOURCE,
     STALE_SCALE,
     nbgrader,
-    sandboxed,  # noqa: E402,F401 (nbgrader_env is a fixture)
+    nbgrader_env,  # noqa: F401 (a fixture: pytest finds it by name in this module)
+    sandboxed,
     solution,
 )
 

@@ -25,7 +25,7 @@ from labkit.grading.notebook import TEXT_STUB, grade, plan, release, validate
 sys.path.insert(0, str(Path(__file__).parent))
 from grading_answers import BUGS, NAMES, OTHER_FORMS, PARTS, PS2, PS3, solutions  # noqa: E402
 from test_grading import sandboxed  # noqa: E402
-from test_grading_checks import _undo_bans  # noqa: E402,F401 (an autouse fixture: the ban wrappers go after)
+from test_grading_checks import undo_bans  # noqa: E402,F401 (an autouse fixture: the ban wrappers go after)
 
 CHECK = {"read_run_answer": checks.check_read_run, "fp16_range_answer": checks.check_fp16_range,
          "zclip_answer": checks.check_zscore_clipper, "detector_answer": checks.check_spike_detector,

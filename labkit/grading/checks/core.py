@@ -53,6 +53,9 @@ def ship(value: Any, items: int = 8) -> Any:
     A tensor subclass is read with torch functions off, so its own ``__torch_function__``
     cannot choose what the grader sees; a tuple or list keeps its first ``items`` items;
     anything else is only named.
+
+    >>> ship((torch.tensor(2.0), "skip", object()))["items"][1:]
+    [{'type': 'str', 'py': 'skip'}, {'type': 'object'}]
     """
     if isinstance(value, Tensor):
         with torch._C.DisableTorchFunction():
@@ -71,6 +74,9 @@ def call_student(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
     ``_exc`` keeps the exception itself for the in-process checks (its traceback helps the
     student); it never leaves the process.
+
+    >>> call_student(int, "7"), call_student(int, "x")["message"]
+    ({'value': 7}, "invalid literal for int() with base 10: 'x'")
     """
     try:
         return {"value": fn(*args, **kwargs)}
@@ -83,7 +89,11 @@ def call_student(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def raised_problem(name: str, out: dict[str, Any], where: str, hint: str = "") -> str | None:
-    """Return the message for what the student's function raised or tripped over, or None."""
+    """Return the message for what the student's function raised or tripped over, or None.
+
+    >>> raised_problem("norm", call_student(int, "x"), "on the case 'a'")
+    "norm raised ValueError: invalid literal for int() with base 10: 'x' on the case 'a'."
+    """
     if out.get("traps"):
         return f"{name}, {where}, {out['traps'][0]}."
     kind = out.get("raised")
@@ -248,6 +258,9 @@ def as_plain(shipped: dict[str, Any]) -> Any:
     """Return shipped data as Python values: numbers (one-element tensors too), strings, None, lists.
 
     Raises ``TypeError`` naming the first thing that is none of those (or a list cut short).
+
+    >>> as_plain(ship([torch.tensor([0.5]), 3, None, "clip"]))
+    [0.5, 3, None, 'clip']
     """
     if "items" in shipped:
         if shipped.get("len", len(shipped["items"])) > len(shipped["items"]):
@@ -256,7 +269,6 @@ def as_plain(shipped: dict[str, Any]) -> Any:
     if shipped.get("type") in ("str", "NoneType"):
         return shipped["py"]
     return as_number(shipped)
-
 
 
 # ---------------------------------------------------------------- a check's halves, together and apart

@@ -1,5 +1,4 @@
-"""Set 1, part 2: clipping in place to a global norm, against ``labkit.clip_grad_norm_``.
-"""
+"""Set 1, part 2: clipping in place to a global norm, against ``labkit.clip_grad_norm_``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The gradients set 1's first three parts are checked on: visible cases and a hidden battery from a seed.
-"""
+"""The gradients set 1's first three parts are checked on: visible cases and a hidden battery from a seed."""
 
 from __future__ import annotations
 

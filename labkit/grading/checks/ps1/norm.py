@@ -1,5 +1,4 @@
-"""Set 1, part 1: the global gradient norm, against ``labkit.grad_norm``.
-"""
+"""Set 1, part 1: the global gradient norm, against ``labkit.grad_norm``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 1, part 4: the dynamic loss-scale rule, against ``labkit.update_scale``.
-"""
+"""Set 1, part 4: the dynamic loss-scale rule, against ``labkit.update_scale``."""
 
 from __future__ import annotations
 

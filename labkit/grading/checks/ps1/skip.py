@@ -1,5 +1,4 @@
-"""Set 1, part 3: skip or step, the reason a step is skipped, against ``labkit.TrainStep``'s.
-"""
+"""Set 1, part 3: skip or step, the reason a step is skipped, against ``labkit.TrainStep``'s."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 1, part 5: the guarded fp16 step, side by side with ``labkit.TrainStep``.
-"""
+"""Set 1, part 5: the guarded fp16 step, side by side with ``labkit.TrainStep``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 2, part 5: what a fixed clip does to the update under SGD and under Adam.
-"""
+"""Set 2, part 5: what a fixed clip does to the update under SGD and under Adam."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 2, part 4: OLMo-core's rolling-window spike rule, against ``labkit.SpikeDetector``.
-"""
+"""Set 2, part 4: OLMo-core's rolling-window spike rule, against ``labkit.SpikeDetector``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 2, part 2: what fp16 flushes to zero and turns into inf at a loss scale.
-"""
+"""Set 2, part 2: what fp16 flushes to zero and turns into inf at a loss scale."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 2, part 1: backoffs and z-score flags read from the records of a real fp16 GPT run.
-"""
+"""Set 2, part 1: backoffs and z-score flags read from the records of a real fp16 GPT run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The tiny GPT whose real runs set 2's parts read, built on one thread as the sandbox builds it.
-"""
+"""The tiny GPT whose real runs set 2's parts read, built on one thread as the sandbox builds it."""
 
 from __future__ import annotations
 

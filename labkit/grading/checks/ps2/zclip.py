@@ -1,5 +1,4 @@
-"""Set 2, part 3: a NaN-safe EMA z-score clipper, against ``labkit.clippers.ZClip``.
-"""
+"""Set 2, part 3: a NaN-safe EMA z-score clipper, against ``labkit.clippers.ZClip``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 3, part 4: saturation under delayed and under current FP8 scaling across a range jump.
-"""
+"""Set 3, part 4: saturation under delayed and under current FP8 scaling across a range jump."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Set 3, part 3: per-tile (1x128) e4m3 quantization, against ``labkit.formats.fp8.quantize``.
-"""
+"""Set 3, part 3: per-tile (1x128) e4m3 quantization, against ``labkit.formats.fp8.quantize``."""
 
 from __future__ import annotations
 

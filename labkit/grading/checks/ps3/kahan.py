@@ -1,5 +1,4 @@
-"""Set 3, part 2: one Kahan-compensated bf16 update, against ``labkit.formats.bf16.kahan_add``.
-"""
+"""Set 3, part 2: one Kahan-compensated bf16 update, against ``labkit.formats.bf16.kahan_add``."""
 
 from __future__ import annotations
 

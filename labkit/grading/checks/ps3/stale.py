@@ -1,5 +1,4 @@
-"""Set 3, part 1: the fraction of bf16 updates lost to rounding.
-"""
+"""Set 3, part 1: the fraction of bf16 updates lost to rounding."""
 
 from __future__ import annotations
 
