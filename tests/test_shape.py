@@ -4,6 +4,7 @@ that never reach back into ``TrainStep``, and an AMP order short enough to read 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -164,16 +165,32 @@ def private_imports(source: str) -> list[str]:
             if a.name.startswith("_") and not a.name.startswith("__")]
 
 
+def test_no_module_takes_a_private_name_from_another():
+    """A helper that another module uses is public where it lives (``sweep.analysis.peak``,
+    ``grading.checks.core.call_student``), documented and in its ``__all__``."""
+    source = "from .a import b, _c\nfrom x import _d as d\nfrom __future__ import annotations\n"
+    assert private_imports(source) == ["_c (line 1)", "_d (line 2)"]
+    found = {str(path.relative_to(LABKIT)): private_imports(path.read_text())
+             for path in sorted(LABKIT.rglob("*.py"))}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+@pytest.mark.parametrize("package, order", [
+    ("labkit.lab.sweep", ["recipe", "analysis", "store", "runner", "plots", "panel", "cli"]),
+    ("labkit.lab.gradients", ["ranges", "probe", "histogram", "plots"]),
+], ids=["sweep", "gradients"])
+def test_a_package_split_by_job_imports_only_down_the_order_its_docstring_gives(package, order):
+    """Each module imports only the modules before it, never its package's face (which imports them all)."""
+    assert sorted(m for m in GRAPH if m.startswith(package + ".")) == sorted(f"{package}.{m}" for m in order)
+    said = ast.get_docstring(ast.parse(MODULES[package].read_text())).split("One module per job")[1]
+    assert [m for m in re.findall(r"``(\w+)``", said) if m in order] == order  # the order the docstring gives
+    for i, name in enumerate(order):
+        inside = {m for m in GRAPH[f"{package}.{name}"] if m == package or m.startswith(package + ".")}
+        assert inside <= {f"{package}.{m}" for m in order[:i]}, (name, inside)
+
+
 GRADING = LABKIT / "grading"
 SETS = sorted(p.parent for p in (GRADING / "checks").glob("*/__init__.py"))
-
-
-def test_grading_takes_no_private_name_from_another_module():
-    """What a module of the grader uses from another is public there (``core.call_student``, not _call)."""
-    source = "from .core import ship, _call\nfrom x import _d as d\n"
-    assert private_imports(source) == ["_call (line 1)", "_d (line 2)"]
-    for path in sorted(GRADING.rglob("*.py")):
-        assert private_imports(path.read_text()) == [], path.relative_to(LABKIT)
 
 
 def parts_of(package: Path) -> list[str]:
