@@ -18,8 +18,9 @@ Four kinds, each deterministic:
   computed inside the model (nanoGPT's ``(logits, loss)``) overflows too: the activation is the
   logits, not the fp32 loss.
 
-In ``TrainStep`` a fault fires once per step number: a step that a rewind replays (the same
-number again) runs without it, as the data that carried it was skipped. An ``Injection`` is one
+In ``TrainStep`` the ``Faults`` hook gives each step its fault (``hooks=[Faults(["50:nan"])]``)
+and a fault fires once per step number: a step that a rewind replays (the same number again)
+runs without it, as the data that carried it was skipped. An ``Injection`` is one
 step's fault at work and says whether it acted; the record names a fault only if it did, and a
 fault that cannot act on the model raises, saying where to inject instead.
 """
@@ -37,11 +38,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .hooks import Hook
 from .names import FP16_MAX
-from .records import Field, declare
+from .records import Field, RewindEvent
 from .validate import check_int
 
-__all__ = ["Fault", "FaultSchedule", "Injection", "floating_tensors"]
+__all__ = ["Fault", "FaultSchedule", "Faults", "Injection", "floating_tensors"]
 
 KINDS = ("spike", "nan", "inf", "overflow")
 
@@ -93,7 +95,7 @@ class Fault:
             if not inputs.is_floating_point():
                 raise TypeError(
                     f"a {self.kind} fault needs floating-point inputs, got {inputs.dtype}; for token ids, "
-                    "put it into the first activation (TrainStep(faults=...) does: an Injection's forward)."
+                    "put it into the first activation (TrainStep(hooks=[Faults(...)]) does: an Injection's forward)."
                 )
             bad = inputs.clone(memory_format=torch.contiguous_format)  # so view(-1) writes into it
             bad.view(-1)[0] = float(self.kind)
@@ -273,7 +275,6 @@ def floating_tensors(out: Any) -> Iterator[Tensor]:
 
 
 _EXAMPLE = "e.g. 50:spike:1000, 120:nan or 200-204:overflow"
-declare("FaultSchedule", {"fault": Field(None)})  # the fault injected at the step, e.g. "spike:1000"
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:([a-z]+)(?::([^:]+))?$")
 
 
@@ -390,3 +391,33 @@ class FaultSchedule(Mapping[int, Fault]):
                 return "FaultSchedule({" + ", ".join(shown) + f", ...}} ({len(self)} steps))"
             shown.append(f"{step}: {self[step].label!r}")
         return "FaultSchedule({" + ", ".join(shown) + "})"
+
+
+class Faults(Hook):
+    """Inject the scheduled faults into a ``TrainStep``'s batches, each once per step number.
+
+    ``schedule``: a ``FaultSchedule``, a ``{step: kind}`` mapping or a list of specs
+    (``FaultSchedule.coerce``). A step a ``Rewind`` replays (its number again) runs without its
+    fault: the data that carried it was skipped. The record names the fault (``fault``) when it
+    acted. Not saved in ``TrainStep.state_dict()``: a rewind's restore must not re-arm a fault,
+    and a resumed run starts past the steps it saved.
+
+    >>> faults = Faults(["1:nan"]); faults.pre_forward(None, 0), faults.pre_forward(None, 1).label
+    (None, 'nan')
+    """
+
+    record_fields = {"fault": Field(None)}  # the fault injected at the step, e.g. "spike:1000"
+
+    def __init__(self, schedule: FaultSchedule | Mapping[int, Fault | str] | Iterable[str]) -> None:
+        self.schedule = FaultSchedule.coerce(schedule)
+        self.unseen = 0  # the first step number not recorded yet: a fault fires there and later only
+
+    def pre_forward(self, trainer: Any, step: int) -> Fault | None:
+        return self.schedule.get(step) if step >= self.unseen else None
+
+    def on_record(self, trainer: Any, record: Any) -> RewindEvent | None:
+        self.unseen = max(self.unseen, record.step + 1)
+        return None
+
+    def __repr__(self) -> str:
+        return f"Faults({self.schedule!r})"

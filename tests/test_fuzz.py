@@ -18,6 +18,8 @@ from torch import nn
 import labkit
 from labkit import FaultSchedule, GradScaler, TrainStep
 from labkit.lab.experiment import ExperimentConfig
+from labkit.alarms import SkipAlarm
+from labkit.faults import Faults
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -272,8 +274,8 @@ def test_trainstep_calls_refuse_without_changing_state_and_then_match_the_refere
 
     def make():
         model = bn_model()
-        return TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2), task.loss_fn, precision=precision,
-                         faults={2: "nan", 3: "overflow"}, skip_alarm=None)
+        return TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2), task.loss_fn,
+                         precision=precision, hooks=[SkipAlarm(None), Faults({2: "nan", 3: "overflow"})])
 
     step, ref = make(), make()
     i = 0

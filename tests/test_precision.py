@@ -15,6 +15,8 @@ from labkit.formats.bf16 import (
     StaleMonitor, StaleUpdateWarning, accumulate, compare_remedies, kahan_add, stale_fraction, stochastic_round_bf16,
 )
 from labkit.tasks import ToyTask
+from labkit.alarms import SkipAlarm
+from labkit.faults import Faults
 
 
 def test_stale_fraction_matches_a_hand_count():
@@ -131,8 +133,8 @@ def test_bf16_without_a_scaler_logs_its_skips_with_the_reason(kind, tmp_path):
     model = task.model()
     loss_fn = task.loss_fn if kind == "nan_loss" else (lambda out, y: task.loss_fn(_OverflowingGrad.apply(out), y))
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), loss_fn, precision="bf16",
-                     faults={0: "nan", 1: "nan"} if kind == "nan_loss" else None, skip_alarm=2,
-                     log_path=tmp_path / "log.jsonl")
+                     log=tmp_path / "log.jsonl",
+                     hooks=[SkipAlarm(2), Faults({0: "nan", 1: "nan"} if kind == "nan_loss" else None)])
     assert not step.scaler.is_enabled()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(Warning, match="2 steps skipped in a row"):

@@ -17,6 +17,8 @@ from nanogpt import G, NanoGPT, get_batch, textbook_step
 
 import labkit
 from labkit.reasons import Reason
+from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.faults import Faults
 
 STEPS = 6
 
@@ -113,7 +115,8 @@ def run(kind, precision, step_at=1, steps=3, model=None, loss_fn=loss_of, **kwar
     model = model or NanoGPT()
     faults = {step_at: kind} if kind else None
     step = labkit.TrainStep(model, model.configure_optimizers(), loss_fn, precision=precision, max_norm=1.0,
-                            clip_alarm=None, skip_alarm=None, faults=faults, accumulation_steps=G, **kwargs)
+                            accumulation_steps=G, hooks=[SkipAlarm(None), ClipAlarm(None), Faults(faults)],
+                            **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(steps):
@@ -176,8 +179,8 @@ def test_every_fault_acts_on_a_model_that_returns_a_loss_alone(kind, precision, 
 
 def test_a_fault_fires_once_a_step_replayed_after_going_back_runs_clean():
     model = NanoGPT()
-    step = labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision="fp16", faults={1: "nan"},
-                            clip_alarm=None, skip_alarm=None)
+    step = labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision="fp16",
+                            hooks=[SkipAlarm(None), ClipAlarm(None), Faults({1: "nan"})])
     step(get_batch(0, 0))
     saved = step.state_dict()
     assert step(get_batch(1, 0)).fault == "nan"
@@ -197,7 +200,7 @@ def test_a_nan_fault_with_nowhere_to_go_raises_saying_where_to_inject():
 
     model = Counts()
     step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            lambda out: (out.float() * model.w).mean(), faults={0: "nan"})
+                            lambda out: (out.float() * model.w).mean(), hooks=[Faults({0: "nan"})])
     with pytest.raises(TypeError, match="found no floating tensor"):
         step(torch.ones(2, 3, dtype=torch.long))
 
@@ -245,7 +248,8 @@ def ddp_worker(rank, port, out):
                     reduces.append(len(calls) - n)
             else:
                 step = labkit.TrainStep(model, model.module.configure_optimizers(), loss_of, precision="fp16",
-                                        max_norm=1.0, accumulation_steps=G, clip_alarm=None, skip_alarm=None)
+                                        max_norm=1.0, accumulation_steps=G,
+                                        hooks=[SkipAlarm(None), ClipAlarm(None)])
                 for i in range(DDP_STEPS):
                     before, n = len(buckets), len(calls)
                     step(*micro_batches(i, name, rank))

@@ -10,6 +10,8 @@ from torch import nn
 
 import labkit
 from labkit import GradScaler, TrainStep
+from labkit.alarms import SkipAlarm
+from labkit.faults import Faults
 
 NAN = float("nan")
 
@@ -224,7 +226,7 @@ def test_a_scale_set_dead_by_hand_is_named_alarmed_and_counted(task):
     model = task.model()
     scaler = GradScaler("cpu")
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
-                     scaler=scaler, skip_alarm=None)
+                     scaler=scaler, hooks=[SkipAlarm(None)])
     step(*task.batch(0))
     scaler.update(new_scale=1e-41)  # torch's update(new_scale) takes any value; the default floor cannot
     with pytest.warns(labkit.DeadScaleWarning, match="scale is dead"):
@@ -247,7 +249,7 @@ def bn_model():
 def test_batchnorm_statistics_survive_a_skipped_step(task, precision, kind):
     model = bn_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = TrainStep(model, opt, task.loss_fn, precision=precision, faults={1: kind})
+    step = TrainStep(model, opt, task.loss_fn, precision=precision, hooks=[Faults({1: kind})])
     step(*task.batch(0))
     before = snapshot(model, opt)
     record = step(*task.batch(1))
@@ -266,7 +268,7 @@ def trained_step():
     task = labkit.ToyTask()
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
-                     faults={1: "nan"})
+                     hooks=[Faults({1: "nan"})])
     for i in range(3):
         step(*task.batch(i))
     return step
@@ -472,9 +474,10 @@ class Outputs(nn.Module):
 def test_tuple_and_dict_outputs_train_and_take_the_overflow_fault(task, kind, precision):
     pick = (lambda out, y: task.loss_fn(out[0], y)) if kind == "tuple" else (lambda out, y: task.loss_fn(out["logits"], y))
     model, ref = Outputs(task.model(), kind), task.model()
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), pick, precision=precision, faults={2: "overflow"})
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), pick, precision=precision,
+                     hooks=[Faults({2: "overflow"})])
     ref_step = TrainStep(ref, torch.optim.SGD(ref.parameters(), lr=0.05), task.loss_fn, precision=precision,
-                         faults={2: "overflow"})
+                         hooks=[Faults({2: "overflow"})])
     for i in range(4):
         a, b = step(*task.batch(i)), ref_step(*task.batch(i))
         records_equal(unwrapped(a), b)
@@ -497,9 +500,9 @@ class Seq2Loss(nn.Module):
 def test_dict_batches_with_a_one_argument_loss_equal_the_tensor_form(task, precision):
     model, ref = Seq2Loss(task.model()), task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), lambda out: out["loss"],
-                     precision=precision, accumulation_steps=2, faults={1: "nan"})
+                     precision=precision, accumulation_steps=2, hooks=[Faults({1: "nan"})])
     ref_step = TrainStep(ref, torch.optim.SGD(ref.parameters(), lr=0.05), task.loss_fn, precision=precision,
-                         accumulation_steps=2, faults={1: "nan"})
+                         accumulation_steps=2, hooks=[Faults({1: "nan"})])
     for i in range(3):
         x, y = task.batch(i)
         a, b = step({"features": x, "labels": y, "scale": 1.0}), ref_step(x, y)
@@ -527,8 +530,10 @@ def test_checkpointed_and_compiled_models_match_the_plain_model(task, wrap):
     net, ref = task.model(), task.model()
     # aot_eager: dynamo and AOTAutograd as in inductor, without compiling C++ (seconds on 2 CPU cores)
     model = Checkpointed(net) if wrap == "checkpoint" else torch.compile(net, backend="aot_eager")
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, faults={1: "nan", 2: "spike"})
-    ref_step = TrainStep(ref, torch.optim.SGD(ref.parameters(), lr=0.05), task.loss_fn, faults={1: "nan", 2: "spike"})
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                     hooks=[Faults({1: "nan", 2: "spike"})])
+    ref_step = TrainStep(ref, torch.optim.SGD(ref.parameters(), lr=0.05), task.loss_fn,
+                         hooks=[Faults({1: "nan", 2: "spike"})])
     for i in range(4):
         a, b = step(*task.batch(i)), ref_step(*task.batch(i))
         assert (a.skipped, a.reason, a.clipped) == (b.skipped, b.reason, b.clipped)
@@ -568,8 +573,8 @@ def test_skipped_steps_change_nothing_bitwise(task):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
     faults = ["2:nan", "4-5:overflow", "7:inf", "8:overflow", "10:nan"]
-    step = TrainStep(model, opt, task.loss_fn, precision="fp16", scheduler=sched, faults=faults,
-                     scaler=GradScaler("cpu", init_scale=2.0**10), skip_alarm=None)
+    step = TrainStep(model, opt, task.loss_fn, precision="fp16", scheduler=sched,
+                     scaler=GradScaler("cpu", init_scale=2.0**10), hooks=[SkipAlarm(None), Faults(faults)])
     skipped = 0
     for i in range(12):
         before = snapshot(model, opt, sched)
@@ -584,9 +589,9 @@ def make_run(task):
     model = bn_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.7)
-    step = TrainStep(model, opt, task.loss_fn, precision="fp16", scheduler=sched,
-                     faults=["3:nan", "5:overflow", "8:overflow"], scaler=GradScaler("cpu", init_scale=2.0**8,
-                                                                                    growth_interval=3))
+    step = TrainStep(model, opt, task.loss_fn, precision="fp16", scheduler=sched, scaler=GradScaler("cpu", init_scale=2.0**8,
+                                                                                    growth_interval=3),
+                     hooks=[Faults(["3:nan", "5:overflow", "8:overflow"])])
     return model, opt, sched, step
 
 
@@ -618,7 +623,7 @@ def test_deferred_steps_restore_buffers_on_a_skip_and_record_every_lr(task, prec
     model = bn_model()
     groups = [{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.01}]
     opt = torch.optim.SGD(groups, lr=0.05)
-    step = TrainStep(model, opt, task.loss_fn, precision=precision, faults={1: kind}, sync_every=4)
+    step = TrainStep(model, opt, task.loss_fn, precision=precision, sync_every=4, hooks=[Faults({1: kind})])
     step(*task.batch(0))
     before = snapshot(model, opt)
     record = step(*task.batch(1))  # the skip is decided on the device: the buffers come back by a select
@@ -652,7 +657,7 @@ def test_a_damaged_clipper_or_detector_state_raises_before_anything_is_written(t
 
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
-                     max_norm=None, clipper=ZClip(), hooks=[SpikeDetector(window=16)], faults={1: "nan"})
+                     max_norm=None, clipper=ZClip(), hooks=[SpikeDetector(window=16), Faults({1: "nan"})])
     for i in range(3):
         step(*task.batch(i))
     good = step.state_dict()
