@@ -64,11 +64,11 @@ def test_stale_fraction_rejects_mismatched_shapes():
         stale_fraction(torch.zeros(3), torch.zeros(4))
 
 
-def _bf16_step(monitor, lr=1e-4, dtype=torch.bfloat16):
+def _bf16_step(monitor, lr=1e-4, dtype=torch.bfloat16, hooks=()):
     task = ToyTask(seed=0)
     model = task.model().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, hooks=[monitor])
+    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, hooks=[monitor, *hooks])
 
 
 def test_stale_monitor_records_each_layer_like_a_hand_computation():
@@ -103,9 +103,8 @@ def test_stale_monitor_warns_once_per_streak_and_fp32_weights_stay_quiet():
 
 
 def test_stale_monitor_every_k_and_skips_record_nothing():
-    task, _, step = _bf16_step(StaleMonitor(patience=100, every=2))
+    task, _, step = _bf16_step(StaleMonitor(patience=100, every=2), hooks=[Faults({4: "nan"})])
     assert [bool(step(*task.batch(i)).stale) for i in range(4)] == [True, False, True, False]
-    step.faults = type(step.faults)({4: "nan"})
     assert step(*task.batch(4)).stale == {}
 
 

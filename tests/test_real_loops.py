@@ -18,6 +18,7 @@ from nanogpt import G, NanoGPT, get_batch, textbook_step
 import labkit
 from labkit.reasons import Reason
 from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.triage import Triage
 from labkit.faults import Faults
 
 STEPS = 6
@@ -27,9 +28,10 @@ def loss_of(out):
     return out[1]
 
 
-def trainstep(model, precision, **kwargs):
-    kwargs = {"clip_alarm": None, "skip_alarm": None, "max_norm": 1.0, **kwargs}
-    return labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision=precision, **kwargs)
+def trainstep(model, precision, hooks=(), **kwargs):
+    kwargs = {"max_norm": 1.0, **kwargs}
+    return labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision=precision,
+                            hooks=[ClipAlarm(None), SkipAlarm(None), *hooks], **kwargs)
 
 
 def micro_batches(i, form, rank=0):
@@ -111,11 +113,11 @@ def test_an_iterator_gives_exactly_g_micro_batches_per_step():
 # ---------------------------------------------------------------- faults on a language model
 
 
-def run(kind, precision, step_at=1, steps=3, model=None, loss_fn=loss_of, **kwargs):
+def run(kind, precision, step_at=1, steps=3, model=None, loss_fn=loss_of, hooks=(), **kwargs):
     model = model or NanoGPT()
     faults = {step_at: kind} if kind else None
     step = labkit.TrainStep(model, model.configure_optimizers(), loss_fn, precision=precision, max_norm=1.0,
-                            accumulation_steps=G, hooks=[SkipAlarm(None), ClipAlarm(None), Faults(faults)],
+                            accumulation_steps=G, hooks=[SkipAlarm(None), ClipAlarm(None), Faults(faults), *hooks],
                             **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -135,7 +137,7 @@ def test_a_spike_on_token_ids_scales_the_loss_used_and_the_norm_by_its_magnitude
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_nan_and_inf_on_token_ids_go_into_the_first_activation_and_the_step_skips(kind, precision):
-    log = run(kind, precision, triage=True)
+    log = run(kind, precision, hooks=[Triage()])
     bad = log[1]
     assert bad.fault == kind and bad.skipped and not math.isfinite(bad.loss)
     # the data's first activation went bad: fp32 gives no finite loss either, so it is no forward overflow

@@ -10,7 +10,9 @@ from torch import nn
 
 import labkit
 from labkit import GradScaler, TrainStep
-from labkit.alarms import SkipAlarm
+from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.clippers import NormClip
+from labkit.steplog import StepLog
 from labkit.faults import Faults
 
 NAN = float("nan")
@@ -331,33 +333,74 @@ def test_clip_with_a_negative_norm_never_flips_the_gradients():
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(faults=["10:nan"]), None, None),  # ExperimentConfig's format is accepted
-    (dict(faults="10:nan"), TypeError, "list of specs"),
-    (dict(faults=42), TypeError, "faults must be"),
-    (dict(log_path=3), TypeError, "log_path/stream must be a str"),
-    (dict(log_path="missing-folder/log.jsonl"), FileNotFoundError, "does not exist; create it first"),
-    (dict(device="cuda"), ValueError, "no cuda device here"),
-    (dict(device="mps"), ValueError, "no mps device here"),
-    (dict(device="nonsense"), ValueError, "device must name"),
-    (dict(clip_alarm="half"), ValueError, "clip_alarm must be a fraction"),
+    (dict(log=3), TypeError, "log must be a file path"),
+    (dict(log="missing-folder/log.jsonl"), FileNotFoundError, "does not exist; create it first"),
     (dict(model=lambda x: x), TypeError, "model must be a torch.nn.Module"),
     (dict(optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer"),
     (dict(loss_fn=None), TypeError, "loss_fn must be callable"),
+    (dict(hooks=SkipAlarm(3)), TypeError, "hooks must be a list"),
+    (dict(nonsense=1), TypeError, "unexpected keyword argument 'nonsense'"),
 ])
 def test_bad_constructor_arguments_get_a_message_with_the_fix(task, tmp_path, monkeypatch, kwargs, error, message):
-    if torch.cuda.is_available() and kwargs.get("device") == "cuda":
-        pytest.skip("a GPU is here")
     monkeypatch.chdir(tmp_path)
     model = task.model()
     args = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=task.loss_fn)
     args.update(kwargs)
-    if error is None:
-        assert TrainStep(**args).faults.get(10).label == "nan"
-        return
     with pytest.raises(error, match=message):
         TrainStep(**args)
     assert list(tmp_path.iterdir()) == []  # not even the log file was created
 
+
+# 0.1.0 has no users to protect: each keyword that became a hook, log= or NormClip's argument is gone,
+# and says what to write instead
+@pytest.mark.parametrize("kwargs, write", [
+    (dict(faults=["10:nan"]), "hooks=[Faults(['10:nan'])] (labkit.faults)"),
+    (dict(triage=True), "hooks=[Triage()] (labkit.triage)"),
+    (dict(skip_alarm=None), "hooks=[SkipAlarm(None)] (labkit.alarms;"),
+    (dict(clip_alarm=0.9), "hooks=[ClipAlarm(0.9, window=100)]"),
+    (dict(clip_alarm=None, clip_window=20), "hooks=[ClipAlarm(None, window=20)]"),
+    (dict(clip_window=20), "hooks=[ClipAlarm(0.5, window=20)]"),
+    (dict(log_path="run.jsonl"), "log='run.jsonl' (a file path)"),
+    (dict(log_path="run.jsonl", log_window=50), "log='run.jsonl' (a file path)"),
+    (dict(log_window=50), "log=StepLog(stream='path', window=50)"),
+    (dict(norm_type=math.inf), "clipper=NormClip(max_norm, norm_type=inf)"),
+    (dict(device="cpu"), "nothing: the step trains where the model is (model.to(device) first)"),
+])
+def test_a_removed_keyword_says_what_to_write_instead(task, tmp_path, monkeypatch, kwargs, write):
+    monkeypatch.chdir(tmp_path)
+    model = task.model()
+    with pytest.raises(TypeError, match=r"TrainStep\(\w+=...\) was removed: write ") as e:
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task.loss_fn, **kwargs)
+    assert write in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_the_new_spellings_do_what_the_old_keywords_did(task, tmp_path):
+    model = task.model()
+    log = StepLog(stream=tmp_path / "run.jsonl", window=2)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task.loss_fn, precision="fp16", log=log,
+                     clipper=NormClip(0.5, norm_type=math.inf), hooks=[Faults(["1:nan"]), SkipAlarm(None)])
+    records = [step(*task.batch(i)) for i in range(3)]
+    assert step.log is log and len(log) == 2 and len(StepLog.read_jsonl(tmp_path / "run.jsonl")) == 3
+    assert [r.fault for r in records] == [None, "nan", None] and records[1].skipped
+    assert step.norm_type == math.inf and records[2].threshold == 0.5
+    alarms = [h for h in step.hooks.members if isinstance(h, (SkipAlarm, ClipAlarm))]
+    assert sorted((type(h).__name__, h.threshold if isinstance(h, SkipAlarm) else h.rate) for h in alarms) == [
+        ("ClipAlarm", 0.5), ("SkipAlarm", None)]  # the given SkipAlarm took the default's place
+
+
+def test_a_fault_schedule_and_an_alarm_refuse_bad_settings_with_the_fix():
+    with pytest.raises(TypeError, match="list of specs"):
+        Faults("10:nan")
+    with pytest.raises(TypeError, match="faults must be"):
+        Faults(42)
+    assert Faults(["10:nan"]).pre_forward(None, 10).label == "nan"
+    with pytest.raises(ValueError, match="ClipAlarm rate must be a fraction"):
+        ClipAlarm("half")
+    with pytest.raises(ValueError, match="SkipAlarm threshold must be"):
+        SkipAlarm(0)
+    with pytest.raises(ValueError, match=r"NormClip needs norm_type p > 0"):
+        NormClip(1.0, norm_type=0)
 
 
 def test_a_norm_order_whose_powers_overflow_the_scaled_norm_is_refused_with_a_scaler(task):
@@ -365,9 +408,9 @@ def test_a_norm_order_whose_powers_overflow_the_scaled_norm_is_refused_with_a_sc
     clean steps of the toy run, all of which torch's loop (unscale, then the norm) stepped."""
     model = task.model()
 
-    def make(**kwargs):
+    def make(norm_type, **kwargs):  # an infinite max_norm: the norm measured, nothing clipped
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        return TrainStep(model, opt, task.loss_fn, max_norm=None, **kwargs)
+        return TrainStep(model, opt, task.loss_fn, clipper=NormClip(math.inf, norm_type=norm_type), **kwargs)
 
     for p in (16.0, 1e10):
         with pytest.raises(ValueError, match=r"Use norm_type <= 4 or float\('inf'\)"):

@@ -109,8 +109,8 @@ def default_hooks() -> list[Hook]:
 def make_hooks(hooks: Sequence[Hook]) -> Hooks:
     """Return ``hooks`` and the ``default_hooks`` whose class none of them has, ordered by ``priority``.
 
-    >>> [type(h).__name__ for h in make_hooks([SkipAlarm(None)]).members]
-    ['SkipAlarm', 'ClipAlarm', 'BackwardOrder']
+    >>> [type(h).__name__ for h in make_hooks([SkipAlarm(None)]).members]  # by priority, ties as given
+    ['ClipAlarm', 'SkipAlarm', 'BackwardOrder']
     """
     if isinstance(hooks, Hook) or not isinstance(hooks, Sequence):
         raise TypeError(f"hooks must be a list of labkit.hooks.Hook objects, got {type(hooks).__name__}.")
