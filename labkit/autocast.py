@@ -18,7 +18,8 @@ from .names import PRECISIONS as NAMES
 __all__ = ["PRECISIONS", "autocast"]
 
 # a name added to labkit.names without a dtype here fails at import, not at a student's first fp8 run
-PRECISIONS: dict[str, torch.dtype | None] = dict(zip(NAMES, (None, torch.bfloat16, torch.float16), strict=True))
+PRECISIONS: dict[str, torch.dtype | None] = dict(zip(NAMES, (None, torch.bfloat16, torch.float16),
+                                                strict=True))
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -6,8 +6,8 @@ as it is: it takes lists of lists (an optimizer's params, grads, states side by 
 empty list, where labkit has one list that may be empty (a step without gradients).
 
 >>> groups = group_by_device_and_dtype([torch.ones(2), torch.ones(1, dtype=torch.float64), torch.ones(3)])
->>> {str(dtype): where for (_, dtype), (_, where) in groups.items()} == {"torch.float32": [0, 2], "torch.float64": [1]}
-True
+>>> sorted((str(dtype), where) for (_, dtype), (_, where) in groups.items())
+[('torch.float32', [0, 2]), ('torch.float64', [1])]
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 __all__ = ["group_by_device_and_dtype"]
 
 
-def group_by_device_and_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]]:
-    """Return ``{(device, dtype): (tensors, their indices in the list)}``, in order within a group; {} for none."""
+Groups = dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]]
+
+
+def group_by_device_and_dtype(tensors: list[Tensor]) -> Groups:
+    """Return ``{(device, dtype): (tensors, their indices)}``, in order within a group; {} for none."""
     if not tensors:
         return {}
-    return {key: (group, where) for key, ([group], where) in
-            _group_tensors_by_device_and_dtype([tensors], with_indices=True).items()}  # type: ignore[list-item]
+    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
+    return {key: (group, where) for key, ([group], where) in grouped.items()}  # type: ignore[misc]

@@ -380,7 +380,7 @@ def _fp16_steps(variant, lr, steps, until=None, triage=False):
     scaler = labkit.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
                             scheduler=make_scheduler(config, opt),
-                            hooks=[task.monitor(model), SkipAlarm(None), *([Triage()] if config.triage else [])])
+                            hooks=[task.monitor(model), SkipAlarm(None), *[Triage()] * config.triage])
     records = []
     for i in range(steps):
         records.append(step(*task.batch(i)))

@@ -360,8 +360,8 @@ def test_a_fifo_gets_every_record_and_one_nobody_reads_is_refused_not_waited_on(
     fifo = tmp_path / "records.fifo"
     os.mkfifo(fifo)
     model = task.model()
-    make = lambda: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                                    log=fifo)
+    make = lambda: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),  # noqa: E731
+                                    task.loss_fn, log=fifo)
     with pytest.raises(OSError, match="nothing is reading it. Start its reader first"):
         make()
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that is there, reading after the run
@@ -425,8 +425,8 @@ def test_stdout_redirected_to_a_file_gets_the_records_between_the_prints(task, c
 @pytest.mark.timeout(30)
 def test_dev_null_and_dev_full_never_hang_or_read(task):
     model = task.model()
-    make = lambda path: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                                         log=path)
+    make = lambda path: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),  # noqa: E731
+                                         task.loss_fn, log=path)
     step = make("/dev/null")
     step(*task.batch(0))
     step.log.close()
@@ -441,8 +441,8 @@ def test_a_folder_or_a_socket_as_log_path_is_refused_saying_what_to_give(task, t
     import socket
 
     model = task.model()
-    make = lambda path: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                                         log=path)
+    make = lambda path: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),  # noqa: E731
+                                         task.loss_fn, log=path)
     with pytest.raises(IsADirectoryError, match="it is a folder; give a file in it"):
         make(tmp_path)
     with socket.socket(socket.AF_UNIX) as server:

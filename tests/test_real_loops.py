@@ -117,8 +117,8 @@ def run(kind, precision, step_at=1, steps=3, model=None, loss_fn=loss_of, hooks=
     model = model or NanoGPT()
     faults = {step_at: kind} if kind else None
     step = labkit.TrainStep(model, model.configure_optimizers(), loss_fn, precision=precision, max_norm=1.0,
-                            accumulation_steps=G, hooks=[SkipAlarm(None), ClipAlarm(None), Faults(faults), *hooks],
-                            **kwargs)
+                            accumulation_steps=G, **kwargs,
+                            hooks=[SkipAlarm(None), ClipAlarm(None), Faults(faults), *hooks])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(steps):

@@ -155,3 +155,26 @@ def test_no_part_reaches_into_anothers_privates():
         "self.scaler._abandon_iteration (line 1)", "clipper._to (line 2)"]
     for path in [*STEP.glob("*.py"), LABKIT / "hooks.py", LABKIT / "rewind.py", LABKIT / "spikes.py"]:
         assert private_reaches(path.read_text()) == [], path.name
+
+
+def test_the_step_never_knows_a_hook_by_type_or_state_key():
+    """The alarms, blame, faults and triage are ordinary hooks: the step names none of them, builds none,
+    and reads no hook's state by its key (the defaults are parts.default_hooks')."""
+    hooks = {"BackwardOrder", "SkipAlarm", "ClipAlarm", "Triage", "Faults", "FaultSchedule", "Rewind",
+             "SpikeDetector", "StaleMonitor", "UpdateMonitor"}
+    keys = {"skip_alarm", "clip_alarm", "spike_detector", "rewind", "stale_monitor"}
+    tree = ast.parse((STEP / "train.py").read_text())
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not named & hooks, named & hooks
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not strings & keys, strings & keys
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "state_key"]
+
+
+def test_the_steps_constructor_takes_few_parameters():
+    init = _method(STEP / "train.py", "TrainStep", "__init__")
+    params = [a.arg for a in init.args.args + init.args.kwonlyargs if a.arg != "self"]
+    assert params == ["model", "optimizer", "loss_fn", "precision", "max_norm", "clipper", "scaler",
+                      "scheduler", "accumulation_steps", "hooks", "log", "process_group", "sync_every"]
+    assert init.args.kwarg.arg == "removed"  # to say what a removed keyword became (parts.refuse_removed)

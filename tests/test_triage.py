@@ -32,8 +32,8 @@ NAN = float("nan")
 
 def step_for(model, task, precision="fp16", hooks=(), **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    return TrainStep(model, opt, task.loss_fn, precision=precision, hooks=[SkipAlarm(None), ClipAlarm(None), *hooks],
-                     **kw)
+    return TrainStep(model, opt, task.loss_fn, precision=precision, **kw,
+                     hooks=[SkipAlarm(None), ClipAlarm(None), *hooks])
 
 
 def overflowing_head(task):
@@ -94,7 +94,8 @@ def test_a_forward_overflow_names_the_module_whose_fp16_output_first_went_nonfin
     record = step(x, y)
     assert (record.reason, record.culprit_module) == ("forward_overflow", "4")
     assert "(the forward overflowed) in 4" in describe(record, 1.0)[0]
-    assert step_for(task.model(), task, hooks=[Triage()])(x, y).culprit_module is None  # a good step: no re-run
+    good = step_for(task.model(), task, hooks=[Triage()])(x, y)
+    assert good.culprit_module is None  # a good step: no re-run
 
 
 def test_the_gpts_attention_overflow_is_named_at_the_attention_not_the_projection_after_it():

@@ -24,8 +24,8 @@ from ..clippers import Clipper, NormClip
 from ..hooks import Hook, Hooks
 from ..steplog import StepLog
 
-__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_deferred", "check_parts", "default_hooks", "make_clipper",
-           "make_hooks", "make_log", "refuse_removed"]
+__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_deferred", "check_parts", "default_hooks",
+           "make_clipper", "make_hooks", "make_log", "refuse_removed"]
 
 
 class _DefaultMaxNorm(float):
@@ -36,7 +36,7 @@ DEFAULT_MAX_NORM = _DefaultMaxNorm(1.0)
 
 
 def check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any) -> torch.device:
-    """Raise a clear error for parts ``TrainStep`` cannot drive; return the device to train on: the model's."""
+    """Raise a clear error for parts ``TrainStep`` cannot drive; return the model's device, the step's."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -151,10 +151,10 @@ _REMOVED = {
 def refuse_removed(given: dict[str, Any]) -> None:
     """Raise ``TypeError`` for keywords ``TrainStep`` does not take, saying what to write for a removed one.
 
-    >>> refuse_removed({"triage": True})
+    >>> refuse_removed({"triage": True})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    TypeError: TrainStep(triage=...) was removed: write hooks=[Triage()] (labkit.triage) to triage a non-finite loss; leave it out for no triage.
+    TypeError: TrainStep(triage=...) was removed: write hooks=[Triage()] (labkit.triage) to triage a ...
     """
     if not given:
         return

@@ -31,8 +31,16 @@ from ..steplog import StepLog
 from ..validate import check_int
 from .batch import Batch, Buffers, LossCheck, gradient_sync
 from .decision import Decision, decide, read, skip_bad_loss, unscaled_norms
-from .parts import (DEFAULT_MAX_NORM, GuardedParams, check_deferred, check_parts, make_clipper, make_hooks,
-                    make_log, refuse_removed)
+from .parts import (
+    DEFAULT_MAX_NORM,
+    GuardedParams,
+    check_deferred,
+    check_parts,
+    make_clipper,
+    make_hooks,
+    make_log,
+    refuse_removed,
+)
 from .record import SKIPPED, Outcome, Pending, build
 
 __all__ = ["TrainStep"]
@@ -144,7 +152,8 @@ class TrainStep:
         changes; an error from the model, loss or optimizer leaves all as it was (a scheduler's: raised
         after its step is recorded)."""
         step = self.step_count
-        batch = Batch(inputs, targets, self.accumulation_steps, self.device, self.hooks.pre_forward(self, step))
+        fault = self.hooks.pre_forward(self, step)  # Faults' (labkit.faults), once per step number
+        batch = Batch(inputs, targets, self.accumulation_steps, self.device, fault)
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         buffers = Buffers(self.model)  # the forward changes them before the loss is checked
         self.hooks.pre_step(self, step)
