@@ -28,11 +28,17 @@ _LAZY = {
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
-    from .alarms import (ClipAlarm, DeadScaleWarning, LabkitWarning, RepeatedClippingWarning, SkipAlarm,
-                         SkipStreakWarning)
+    from .alarms import (
+        ClipAlarm,
+        DeadScaleWarning,
+        LabkitWarning,
+        RepeatedClippingWarning,
+        SkipAlarm,
+        SkipStreakWarning,
+    )
     from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
     from .clippers import clip_grad_value_
-    from .faults import Fault, FaultSchedule, Faults
+    from .faults import Fault, Faults, FaultSchedule
     from .logfile import LogWriteError
     from .records import StepRecord
     from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale

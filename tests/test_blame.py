@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from labkit import ToyTask, TrainStep
+from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.blame import BackwardOrder
 from labkit.clip import first_nonfinite, per_tensor_norms
 from labkit.lab import describe
 from labkit.step.record import forensics
 from labkit.tasks import GPTTask
-from labkit.alarms import ClipAlarm, SkipAlarm
 
 
 def poison_output(module: nn.Module, value: float, when=lambda: True):

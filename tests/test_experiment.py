@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.lab.experiment import ExperimentConfig, default_device, run_experiment
 from labkit.faults import Faults
+from labkit.lab.experiment import ExperimentConfig, default_device, run_experiment
 from labkit.triage import Triage
 
 

@@ -17,9 +17,9 @@ from torch import nn
 
 import labkit
 from labkit import FaultSchedule, GradScaler, TrainStep
-from labkit.lab.experiment import ExperimentConfig
 from labkit.alarms import SkipAlarm
 from labkit.faults import Faults
+from labkit.lab.experiment import ExperimentConfig
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -16,10 +16,10 @@ import torch
 from nanogpt import G, NanoGPT, get_batch, textbook_step
 
 import labkit
-from labkit.reasons import Reason
 from labkit.alarms import ClipAlarm, SkipAlarm
-from labkit.triage import Triage
 from labkit.faults import Faults
+from labkit.reasons import Reason
+from labkit.triage import Triage
 
 STEPS = 6
 

@@ -12,11 +12,11 @@ import labkit.step  # noqa: F401  the step's parts declare their record fields (
 from labkit import StepLog, StepRecord
 from labkit.alarms import SkipAlarm
 from labkit.blame import BackwardOrder
+from labkit.faults import Faults
 from labkit.formats.bf16 import StaleMonitor
 from labkit.records import CORE, Field, RewindEvent, declare, declared, put
 from labkit.spikes import SpikeDetector
 from labkit.tasks.gpt import LogitMonitor
-from labkit.faults import Faults
 
 NAN = float("nan")
 INF = float("inf")

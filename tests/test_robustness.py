@@ -12,8 +12,8 @@ import labkit
 from labkit import GradScaler, TrainStep
 from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.clippers import NormClip
-from labkit.steplog import StepLog
 from labkit.faults import Faults
+from labkit.steplog import StepLog
 
 NAN = float("nan")
 

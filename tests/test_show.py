@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import labkit
+from labkit.alarms import ClipAlarm
+from labkit.faults import Faults
 from labkit.lab import plot_log
 from labkit.lab.show import main
 from labkit.records import StepRecord
 from labkit.steplog import StepLog
-from labkit.alarms import ClipAlarm
-from labkit.faults import Faults
 
 ROOT = Path(__file__).resolve().parent.parent
 

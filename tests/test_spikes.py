@@ -12,12 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit import StepLog, ToyTask, TrainStep
-from labkit.alarms import LabkitWarning
+from labkit.alarms import ClipAlarm, LabkitWarning
 from labkit.clippers import ZClip
 from labkit.records import RewindEvent
 from labkit.rewind import Rewind
 from labkit.spikes import SpikeDetector, format_z, rolling_z, spike_score
-from labkit.alarms import ClipAlarm
 
 SPIKE_AT, STEPS = 30, 48
 

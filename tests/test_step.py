@@ -14,8 +14,8 @@ from torch import nn
 import labkit
 import labkit.step
 from labkit.alarms import ClipAlarm, SkipAlarm
-from labkit.faults import Faults
 from labkit.clippers import NormClip
+from labkit.faults import Faults
 
 INF = float("inf")
 NAN = float("nan")

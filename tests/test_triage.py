@@ -18,14 +18,13 @@ from torch import nn
 
 import labkit
 from labkit import SkipStreakWarning, StepRecord, ToyTask, TrainStep
-from labkit.alarms import REMEDIES
+from labkit.alarms import REMEDIES, ClipAlarm, SkipAlarm
+from labkit.faults import Faults
 from labkit.hooks import DecisionView
 from labkit.lab import describe
 from labkit.lab.defenses import OUTCOMES, ledger
 from labkit.reasons import Reason
 from labkit.triage import Triage, _fp32_loss, rng_state, triage
-from labkit.alarms import ClipAlarm, SkipAlarm
-from labkit.faults import Faults
 
 NAN = float("nan")
 
@@ -263,9 +262,9 @@ def test_describe_says_why_the_loss_was_not_finite(reason, line):
 
 
 def test_summary_counts_the_new_reasons_and_the_trackers_take_them(tmp_path):
-    from labkit.export import replay
-
     from test_export import read_tensorboard
+
+    from labkit.export import replay
 
     task = ToyTask()
     step = step_for(task.model(), task, log=tmp_path / "run.jsonl", hooks=[Triage(), Faults({1: "nan"})])

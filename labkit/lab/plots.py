@@ -15,7 +15,7 @@ from ..records import StepRecord
 from ..steplog import StepLog
 from ..validate import check_int
 
-__all__ = ["PANELS", "LiveDashboard", "plot_log", "plot_scale_and_skips"]
+__all__ = ["PANELS", "LiveDashboard", "ipympl_active", "plot_log", "plot_scale_and_skips"]
 
 PANELS = ("norm", "loss", "scale")
 _YLABELS = {"norm": "grad norm", "loss": "loss", "scale": "loss scale"}
@@ -203,7 +203,12 @@ def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = No
     return fig
 
 
-def _ipympl_active() -> bool:
+def ipympl_active() -> bool:
+    """Return whether figures draw on ipympl's canvas (``%matplotlib widget``), else they are sent as PNGs.
+
+    >>> ipympl_active() == (matplotlib.get_backend() in ("widget", "module://ipympl.backend_nbagg"))
+    True
+    """
     backend = matplotlib.get_backend().lower()
     return "ipympl" in backend or backend == "widget"
 
@@ -243,7 +248,7 @@ class LiveDashboard:
     ) -> None:
         check_int("every", every, 1, hint="(records between redraws)")
         self.every = every
-        self.interactive = _ipympl_active()
+        self.interactive = ipympl_active()
         if self.interactive:
             import matplotlib.pyplot as plt
 
