@@ -43,19 +43,23 @@ class DeadScaleWarning(LabkitWarning):
 
 # What a streak of each kind of skip asks of you (the skip-streak warning names those in the streak).
 REMEDIES = {
-    Reason.NONFINITE_LOSS: "nonfinite_loss: the loss itself was NaN/inf, which no loss scale can fix: bad batches "
-                           "(NaN/inf in the inputs or labels) or, under fp16, a forward pass that overflowed "
-                           "(activations beyond 65504, e.g. attention logits): check the batch for NaN/inf and "
-                           "run its forward in fp32 (TrainStep(hooks=[Triage()]) does both and names the cause).",
-    Reason.NONFINITE_INPUT: "nonfinite_input: the batches hold NaN/inf: fix the data pipeline (the loader, the "
-                            "normalisation, the labels); no loss scale, learning rate or clipping repairs data.",
-    Reason.FORWARD_OVERFLOW: "forward_overflow: the fp16 forward overflowed (activations beyond 65504) while the "
-                             "same forward in fp32 is finite; the loss scale acts on backward and cannot help: "
-                             "lower the learning rate, add qk-layernorm (attention logits) or train in bf16; the "
-                             "record's culprit_module names the module whose fp16 output first overflowed.",
-    Reason.NONFINITE_GRAD: "nonfinite_grad: gradients overflow at every scale tried: lower the learning rate, "
-                           "check for an fp16 overflow in the forward, or train in bf16; the record's "
-                           "first_nonfinite and culprit_module name where backward first held inf.",
+    Reason.NONFINITE_LOSS: (
+        "nonfinite_loss: the loss itself was NaN/inf, which no loss scale can fix: bad batches (NaN/inf in "
+        "the inputs or labels) or, under fp16, a forward pass that overflowed (activations beyond 65504, "
+        "e.g. attention logits): check the batch for NaN/inf and run its forward in fp32 "
+        "(TrainStep(hooks=[Triage()]) does both and names the cause)."),
+    Reason.NONFINITE_INPUT: (
+        "nonfinite_input: the batches hold NaN/inf: fix the data pipeline (the loader, the normalisation, "
+        "the labels); no loss scale, learning rate or clipping repairs data."),
+    Reason.FORWARD_OVERFLOW: (
+        "forward_overflow: the fp16 forward overflowed (activations beyond 65504) while the same forward in "
+        "fp32 is finite; the loss scale acts on backward and cannot help: lower the learning rate, add "
+        "qk-layernorm (attention logits) or train in bf16; the record's culprit_module names the module "
+        "whose fp16 output first overflowed."),
+    Reason.NONFINITE_GRAD: (
+        "nonfinite_grad: gradients overflow at every scale tried: lower the learning rate, check for an fp16 "
+        "overflow in the forward, or train in bf16; the record's first_nonfinite and culprit_module name "
+        "where backward first held inf."),
 }
 
 
@@ -76,7 +80,8 @@ def warn(message: str, category: type[Warning]) -> None:
 
 def _check_state(state: Any, keys: tuple[str, ...], owner: str) -> None:
     if not isinstance(state, dict) or not set(keys) <= state.keys():
-        raise KeyError(f"{owner} state must be a dict with {list(keys)}; pass what {owner}.state_dict() returned.")
+        raise KeyError(f"{owner} state must be a dict with {list(keys)}; pass what {owner}.state_dict() "
+                       "returned.")
 
 
 def _quiet_off_rank_0(trainer: Any) -> bool:
@@ -121,18 +126,19 @@ class SkipAlarm(Hook):
         self.reasons.append(reason or "?")
         if self.quiet:
             return self.streak
-        if reason == Reason.DEAD_SCALE and self.reasons.count(reason) == 1:  # it never recovers: say so at once
+        if reason == Reason.DEAD_SCALE and self.reasons.count(reason) == 1:  # it never recovers: say so now
             warn(
                 f"step {step} skipped because the loss scale is dead (below float32's normal range, 1/scale "
-                "overflows): every later step will skip too. It was set below 2**-126 by hand (update(new_scale)); "
-                "set it back with scaler.update(new_scale=2.0**16).",
+                "overflows): every later step will skip too. It was set below 2**-126 by hand "
+                "(update(new_scale)); set it back with scaler.update(new_scale=2.0**16).",
                 DeadScaleWarning,
             )
         if self.streak == self.threshold:
             kinds = ", ".join(f"{r} x{self.reasons.count(r)}" for r in dict.fromkeys(self.reasons))
             remedies = " ".join(REMEDIES[r] for r in dict.fromkeys(self.reasons) if r in REMEDIES)
             warn(
-                f"{self.streak} steps skipped in a row (steps {step - self.streak + 1}-{step}: {kinds}). {remedies}",
+                f"{self.streak} steps skipped in a row (steps {step - self.streak + 1}-{step}: {kinds}). "
+                f"{remedies}",
                 SkipStreakWarning,
             )
         return self.streak
@@ -157,13 +163,15 @@ class SkipAlarm(Hook):
         """Return ``(streak, reasons)`` from a ``state_dict``, or raise saying what is wrong."""
         _check_state(state, ("streak", "reasons"), "SkipAlarm")
         streak, reasons = check_int("SkipAlarm state['streak']", state["streak"], 0), state["reasons"]
-        if not isinstance(reasons, list) or len(reasons) != streak or not all(isinstance(r, str) for r in reasons):
-            raise ValueError(f"SkipAlarm state['reasons'] must be a list of {streak} reasons (one per skip), got {reasons!r}.")
+        if not isinstance(reasons, list) or len(reasons) != streak or not all(isinstance(r, str)
+                                                                              for r in reasons):
+            raise ValueError(f"SkipAlarm state['reasons'] must be a list of {streak} reasons (one per skip), "
+                             f"got {reasons!r}.")
         return streak, list(reasons)
 
 
 class ClipAlarm(Hook):
-    """Warn once when more than ``rate`` of the last ``window`` stepped steps were clipped, and not less lately.
+    """Warn once when over ``rate`` of the last ``window`` stepped steps were clipped, and not less lately.
 
     Design or symptom: clipping that subsides is the design (the first steps of a max_norm=1
     run clip most steps while the norm falls towards the threshold: nanoGPT clips 63-70 % of its
@@ -184,7 +192,7 @@ class ClipAlarm(Hook):
     >>> [alarm.observe(True, step=i) for i in range(4)]
     [False, False, False, True]
     >>> falling = ClipAlarm(rate=0.5, window=4)
-    >>> [falling.observe(c, step=i) for i, c in enumerate([True, True, True, False, True, False])]  # subsiding
+    >>> [falling.observe(c, step=i) for i, c in enumerate([True, True, True, False, True, False])]  # falls
     [False, False, False, False, False, False]
     """
 
@@ -214,18 +222,19 @@ class ClipAlarm(Hook):
         recent = list(self.recent)
         before = [self.earlier[0] + sum(recent[:-half]), self.earlier[1] + len(recent) - half]
         later = sum(recent[-half:]) / half
-        if frac <= self.rate or (before[1] and later < before[0] / before[1]):  # rare, or subsiding: the design
+        if frac <= self.rate or (before[1] and later < before[0] / before[1]):  # rare, or falling: by design
             return False
         self.fired = True
         if self.quiet:
             return True
         warn(
-            f"repeated clipping: {frac:.0%} of the last {self.window} steps (up to step {step}) were clipped, "
-            "and not less often lately. "
+            f"repeated clipping: {frac:.0%} of the last {self.window} steps (up to step {step}) were "
+            "clipped, and not less often lately. "
             "If that is the design (a percentile clipper such as AutoClip at p=10, the first steps of a "
-            "run at max_norm=1), retune the alarm (hooks=[ClipAlarm(0.9)]) or silence it (hooks=[ClipAlarm(None)]). If not, investigate: the "
-            "learning rate (too high?), the data (outliers, unnormalised inputs) or max_norm (too low for "
-            "this model's usual norm; under SGD a constant clip cuts the learning rate).",
+            "run at max_norm=1), retune the alarm (hooks=[ClipAlarm(0.9)]) or silence it "
+            "(hooks=[ClipAlarm(None)]). If not, investigate: the learning rate (too high?), the data "
+            "(outliers, unnormalised inputs) or max_norm (too low for this model's usual norm; under SGD a "
+            "constant clip cuts the learning rate).",
             RepeatedClippingWarning,
         )
         return True
@@ -253,11 +262,13 @@ class ClipAlarm(Hook):
         """Return ``(recent, fired)`` from a ``state_dict``, or raise saying what is wrong."""
         _check_state(state, ("recent", "fired"), "ClipAlarm")
         recent, fired = state["recent"], state["fired"]
-        if not isinstance(recent, list) or not all(isinstance(x, bool) for x in recent) or not isinstance(fired, bool):
-            raise ValueError(f"ClipAlarm state must hold a list of bools 'recent' and a bool 'fired', got {state!r}.")
+        bools = isinstance(recent, list) and all(isinstance(x, bool) for x in recent)
+        if not bools or not isinstance(fired, bool):
+            raise ValueError(f"ClipAlarm state must hold a list of bools 'recent' and a bool 'fired', "
+                             f"got {state!r}.")
         earlier = state.get("earlier", [0, 0])
         if not (isinstance(earlier, list) and len(earlier) == 2 and all(type(x) is int for x in earlier)
                 and 0 <= earlier[0] <= earlier[1]):
-            raise ValueError(f"ClipAlarm state['earlier'] must be [clipped, steps] with 0 <= clipped <= steps, "
-                             f"got {earlier!r}.")
+            raise ValueError(f"ClipAlarm state['earlier'] must be [clipped, steps] with 0 <= clipped <= "
+                             f"steps, got {earlier!r}.")
         return recent, fired

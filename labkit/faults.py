@@ -81,10 +81,12 @@ class Fault:
             return self.corrupt_inputs(batch)
         out, done = dict(batch), False
         for key, value in batch.items():
-            if isinstance(value, Tensor) and value.is_floating_point() and not (done and self.kind != "spike"):
+            wanted = not (done and self.kind != "spike")  # a spike scales them all; nan/inf the first
+            if isinstance(value, Tensor) and value.is_floating_point() and wanted:
                 out[key], done = self.corrupt_inputs(value), True
         if not done and self.kind in ("nan", "inf"):
-            return self.corrupt_inputs(next(v for v in batch.values() if isinstance(v, Tensor)))  # raises, saying why
+            # raises, saying why
+            return self.corrupt_inputs(next(v for v in batch.values() if isinstance(v, Tensor)))
         return out
 
     def corrupt_inputs(self, inputs: Tensor) -> Tensor:
@@ -95,7 +97,8 @@ class Fault:
             if not inputs.is_floating_point():
                 raise TypeError(
                     f"a {self.kind} fault needs floating-point inputs, got {inputs.dtype}; for token ids, "
-                    "put it into the first activation (TrainStep(hooks=[Faults(...)]) does: an Injection's forward)."
+                    "put it into the first activation (TrainStep(hooks=[Faults(...)]) does: an Injection's "
+                    "forward)."
                 )
             bad = inputs.clone(memory_format=torch.contiguous_format)  # so view(-1) writes into it
             bad.view(-1)[0] = float(self.kind)
@@ -206,7 +209,7 @@ class Injection:
         return self.fault.corrupt_batch(batch)
 
     def loss(self, loss: Tensor) -> Tensor:
-        """Return the loss the step uses: a spike's ``magnitude`` times it if the inputs could not carry it."""
+        """Return the loss the step uses: a spike's ``magnitude`` times it if the inputs could not hold it."""
         if self.fault.kind == "spike" and self.on_inputs is False:
             self.acted = True
             return loss * self.fault.magnitude
@@ -292,7 +295,8 @@ class FaultSchedule(Mapping[int, Fault]):
     def __init__(self, faults: Mapping[int, Fault | str] | None = None) -> None:
         if faults is not None and not isinstance(faults, Mapping):
             raise TypeError(
-                f"FaultSchedule takes a mapping {{step: kind}}, got {type(faults).__name__}; for specs such as "
+                f"FaultSchedule takes a mapping {{step: kind}}, got {type(faults).__name__}; for specs such "
+                "as "
                 f"['50:nan'] use FaultSchedule.parse([...]) ({_EXAMPLE})."
             )
         # (first, last, position, fault): where entries overlap the later position wins
@@ -302,7 +306,8 @@ class FaultSchedule(Mapping[int, Fault]):
         for step, fault in (faults or {}).items():
             check_int("a fault's step", step, 0)
             if not isinstance(fault, (str, Fault)):
-                raise TypeError(f"a fault must be a kind such as 'nan' or a labkit.Fault, got {fault!r} at step {step}.")
+                raise TypeError(f"a fault must be a kind such as 'nan' or a labkit.Fault, got {fault!r} at "
+                                f"step {step}.")
             self._add(step, step, Fault(fault) if isinstance(fault, str) else fault)
 
     def _add(self, first: int, last: int, fault: Fault) -> None:
@@ -316,7 +321,8 @@ class FaultSchedule(Mapping[int, Fault]):
     def parse(cls, specs: Iterable[str]) -> FaultSchedule:
         """Build a schedule from ``STEP:KIND[:MAGNITUDE]`` or ``START-END:KIND`` (END included)."""
         if isinstance(specs, str) or not isinstance(specs, Iterable):
-            raise TypeError(f"FaultSchedule.parse takes a list of specs, e.g. [{specs!r}], got {type(specs).__name__}.")
+            raise TypeError(f"FaultSchedule.parse takes a list of specs, e.g. [{specs!r}], got "
+                            f"{type(specs).__name__}.")
         schedule = cls()
         for spec in specs:
             if not isinstance(spec, str):
@@ -330,7 +336,8 @@ class FaultSchedule(Mapping[int, Fault]):
             start, end, kind, magnitude = m.groups()
             first, last = int(start), int(end) if end is not None else int(start)
             if last < first:
-                raise ValueError(f"bad fault spec {spec!r}: the range {first}-{last} runs backwards; {_EXAMPLE}.")
+                raise ValueError(f"bad fault spec {spec!r}: the range {first}-{last} runs backwards; "
+                                 f"{_EXAMPLE}.")
             if magnitude is not None and kind != "spike":
                 raise ValueError(f"bad fault spec {spec!r}: only spike takes a magnitude; {_EXAMPLE}.")
             try:
@@ -341,7 +348,8 @@ class FaultSchedule(Mapping[int, Fault]):
         return schedule
 
     @classmethod
-    def coerce(cls, faults: FaultSchedule | Mapping[int, Fault | str] | Iterable[str] | None) -> FaultSchedule:
+    def coerce(cls, faults: FaultSchedule | Mapping[int, Fault | str] | Iterable[str] | None
+               ) -> FaultSchedule:
         """Return ``faults`` as a schedule: a schedule, a ``{step: kind}`` mapping, or a list of specs.
 
         >>> FaultSchedule.coerce(["10:nan"]).get(10).label
