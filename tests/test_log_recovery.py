@@ -181,8 +181,8 @@ WRITER = textwrap.dedent(f"""
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = labkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, faults={FAULTS!r},
-                            log_path=path)
+    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler,
+                            hooks=[labkit.Faults({FAULTS!r})], log=path)
     while True:
         record = step(*task.batch(step.step_count))
         print(record.step, flush=True)  # after this line, the record is in the file
@@ -383,7 +383,7 @@ PRINTER = textwrap.dedent("""
     task = labkit.ToyTask()
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = labkit.TrainStep(model, opt, task.loss_fn, log_path="/dev/stdout")
+    step = labkit.TrainStep(model, opt, task.loss_fn, log="/dev/stdout")
     errors = StepLog(stream="/dev/stderr")
     for i in range(3):
         print(f"before step {i}")
