@@ -13,8 +13,8 @@ empty list, where labkit has one list that may be empty (a step without gradient
 from __future__ import annotations
 
 import torch
+import torch.utils._foreach_utils  # torch's private grouping, reached by its full name where it is called
 from torch import Tensor
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 __all__ = ["group_by_device_and_dtype"]
 
@@ -26,5 +26,5 @@ def group_by_device_and_dtype(tensors: list[Tensor]) -> Groups:
     """Return ``{(device, dtype): (tensors, their indices)}``, in order within a group; {} for none."""
     if not tensors:
         return {}
-    grouped = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
+    grouped = torch.utils._foreach_utils._group_tensors_by_device_and_dtype([tensors], with_indices=True)
     return {key: (group, where) for key, ([group], where) in grouped.items()}  # type: ignore[misc]
