@@ -20,6 +20,7 @@ import warnings
 import torch
 
 import labkit
+from labkit.alarms import SkipAlarm
 from labkit.formats.bf16 import StaleMonitor, accumulate, compare_remedies
 from labkit.formats.fp8 import GRANULARITIES, Fp8Fault, Fp8Guard, quantize
 from labkit.lab.formats import granularity_rows
@@ -67,7 +68,7 @@ def main() -> None:
     def run(observer) -> None:
         model = task.model().to(torch.bfloat16)
         step = labkit.TrainStep(model, torch.optim.AdamW(model.parameters(), 1e-4), task.loss_fn,
-                                precision="bf16", max_norm=None, hooks=[observer], skip_alarm=None)
+                                precision="bf16", max_norm=None, hooks=[observer, SkipAlarm(None)])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for b in batches:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import labkit
+from labkit.alarms import ClipAlarm
 
 
 def best_of(fn, repeat: int = 7, number: int = 200) -> float:
@@ -33,7 +34,8 @@ def main() -> None:
     task = labkit.ToyTask()
     model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64),
                           nn.ReLU(), nn.Linear(64, 1))
-    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01), task.loss_fn, clip_alarm=None)
+    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01), task.loss_fn,
+                            hooks=[ClipAlarm(None)])
     x, y = task.batch(0)
     params = best_of(step._named_params, number=2000)
     snapshot = best_of(lambda: [b.detach().clone() for b in model.buffers()], number=2000)

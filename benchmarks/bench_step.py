@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import labkit
+from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.clip import clip_coef, per_tensor_norms, scale_grads_, total_norm
 
 
@@ -129,8 +130,9 @@ def textbook_loop(model, opt, batches, dtype, device, max_norm=1.0, scaler=None)
 
 
 def trainstep_loop(model, opt, batches, precision, sync_every, max_norm=1.0, step=None):
-    step = step or labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=max_norm,
-                                    sync_every=sync_every, skip_alarm=None, clip_alarm=None)
+    step = step or labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision,
+                                    max_norm=max_norm, sync_every=sync_every,
+                                    hooks=[SkipAlarm(None), ClipAlarm(None)])
     records = [step(x, y) for x, y in batches]
     step.flush()
     return records
@@ -167,7 +169,7 @@ def bench_step(width, fused, precision, device, steps, repeat, sync_every):
         def run():
             model, opt, batches = make_setup(width, fused, device, steps + 1)
             step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=1.0,
-                                    sync_every=every, skip_alarm=None, clip_alarm=None)
+                                    sync_every=every, hooks=[SkipAlarm(None), ClipAlarm(None)])
             trainstep_loop(model, opt, batches[:1], precision, every, step=step)
             return timed(lambda b: trainstep_loop(model, opt, b, precision, every, step=step), batches[1:])
         return run

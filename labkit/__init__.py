@@ -12,30 +12,40 @@ import typing
 # Imported on first use (PEP 562), not here: `python -m labkit demo --help` and the grading CLI
 # load this package first, and importing torch costs seconds before any flag is read.
 _LAZY = {
-    ".alarms": ("DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"),
+    ".alarms": ("ClipAlarm", "DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipAlarm",
+                "SkipStreakWarning"),
     ".clip": ("clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"),
     ".clippers": ("clip_grad_value_",),
-    ".faults": ("Fault", "FaultSchedule"),
+    ".faults": ("Fault", "FaultSchedule", "Faults"),
     ".logfile": ("LogWriteError",),
     ".records": ("StepRecord",),
     ".scaler": ("GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"),
     ".step": ("TrainStep",),
     ".steplog": ("StepLog",),
     ".tasks": ("ToyTask",),
+    ".triage": ("Triage",),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see
-    from .alarms import DeadScaleWarning, LabkitWarning, RepeatedClippingWarning, SkipStreakWarning
+    from .alarms import (
+        ClipAlarm,
+        DeadScaleWarning,
+        LabkitWarning,
+        RepeatedClippingWarning,
+        SkipAlarm,
+        SkipStreakWarning,
+    )
     from .clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norm
     from .clippers import clip_grad_value_
-    from .faults import Fault, FaultSchedule
+    from .faults import Fault, Faults, FaultSchedule
     from .logfile import LogWriteError
     from .records import StepRecord
     from .scaler import GradScaler, ScalerConfig, ScalerUsageError, ScalerValueError, update_scale
     from .step import TrainStep
     from .steplog import StepLog
     from .tasks import ToyTask
+    from .triage import Triage
 
 
 def __getattr__(name: str):  # type: ignore[no-untyped-def]
@@ -59,9 +69,11 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClipAlarm",
     "DeadScaleWarning",
     "Fault",
     "FaultSchedule",
+    "Faults",
     "GradScaler",
     "LabkitWarning",
     "LogWriteError",
@@ -69,11 +81,13 @@ __all__ = [
     "ScalerConfig",
     "ScalerUsageError",
     "ScalerValueError",
+    "SkipAlarm",
     "SkipStreakWarning",
     "StepLog",
     "StepRecord",
     "ToyTask",
     "TrainStep",
+    "Triage",
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",

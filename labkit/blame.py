@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from .distributed import all_reduce_, is_distributed
-from .hooks import Hook
+from .hooks import GradientOrder, Hook
 from .names import module_of
 from .records import Field
 
@@ -100,10 +100,11 @@ class BackwardOrder(Hook):
     of the module that produced the gradient (for a tied parameter, its first use in backward;
     ``uses[name]`` maps each module using it to ``[rank, largest |output gradient|]``, from which
     ``placed`` moves it to a later use). A parameter that got no gradient this step is missing.
-    ``TrainStep`` keeps one and hands ``positions`` and ``uses`` to the record; in a plain loop
-    call ``attach(model)`` once and ``pre_step(None, step)`` before each forward, then pass both
-    to ``forensics`` (after unfreezing parameters there, call ``attach`` again: a frozen
-    parameter takes no hook).
+    ``TrainStep`` has one among its default hooks (``labkit.step.parts.default_hooks``) and
+    keeps its ``gradient_order`` with each record; in a plain loop call ``attach(model)`` once
+    and ``pre_step(None, step)`` before each forward, then pass ``positions`` and ``uses`` to
+    ``forensics`` (after unfreezing parameters there, call ``attach`` again: a frozen parameter
+    takes no hook).
     """
 
     # on a skipped or clipped step (``labkit.step.record.forensics``): the top 3 (name, norm), the first
@@ -166,6 +167,13 @@ class BackwardOrder(Hook):
                 self._key = key
                 for name, p in self.model.named_parameters():
                     self._hook_param(name, p)
+
+    def __repr__(self) -> str:
+        return "BackwardOrder()"
+
+    def gradient_order(self, trainer: Any, step: int) -> GradientOrder:
+        """Return this step's ``(positions, uses)`` (the next ``pre_step`` starts new ones: these stay)."""
+        return self.positions, self.uses
 
     def _optimizer_key(self, trainer: Any) -> tuple:
         # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .distributed import is_distributed, local_tensor, reduce_sharded_norms_
+from .grouping import group_by_device_and_dtype
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"]
 
@@ -167,12 +168,9 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     # An empty tensor's norm is 0, and is set here: torch has no inf-norm of an empty tensor
     # (no identity for max), and FSDP2 leaves a rank empty shards when a dim is < world size.
     norms: list[Tensor | None] = [torch.zeros((), device=first, dtype=out_dtype) if g.numel() == 0 else None for g in grads]
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, g in enumerate(grads):
-        if norms[i] is None:
-            groups.setdefault((g.device, g.dtype), []).append(i)
-    for (device, _), idx in groups.items():
-        group = [grads[i] for i in idx]
+    live = [i for i, n in enumerate(norms) if n is None]
+    for (device, _), (group, where) in group_by_device_and_dtype([grads[i] for i in live]).items():
+        idx = [live[j] for j in where]
         use_foreach = device.type in ("cpu", "cuda") if foreach is None else foreach
         if use_foreach and device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"foreach=True was passed, but there is no foreach norm on {device.type}")
@@ -390,11 +388,8 @@ def scale_grads_(grads: list[Tensor], factor: Tensor, foreach: bool | None = Non
         # the usual case (no DTensor, one device): no grouping
         torch._foreach_mul_(grads, factor.to(device))
         return
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for g in grads:
-        g = local_tensor(g)  # a view: scaling a shard in place scales the DTensor
-        by_device.setdefault(g.device, []).append(g)
-    for device, group in by_device.items():
+    local = [local_tensor(g) for g in grads]  # views: scaling a shard in place scales the DTensor
+    for (device, _), (group, _) in group_by_device_and_dtype(local).items():
         c = factor.to(device)
         # Multiplying by 1 costs a read and a write but no sync; torch makes the same trade.
         if (device.type in ("cpu", "cuda")) if foreach is None else foreach:

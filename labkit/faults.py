@@ -18,8 +18,9 @@ Four kinds, each deterministic:
   computed inside the model (nanoGPT's ``(logits, loss)``) overflows too: the activation is the
   logits, not the fp32 loss.
 
-In ``TrainStep`` a fault fires once per step number: a step that a rewind replays (the same
-number again) runs without it, as the data that carried it was skipped. An ``Injection`` is one
+In ``TrainStep`` the ``Faults`` hook gives each step its fault (``hooks=[Faults(["50:nan"])]``)
+and a fault fires once per step number: a step that a rewind replays (the same number again)
+runs without it, as the data that carried it was skipped. An ``Injection`` is one
 step's fault at work and says whether it acted; the record names a fault only if it did, and a
 fault that cannot act on the model raises, saying where to inject instead.
 """
@@ -37,11 +38,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .hooks import Hook
 from .names import FP16_MAX
-from .records import Field, declare
+from .records import Field, RewindEvent
 from .validate import check_int
 
-__all__ = ["Fault", "FaultSchedule", "Injection", "floating_tensors"]
+__all__ = ["Fault", "FaultSchedule", "Faults", "Injection", "floating_tensors"]
 
 KINDS = ("spike", "nan", "inf", "overflow")
 
@@ -79,10 +81,12 @@ class Fault:
             return self.corrupt_inputs(batch)
         out, done = dict(batch), False
         for key, value in batch.items():
-            if isinstance(value, Tensor) and value.is_floating_point() and not (done and self.kind != "spike"):
+            wanted = not (done and self.kind != "spike")  # a spike scales them all; nan/inf the first
+            if isinstance(value, Tensor) and value.is_floating_point() and wanted:
                 out[key], done = self.corrupt_inputs(value), True
         if not done and self.kind in ("nan", "inf"):
-            return self.corrupt_inputs(next(v for v in batch.values() if isinstance(v, Tensor)))  # raises, saying why
+            # raises, saying why
+            return self.corrupt_inputs(next(v for v in batch.values() if isinstance(v, Tensor)))
         return out
 
     def corrupt_inputs(self, inputs: Tensor) -> Tensor:
@@ -93,7 +97,8 @@ class Fault:
             if not inputs.is_floating_point():
                 raise TypeError(
                     f"a {self.kind} fault needs floating-point inputs, got {inputs.dtype}; for token ids, "
-                    "put it into the first activation (TrainStep(faults=...) does: an Injection's forward)."
+                    "put it into the first activation (TrainStep(hooks=[Faults(...)]) does: an Injection's "
+                    "forward)."
                 )
             bad = inputs.clone(memory_format=torch.contiguous_format)  # so view(-1) writes into it
             bad.view(-1)[0] = float(self.kind)
@@ -204,7 +209,7 @@ class Injection:
         return self.fault.corrupt_batch(batch)
 
     def loss(self, loss: Tensor) -> Tensor:
-        """Return the loss the step uses: a spike's ``magnitude`` times it if the inputs could not carry it."""
+        """Return the loss the step uses: a spike's ``magnitude`` times it if the inputs could not hold it."""
         if self.fault.kind == "spike" and self.on_inputs is False:
             self.acted = True
             return loss * self.fault.magnitude
@@ -273,7 +278,6 @@ def floating_tensors(out: Any) -> Iterator[Tensor]:
 
 
 _EXAMPLE = "e.g. 50:spike:1000, 120:nan or 200-204:overflow"
-declare("FaultSchedule", {"fault": Field(None)})  # the fault injected at the step, e.g. "spike:1000"
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:([a-z]+)(?::([^:]+))?$")
 
 
@@ -291,7 +295,8 @@ class FaultSchedule(Mapping[int, Fault]):
     def __init__(self, faults: Mapping[int, Fault | str] | None = None) -> None:
         if faults is not None and not isinstance(faults, Mapping):
             raise TypeError(
-                f"FaultSchedule takes a mapping {{step: kind}}, got {type(faults).__name__}; for specs such as "
+                f"FaultSchedule takes a mapping {{step: kind}}, got {type(faults).__name__}; for specs such "
+                "as "
                 f"['50:nan'] use FaultSchedule.parse([...]) ({_EXAMPLE})."
             )
         # (first, last, position, fault): where entries overlap the later position wins
@@ -301,7 +306,8 @@ class FaultSchedule(Mapping[int, Fault]):
         for step, fault in (faults or {}).items():
             check_int("a fault's step", step, 0)
             if not isinstance(fault, (str, Fault)):
-                raise TypeError(f"a fault must be a kind such as 'nan' or a labkit.Fault, got {fault!r} at step {step}.")
+                raise TypeError(f"a fault must be a kind such as 'nan' or a labkit.Fault, got {fault!r} at "
+                                f"step {step}.")
             self._add(step, step, Fault(fault) if isinstance(fault, str) else fault)
 
     def _add(self, first: int, last: int, fault: Fault) -> None:
@@ -315,7 +321,8 @@ class FaultSchedule(Mapping[int, Fault]):
     def parse(cls, specs: Iterable[str]) -> FaultSchedule:
         """Build a schedule from ``STEP:KIND[:MAGNITUDE]`` or ``START-END:KIND`` (END included)."""
         if isinstance(specs, str) or not isinstance(specs, Iterable):
-            raise TypeError(f"FaultSchedule.parse takes a list of specs, e.g. [{specs!r}], got {type(specs).__name__}.")
+            raise TypeError(f"FaultSchedule.parse takes a list of specs, e.g. [{specs!r}], got "
+                            f"{type(specs).__name__}.")
         schedule = cls()
         for spec in specs:
             if not isinstance(spec, str):
@@ -329,7 +336,8 @@ class FaultSchedule(Mapping[int, Fault]):
             start, end, kind, magnitude = m.groups()
             first, last = int(start), int(end) if end is not None else int(start)
             if last < first:
-                raise ValueError(f"bad fault spec {spec!r}: the range {first}-{last} runs backwards; {_EXAMPLE}.")
+                raise ValueError(f"bad fault spec {spec!r}: the range {first}-{last} runs backwards; "
+                                 f"{_EXAMPLE}.")
             if magnitude is not None and kind != "spike":
                 raise ValueError(f"bad fault spec {spec!r}: only spike takes a magnitude; {_EXAMPLE}.")
             try:
@@ -340,7 +348,8 @@ class FaultSchedule(Mapping[int, Fault]):
         return schedule
 
     @classmethod
-    def coerce(cls, faults: FaultSchedule | Mapping[int, Fault | str] | Iterable[str] | None) -> FaultSchedule:
+    def coerce(cls, faults: FaultSchedule | Mapping[int, Fault | str] | Iterable[str] | None
+               ) -> FaultSchedule:
         """Return ``faults`` as a schedule: a schedule, a ``{step: kind}`` mapping, or a list of specs.
 
         >>> FaultSchedule.coerce(["10:nan"]).get(10).label
@@ -390,3 +399,33 @@ class FaultSchedule(Mapping[int, Fault]):
                 return "FaultSchedule({" + ", ".join(shown) + f", ...}} ({len(self)} steps))"
             shown.append(f"{step}: {self[step].label!r}")
         return "FaultSchedule({" + ", ".join(shown) + "})"
+
+
+class Faults(Hook):
+    """Inject the scheduled faults into a ``TrainStep``'s batches, each once per step number.
+
+    ``schedule``: a ``FaultSchedule``, a ``{step: kind}`` mapping or a list of specs
+    (``FaultSchedule.coerce``). A step a ``Rewind`` replays (its number again) runs without its
+    fault: the data that carried it was skipped. The record names the fault (``fault``) when it
+    acted. Not saved in ``TrainStep.state_dict()``: a rewind's restore must not re-arm a fault,
+    and a resumed run starts past the steps it saved.
+
+    >>> faults = Faults(["1:nan"]); faults.pre_forward(None, 0), faults.pre_forward(None, 1).label
+    (None, 'nan')
+    """
+
+    record_fields = {"fault": Field(None)}  # the fault injected at the step, e.g. "spike:1000"
+
+    def __init__(self, schedule: FaultSchedule | Mapping[int, Fault | str] | Iterable[str]) -> None:
+        self.schedule = FaultSchedule.coerce(schedule)
+        self.unseen = 0  # the first step number not recorded yet: a fault fires there and later only
+
+    def pre_forward(self, trainer: Any, step: int) -> Fault | None:
+        return self.schedule.get(step) if step >= self.unseen else None
+
+    def on_record(self, trainer: Any, record: Any) -> RewindEvent | None:
+        self.unseen = max(self.unseen, record.step + 1)
+        return None
+
+    def __repr__(self) -> str:
+        return f"Faults({self.schedule!r})"

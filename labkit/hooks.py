@@ -5,10 +5,16 @@ moment of every hook in the order given, and a plain training loop may call them
 
     attach(trainer)                             once, when the hook joins a trainer
     pre_step(trainer, step)                     before the forward (the last step's gradients are gone)
+    pre_forward(trainer, step) -> fault         the fault this step's batch carries (a
+                                                ``labkit.faults.Fault``: ``Faults`` schedules them), or None
     post_backward(trainer, step) -> measures    backward done, or stopped at a non-finite loss: device
                                                 tensors read with the record's numbers (no sync of
                                                 their own), written to the record fields they name
                                                 (``field/key``: one entry of a per-layer field)
+    gradient_order(trainer, step) -> order      where backward produced each gradient,
+                                                ``(positions, uses)`` as ``labkit.blame.BackwardOrder``
+                                                keeps them, or None: a skip's record names the first
+                                                non-finite gradient in it (else registration order)
     on_decision(trainer, view) -> Verdict       the loss and the global norm are known: skip, clip
                                                 or annotate the step (``Verdict``), or None
     pre_optim_step(trainer, step, params)       the optimizer is about to step: the gradients are
@@ -22,8 +28,9 @@ moment of every hook in the order given, and a plain training loop may call them
 
 ``trainer`` is the ``TrainStep`` (or whatever a plain loop passes: only what a hook reads
 must be there). ``params`` is the optimizer's ``[(name, parameter)]``. A hook changes the
-step only through what it returns: a ``Verdict`` from ``on_decision`` (the only moment that
-decides), measures from ``post_backward`` and an event from ``on_record``. The record fields a
+step only through what it returns: a fault from ``pre_forward``, measures from
+``post_backward``, an order from ``gradient_order``, a ``Verdict`` from ``on_decision`` (the
+only moment that decides) and an event from ``on_record``. The record fields a
 hook sets (measures, ``Verdict.fields``) are the ones it declares in ``record_fields``. Every
 decision must be the same on every rank:
 a verdict computed from the view's loss and norm is (both are global under
@@ -43,7 +50,10 @@ from .records import Field, RewindEvent, declare, put
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the alarms import this module, torch-free
     from torch import Tensor
 
-__all__ = ["NO_VERDICT", "DecisionView", "Hook", "Hooks", "Verdict"]
+# where backward produced each gradient: {name: (rank, module)} and a tied parameter's {module: [rank, amax]}
+GradientOrder = tuple[Mapping[str, tuple[int, str]], Mapping[str, Mapping[str, list[Any]]]]
+
+__all__ = ["NO_VERDICT", "DecisionView", "GradientOrder", "Hook", "Hooks", "Verdict"]
 
 
 @dataclass
@@ -170,6 +180,11 @@ class Hook:
     def pre_step(self, trainer: Any, step: int) -> None:
         """Prepare for optimizer step ``step``, before its forward."""
 
+    def pre_forward(self, trainer: Any, step: int) -> Any:
+        """Return the fault to inject into this step's batch (a ``labkit.faults.Fault``: faults import this
+        module, so it is not named in the annotation), or None."""
+        return None
+
     def post_backward(self, trainer: Any, step: int) -> Mapping[str, Tensor] | None:
         """Return, after backward, ``{record field: 0-dim device tensor}`` to read with the record, or None.
 
@@ -177,6 +192,15 @@ class Hook:
         batched copy); only a step whose loss was not finite, without a loss scale to read, reads
         them on their own. A name ``field/key`` sets one entry of a per-layer field (a dict, e.g.
         ``attn_logit_max/h.0``).
+        """
+        return None
+
+    def gradient_order(self, trainer: Any, step: int) -> GradientOrder | None:
+        """Return where backward produced each gradient this step, ``(positions, uses)``, or None.
+
+        ``positions[name] = (rank from the loss, module)`` and ``uses`` (a tied parameter's
+        uses), as ``labkit.blame.BackwardOrder`` records them; asked after backward, kept with
+        the step's record (a new dict each step: a deferred record keeps its own).
         """
         return None
 
@@ -217,8 +241,8 @@ class Hooks(Hook):
     Verdict(skip=None, clip_to=None, clip_reason=None, fields={})
     """
 
-    MOMENTS = ("attach", "pre_step", "post_backward", "on_decision", "pre_optim_step", "post_step",
-               "on_record")
+    MOMENTS = ("attach", "pre_step", "pre_forward", "post_backward", "gradient_order", "on_decision",
+               "pre_optim_step", "post_step", "on_record")
 
     def __init__(self, hooks: Iterable[Hook]) -> None:
         members = list(hooks)
@@ -242,6 +266,14 @@ class Hooks(Hook):
         for h in self._at["pre_step"]:
             h.pre_step(trainer, step)
 
+    def pre_forward(self, trainer: Any, step: int) -> Any:
+        """Return the first fault a member gives (by priority), or None."""
+        for h in self._at["pre_forward"]:
+            fault = h.pre_forward(trainer, step)
+            if fault is not None:
+                return fault
+        return None
+
     def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor]:
         measures: dict[str, Tensor] = {}
         for h in self._at["post_backward"]:
@@ -251,6 +283,14 @@ class Hooks(Hook):
                 put({}, name, None)  # records.put's check, on a throwaway: a name nobody declared raises
             self._named.update(measures)
         return measures
+
+    def gradient_order(self, trainer: Any, step: int) -> GradientOrder | None:
+        """Return the first order a member gives (by priority), or None."""
+        for h in self._at["gradient_order"]:
+            order = h.gradient_order(trainer, step)
+            if order is not None:
+                return order
+        return None
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict:
         verdicts = []

@@ -24,7 +24,7 @@ class Reason(str, Enum):
     DEAD_SCALE = "dead_scale"  # the loss scale is below float32's normal range: 1/scale overflows
     SPIKE_LOSS = "spike_loss"  # a spike detector's loss z-score was above its skip_z
     SPIKE_GRAD = "spike_grad"  # a spike detector's gradient-norm z-score was above its skip_z
-    # A non-finite loss told apart (``labkit.triage``, ``TrainStep(triage=True)``): an input holds NaN/inf
+    # A non-finite loss told apart (``labkit.triage``, ``hooks=[Triage()]``): an input holds NaN/inf
     # (bad data), or the fp16/bf16 forward overflowed while the same forward in fp32 is finite (the scale
     # cannot help). Backward skipped, the scale untouched, as for nonfinite_loss.
     FORWARD_OVERFLOW = "forward_overflow"

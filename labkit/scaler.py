@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .distributed import ProcessGroup, all_reduce_, local_tensor
+from .grouping import group_by_device_and_dtype
 from .validate import check_int, real
 
 __all__ = ["GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"]
@@ -312,7 +313,7 @@ class GradScaler:
         scale = state["scale"]
         inv_scale = scale.double().reciprocal().float()  # as torch: exact for powers of two
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        grads: list[Tensor] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -323,13 +324,13 @@ class GradScaler:
                         "the forward under torch.autocast(dtype=torch.float16) instead of model.half()."
                     )
                 g = p.grad._values() if p.grad.is_sparse else local_tensor(p.grad)  # a view: unscaled in place
-                groups.setdefault((g.device, g.dtype), []).append(g)
-        opt_state["has_grads"] = bool(groups)
+                grads.append(g)
+        opt_state["has_grads"] = bool(grads)
         with torch.no_grad():
-            for (device, _), grads in groups.items():
+            for (device, _), (same, _) in group_by_device_and_dtype(grads).items():
                 local_inf = torch.zeros((), dtype=torch.float32, device=device)
                 # torch's fused kernel: one read + one write per gradient, sets local_inf on inf/NaN.
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, local_inf, inv_scale.to(device))
+                torch._amp_foreach_non_finite_check_and_unscale_(same, local_inf, inv_scale.to(device))
                 found_inf += local_inf.to(found_inf.device)
         # torch's kernel checks the gradients before multiplying: a dead scale (1/scale = inf, set by
         # hand) would turn finite gradients into inf unflagged. Flag it (no sync), so it skips, is

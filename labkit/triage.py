@@ -30,7 +30,7 @@ else a finite fp32 global loss makes it ``forward_overflow``. A model whose weig
 themselves fp16/bf16 has no fp32 forward to compare with: nothing is re-run, and its
 overflow reads ``nonfinite_loss``.
 
-``Triage`` is the hook (``TrainStep(triage=True)``, or ``hooks=[Triage()]``): its
+``Triage`` is the hook (``TrainStep(hooks=[Triage()])``): its
 ``on_decision`` returns ``Verdict(skip=reason)`` on a step whose loss was not finite; the
 step's rules do not change (skipped, the scale untouched, every rank the same).
 """
@@ -43,15 +43,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .autocast import PRECISIONS, autocast
 from .distributed import ProcessGroup, all_reduce_, is_distributed
 from .faults import floating_tensors
 from .hooks import DecisionView, Hook, Verdict
-from .names import PRECISIONS
 from .reasons import Reason
 
 __all__ = ["Triage", "nonfinite_input", "overflow_module", "rng_state", "triage"]
-
-_AUTOCAST_DTYPE = dict(zip(PRECISIONS, (None, torch.bfloat16, torch.float16)))
 
 
 def nonfinite_input(*batch: Any) -> Tensor:
@@ -163,8 +161,7 @@ def overflow_module(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any
                 if rng[1] is not None:
                     torch.cuda.set_rng_state(rng[1], device)
             for x, _, _ in _micro_batches(batch):
-                with torch.autocast(device.type, dtype=_AUTOCAST_DTYPE[precision] or torch.float32,
-                                    enabled=_AUTOCAST_DTYPE[precision] is not None):
+                with autocast(precision, device):  # the step's own forward
                     corrupt(model(**x) if isinstance(x, Mapping) else model(x))
     finally:
         for h in handles:
@@ -212,7 +209,7 @@ def triage(model: nn.Module, loss_fn: Callable[..., Tensor], batch: Any, *, prec
     # fp16/bf16 weights have no fp32 forward to compare with (and fp32 inputs would not fit them); the
     # same on every rank, as the weights' dtypes are
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
-    if _AUTOCAST_DTYPE[precision] is not None and not low:
+    if PRECISIONS[precision] is not None and not low:
         loss = _fp32_loss(model, loss_fn, batch, rng)
     else:  # the forward was fp32 already (a re-run would give the same loss), or cannot be
         loss = torch.full((), float("nan"), dtype=torch.float64, device=device)
@@ -231,7 +228,7 @@ class Triage(Hook):
 
     On a ``forward_overflow`` its verdict also sets ``culprit_module`` (``overflow_module``).
 
-    With ``TrainStep`` (``triage=True``, or ``hooks=[Triage()]``) it reads the model, the loss
+    With ``TrainStep`` (``hooks=[Triage()]``) it reads the model, the loss
     function, the precision and the process group from the step. In a plain loop pass them,
     call ``pre_step(None, step)`` before the forward (it keeps the random state for the
     re-run's dropout) and, on a non-finite loss, ``on_decision(None, DecisionView(step, loss,

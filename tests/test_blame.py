@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from labkit import ToyTask, TrainStep
+from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.blame import BackwardOrder
 from labkit.clip import first_nonfinite, per_tensor_norms
 from labkit.lab import describe
@@ -41,11 +42,17 @@ def registration_order_culprit(model: nn.Module) -> str | None:
     return first_nonfinite([g for _, g in named], [n for n, _ in named])
 
 
+def order_of(step):
+    """The step's ``BackwardOrder``: one of its default hooks."""
+    (order,) = [h for h in step.hooks.members if isinstance(h, BackwardOrder)]
+    return order
+
+
 def step_on(task, **kw):
     """Return ``(task, model, step)``: a fresh model of ``task`` under a quiet SGD ``TrainStep``."""
     model = task.model()
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
-                     clip_alarm=None, **kw)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                     hooks=[SkipAlarm(None), ClipAlarm(None)], **kw)
     return task, model, step
 
 
@@ -136,8 +143,8 @@ def test_accumulation_keeps_the_first_micro_batchs_order():
     poison_output(model[4], math.inf, when=second_micro_batch)  # the head overflows in micro-batch 2 only
     record = step(*task.batch(0))
     one(*task.batch(0))
-    assert step.backward_order.positions == one.backward_order.positions  # the first micro-batch's order
-    ranks = sorted(step.backward_order.positions.items(), key=lambda kv: kv[1][0])
+    assert order_of(step).positions == order_of(one).positions  # the first micro-batch's order
+    ranks = sorted(order_of(step).positions.items(), key=lambda kv: kv[1][0])
     assert [name for name, _ in ranks][:2] in (["4.bias", "4.weight"], ["4.weight", "4.bias"])
     assert [module for _, (_, module) in ranks] == ["4", "4", "2", "2", "0", "0"]
     assert record.skipped and record.culprit_module == "4"
@@ -234,8 +241,8 @@ def test_a_dropped_trainstep_takes_its_hooks_off_the_model():
     task = tiny_gpt()
     model = task.model()
     for _ in range(3):  # three runs on one model, as a lesson's re-runs would
-        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
-                         clip_alarm=None)
+        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                         hooks=[SkipAlarm(None), ClipAlarm(None)])
         step(*task.batch(0))
         del step
         gc.collect()
@@ -254,8 +261,8 @@ def test_parameters_unfrozen_in_place_are_put_in_backward_order():
         p.requires_grad_(False)
     for p in model[4].parameters():
         p.requires_grad_(True)
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, skip_alarm=None,
-                     clip_alarm=None)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                     hooks=[SkipAlarm(None), ClipAlarm(None)])
     step(*task.batch(0))
     for p in model.parameters():  # unfrozen in place: the optimizer already holds them
         p.requires_grad_(True)

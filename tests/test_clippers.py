@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit import ToyTask, TrainStep
+from labkit.alarms import ClipAlarm
 from labkit.clippers import AGC, AdaGC, AutoClip, LockInWarning, NormClip, UpdateNormClip, ValueClip, ZClip
+from labkit.faults import Faults
 
 FAST = settings(max_examples=10, deadline=None)
 norms_st = st.lists(st.floats(0.05, 20.0), min_size=1, max_size=40)
@@ -399,7 +401,7 @@ def test_trainstep_takes_a_clipper_and_a_float_still_means_normclip():
     assert isinstance(TrainStep(model, opt, task.loss_fn, max_norm=0.5).clipper, NormClip)
     with pytest.raises(ValueError, match="either max_norm"):
         TrainStep(model, opt, task.loss_fn, max_norm=0.5, clipper=ZClip())
-    step = TrainStep(model, opt, task.loss_fn, clipper=ZClip(warmup=3), faults={6: "spike"})
+    step = TrainStep(model, opt, task.loss_fn, clipper=ZClip(warmup=3), hooks=[Faults({6: "spike"})])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         records = [step(*task.batch(i)) for i in range(8)]
@@ -416,7 +418,7 @@ def test_trainstep_update_norm_and_per_tensor_clippers_run_the_same_order():
     for clipper in (UpdateNormClip(window=4), AGC(clipping=0.001), AdaGC(warmup=2)):
         model = task.model()
         step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, clipper=clipper,
-                         faults={7: "spike"}, clip_alarm=None)
+                         hooks=[ClipAlarm(None), Faults({7: "spike"})])
         records = [step(*task.batch(i)) for i in range(9)]
         assert not any(r.skipped for r in records), clipper
         assert records[7].clipped and records[7].clip_reason == type(clipper).__name__, clipper

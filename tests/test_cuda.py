@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import labkit
+from labkit.faults import Faults
 
 pytestmark = [
     pytest.mark.cuda,
@@ -49,7 +50,7 @@ def test_trainstep_skips_and_backs_off_on_cuda(precision):
     task = labkit.ToyTask()
     model = task.model("cuda")
     step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                            precision=precision, faults={3: "nan", 5: "overflow"})
+                            precision=precision, hooks=[Faults({3: "nan", 5: "overflow"})])
     log = [step(*task.batch(i, "cuda")) for i in range(8)]
     assert log[3].reason == "nonfinite_loss" and log[3].next_scale == log[3].scale
     if precision == "fp16":

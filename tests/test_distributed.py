@@ -23,6 +23,9 @@ import torch
 
 import labkit
 from labkit import StepLog, ToyTask, TrainStep
+from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.faults import Faults
+from labkit.triage import Triage
 
 WORLD = 2
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
@@ -52,8 +55,9 @@ def fault_run(model, rank, precision, out, log_name, process_group=None, accumul
     scaler = labkit.GradScaler("cpu", init_scale=1024.0, growth_interval=2, enabled=precision == "fp16",
                                process_group=process_group)
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
-                     precision=precision, max_norm=MAX_NORM, scaler=scaler, skip_alarm=1, faults=faults,
-                     log_path=out / log_name, process_group=process_group, accumulation_steps=accumulation_steps)
+                     precision=precision, max_norm=MAX_NORM, scaler=scaler, log=out / log_name,
+                     process_group=process_group, accumulation_steps=accumulation_steps,
+                     hooks=[SkipAlarm(1), Faults(faults)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(STEPS):
@@ -157,7 +161,7 @@ def scenario_groups(rank, out):
     task = ToyTask()
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                     faults={1: "nan"} if rank == 1 else {}, process_group=groups[rank])
+                     process_group=groups[rank], hooks=[Faults({1: "nan"} if rank == 1 else {})])
     return [step(*shard(task.batch(i), rank)).reason for i in range(3)]
 
 
@@ -175,7 +179,7 @@ def scenario_rewind(rank, out):
     model = DDP(task.model())
     rewind = Rewind(back=4, skip=6, every=2)
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
-                     hooks=[rewind, SpikeDetector(window=8, skip_z=6.0)], clip_alarm=None)  # rewind runs last
+                     hooks=[rewind, SpikeDetector(window=8, skip_z=6.0), ClipAlarm(None)])  # rewind runs last
     while step.step_count < REWIND_STEPS:
         index = rewind.data_index(step.step_count)
         x, y = shard(task.batch(index), rank)
@@ -212,7 +216,7 @@ def scenario_diagnosis(rank, out):
     inner = task.model()
     model = DDP(inner)
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
-                     triage=True, skip_alarm=None, clip_alarm=None)
+                     hooks=[SkipAlarm(None), ClipAlarm(None), Triage()])
     poison_grad(inner[2], lambda: rank == 1 and step.step_count == 3)
     for i in range(DIAGNOSIS_STEPS):
         x, y = shard(task.batch(i), rank)
@@ -226,8 +230,8 @@ def scenario_diagnosis(rank, out):
     gpt_task = GPTTask(n_layer=3, n_head=2, n_embd=16, block_size=8, batch_size=4)
     gpt = gpt_task.model()
     model = DDP(gpt)
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), gpt_task.loss_fn, skip_alarm=None,
-                     clip_alarm=None)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), gpt_task.loss_fn,
+                     hooks=[SkipAlarm(None), ClipAlarm(None)])
     poison_grad(gpt.h[1], lambda: rank == 1)
     gpt_record = step(*shard(gpt_task.batch(0), rank)).to_dict()
 
@@ -305,8 +309,8 @@ def single_process(precision, accumulation_steps=1):
     faults = {NAN_STEP: "nan", OVERFLOW_STEP: "overflow"} if precision == "fp16" else {NAN_STEP: "nan"}
     scaler = labkit.GradScaler("cpu", init_scale=1024.0, growth_interval=2, enabled=precision == "fp16")
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), task.loss_fn,
-                     precision=precision, max_norm=MAX_NORM, scaler=scaler, skip_alarm=None, faults=faults,
-                     accumulation_steps=accumulation_steps)
+                     precision=precision, max_norm=MAX_NORM, scaler=scaler,
+                     accumulation_steps=accumulation_steps, hooks=[SkipAlarm(None), Faults(faults)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(STEPS):
@@ -535,7 +539,7 @@ def test_no_collective_when_not_initialized(monkeypatch):
     task = ToyTask()
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp16",
-                     faults={1: "nan", 2: "overflow"})
+                     hooks=[Faults({1: "nan", 2: "overflow"})])
     records = [step(*task.batch(i)) for i in range(4)]
     assert [r.reason for r in records] == [None, "nonfinite_loss", "nonfinite_grad", None]
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import labkit
+from labkit.faults import Faults
 from labkit.lab.experiment import ExperimentConfig, default_device, run_experiment
+from labkit.triage import Triage
 
 
 def quiet(config, **kwargs):
@@ -32,7 +34,7 @@ def test_run_experiment_is_the_hand_written_trainstep_loop(precision):
     opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
     scaler = labkit.GradScaler("cpu", init_scale=2.0**12, growth_interval=7, enabled=precision == "fp16")
     step = labkit.TrainStep(model, opt, task.loss_fn, precision=precision, max_norm=1.0, scaler=scaler,
-                            faults=labkit.FaultSchedule.parse(config.faults), triage=True)
+                            hooks=[Triage(), Faults(labkit.FaultSchedule.parse(config.faults))])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", labkit.LabkitWarning)
         for i in range(40):

@@ -391,7 +391,7 @@ def test_a_hand_written_trainstep_loop_streams_through_its_log_as_the_quickstart
     task = ToyTask(seed=0)
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision="fp32",
-                     log_path=tmp_path / "log.jsonl")
+                     log=tmp_path / "log.jsonl")
     step.log.sinks.append(Telemetry.open("tensorboard", tmp_path))
     for i in range(3):
         step(*task.batch(i))

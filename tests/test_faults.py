@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import labkit
+from labkit.faults import Faults
 
 FP16_MAX = torch.finfo(torch.float16).max
 KINDS = ["spike", "nan", "inf", "overflow"]
@@ -262,15 +263,16 @@ def test_schedule_rejects_bad_kind_in_mapping():
 
 
 def test_trainstep_accepts_a_dict_or_a_schedule(task):
-    a = train_step(task, faults={1: "nan", 2: labkit.Fault("spike", 10.0)})
-    b = train_step(task, faults=labkit.FaultSchedule.parse(["1:nan", "2:spike:10"]))
+    a = train_step(task, hooks=[Faults({1: "nan", 2: labkit.Fault("spike", 10.0)})])
+    b = train_step(task, hooks=[Faults(labkit.FaultSchedule.parse(["1:nan", "2:spike:10"]))])
     for step in (a, b):
         records = [step(*task.batch(i)) for i in range(4)]
         assert [r.fault for r in records] == [None, "nan", "spike:10", None]
 
 
 def test_trainstep_never_mutates_the_callers_batch(task):
-    step = train_step(task, faults=labkit.FaultSchedule.parse(["0:spike", "1:nan", "2:inf", "3:overflow"]), accumulation_steps=2)
+    step = train_step(task, accumulation_steps=2,
+                      hooks=[Faults(labkit.FaultSchedule.parse(["0:spike", "1:nan", "2:inf", "3:overflow"]))])
     for i in range(4):
         x, y = task.batch(i)
         x0, y0 = x.clone(), y.clone()
@@ -281,7 +283,7 @@ def test_trainstep_never_mutates_the_callers_batch(task):
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_bad_data_faults_skip_as_nonfinite_loss(task, precision, kind):
-    record = train_step(task, precision, faults={0: kind})(*task.batch(0))
+    record = train_step(task, precision, hooks=[Faults({0: kind})])(*task.batch(0))
     assert record.skipped and record.reason == "nonfinite_loss" and record.fault == kind
     assert not math.isfinite(record.loss)
 
@@ -290,12 +292,12 @@ def test_nan_fault_on_a_transposed_batch_is_skipped_not_crashed(task):
     x, y = task.batch(0)
     x_t = x.T.contiguous().T  # same values, column-major storage
     assert not x_t.is_contiguous()
-    record = train_step(task, faults={0: "nan"})(x_t, y)
+    record = train_step(task, hooks=[Faults({0: "nan"})])(x_t, y)
     assert record.skipped and record.reason == "nonfinite_loss"
 
 
 def test_spike_in_fp32_is_clipped(task):
-    step = train_step(task, faults={1: "spike"})
+    step = train_step(task, hooks=[Faults({1: "spike"})])
     clean, spiked = step(*task.batch(0)), step(*task.batch(1))
     assert not clean.clipped
     assert spiked.clipped and not spiked.skipped and spiked.fault == "spike:1000"
@@ -306,7 +308,7 @@ def test_spike_in_fp32_is_clipped(task):
 @pytest.mark.parametrize("backoff", [0.5, 0.25])
 def test_overflow_in_fp16_skips_and_backs_off(task, backoff):
     scaler = labkit.GradScaler("cpu", init_scale=2.0**10, backoff_factor=backoff)
-    step = train_step(task, "fp16", scaler=scaler, faults={1: "overflow"})
+    step = train_step(task, "fp16", scaler=scaler, hooks=[Faults({1: "overflow"})])
     step(*task.batch(0))
     params = {n: p.detach().clone() for n, p in step.model.named_parameters()}
     record = step(*task.batch(1))
@@ -322,7 +324,7 @@ def test_overflow_in_fp16_skips_and_backs_off(task, backoff):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_overflow_in_fp32_and_bf16_is_a_clipped_spike(task, precision):
-    step = train_step(task, precision, faults={0: "overflow"})
+    step = train_step(task, precision, hooks=[Faults({0: "overflow"})])
     record = step(*task.batch(0))
     assert not record.skipped and record.reason is None
     assert math.isfinite(record.grad_norm) and record.grad_norm > 1e4
@@ -334,7 +336,7 @@ def test_identical_runs_give_identical_logs(task):
     schedule = labkit.FaultSchedule.parse(["1:spike:100", "3:nan", "4-5:overflow", "7:inf"])
 
     def go():
-        step = train_step(task, "fp16", faults=schedule, max_norm=0.5)
+        step = train_step(task, "fp16", max_norm=0.5, hooks=[Faults(schedule)])
         for i in range(9):
             step(*task.batch(i))
         return step

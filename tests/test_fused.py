@@ -16,6 +16,7 @@ import torch
 from host_reads import SyncCounter
 
 import labkit
+from labkit.faults import Faults
 
 STEPS = 6
 
@@ -264,8 +265,8 @@ def _dicts(records):
 def test_deferred_records_equal_per_step_records(task, kind):
     """sync_every=3 gives the records, scales and parameters of the per-step mode, NaN batch included."""
     faults = {2: "nan", 5: "overflow"}
-    model_a, records_a, _ = labkit_run(task, kind, 0.05, faults=faults)
-    model_b, records_b, train = labkit_run(task, kind, 0.05, faults=faults, sync_every=3)
+    model_a, records_a, _ = labkit_run(task, kind, 0.05, hooks=[Faults(faults)])
+    model_b, records_b, train = labkit_run(task, kind, 0.05, sync_every=3, hooks=[Faults(faults)])
     assert all(isinstance(r, labkit.step.DeferredRecord) for r in records_b)
     assert records_b[2].reason == "nonfinite_loss" and records_b[5].reason == "nonfinite_grad"
     assert records_b[2].next_scale == records_b[2].scale, "a NaN batch leaves the scale alone"

@@ -17,6 +17,9 @@ from torch import nn
 
 import labkit
 from labkit import FaultSchedule, GradScaler, TrainStep
+from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.clippers import NormClip
+from labkit.faults import Faults
 from labkit.lab.experiment import ExperimentConfig
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
@@ -180,41 +183,61 @@ SETTINGS = {
     "clip_alarm": [None, 0.5, 1.0, -0.1, "x"],
     "clip_window": [1, 100, 0, None],
     "faults": [None, {}, ["1:nan"], {1: "overflow"}, "1:nan", [1], {1: 5}, {-1: "nan"}, ["0-1000000000:spike"]],
-    "device": [None, "cpu", torch.device("cpu"), "cuda:0", "gpu", 0.5],
-    "log_path": [None, "log.jsonl", "nope/log.jsonl", 7],
+    "log": [None, "log.jsonl", "nope/log.jsonl", 7],
 }
+
+
+def spelled(kwargs):
+    """Return TrainStep's keywords for a draw: the norm order in its NormClip, the alarms and faults as hooks."""
+    out = {k: kwargs[k] for k in ("precision", "max_norm", "accumulation_steps", "log") if k in kwargs}
+    if "norm_type" in kwargs:
+        limit = out.pop("max_norm", 1.0)
+        out["clipper"] = NormClip(1.0 if limit is None else limit, norm_type=kwargs["norm_type"])
+    hooks = []
+    if "skip_alarm" in kwargs:
+        hooks.append(SkipAlarm(kwargs["skip_alarm"]))
+    if "clip_alarm" in kwargs or "clip_window" in kwargs:
+        hooks.append(ClipAlarm(kwargs.get("clip_alarm", 0.5), window=kwargs.get("clip_window", 100)))
+    if "faults" in kwargs:
+        hooks.append(Faults(kwargs["faults"]))
+    return {**out, "hooks": hooks}
 
 
 @settings(FUZZ, max_examples=20)
 @given(st.fixed_dictionaries({}, optional={k: st.sampled_from(v) for k, v in SETTINGS.items()}))
 def test_trainstep_construction_refuses_clearly_or_trains_like_its_canonical_twin(tmp_path_factory, kwargs):
     tmp = tmp_path_factory.mktemp("fuzz")
-    if isinstance(kwargs.get("log_path"), str):
-        kwargs["log_path"] = str(tmp / kwargs["log_path"])
+    if isinstance(kwargs.get("log"), str):
+        kwargs["log"] = str(tmp / kwargs["log"])
     task = labkit.ToyTask(batch_size=8)
     model = bn_model()
     try:
-        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, **kwargs)
+        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, **spelled(kwargs))
     except Exception as e:  # noqa: BLE001
         assert_clear(e)
         assert list(tmp.iterdir()) == []  # not even the log file was created
         return
     # the reference: the same run with every setting spelled canonically
     canon = dict(kwargs)
-    canon["faults"] = FaultSchedule.coerce(kwargs.get("faults"))
-    canon["device"] = None
-    canon["log_path"] = None
+    if "faults" in kwargs:
+        canon["faults"] = FaultSchedule.coerce(kwargs["faults"])
+    canon["log"] = None
     for key in ("max_norm", "norm_type"):
         if kwargs.get(key) is not None:
             canon[key] = float(kwargs[key])
     ref_model = bn_model()
-    ref = TrainStep(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05), task.loss_fn, **canon)
+    ref = TrainStep(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05), task.loss_fn, **spelled(canon))
+    if kwargs.get("accumulation_steps", 1) > task.batch_size:  # only a batch can refuse it: at the call
+        with pytest.raises(ValueError, match="need at least accumulation_steps") as e:
+            step(*task.batch(0))
+        assert_clear(e.value)
+        return
     for i in range(2):
         a, b = step(*task.batch(i)), ref(*task.batch(i))
         assert a.to_json() == b.to_json()
     step.log.close()
-    if kwargs.get("log_path"):
-        assert [r.step for r in labkit.StepLog.read_jsonl(kwargs["log_path"])] == [0, 1]
+    if kwargs.get("log"):
+        assert [r.step for r in labkit.StepLog.read_jsonl(kwargs["log"])] == [0, 1]
 
 
 # ---------------------------------------------------------------- TrainStep: calls
@@ -272,8 +295,8 @@ def test_trainstep_calls_refuse_without_changing_state_and_then_match_the_refere
 
     def make():
         model = bn_model()
-        return TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2), task.loss_fn, precision=precision,
-                         faults={2: "nan", 3: "overflow"}, skip_alarm=None)
+        return TrainStep(model, torch.optim.Adam(model.parameters(), lr=1e-2), task.loss_fn,
+                         precision=precision, hooks=[SkipAlarm(None), Faults({2: "nan", 3: "overflow"})])
 
     step, ref = make(), make()
     i = 0

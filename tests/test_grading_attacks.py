@@ -189,7 +189,7 @@ BANNED = {
         "    if found_inf:", "    if config is None:\n        return labkit.update_scale(scale)\n    if found_inf:", 1),
     "step_answer": """def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):
     return Step(model, optimizer, loss_fn, precision="fp16", max_norm=max_norm, scaler=scaler,
-                scheduler=scheduler, skip_alarm=None, clip_alarm=None)(inputs, targets)""",
+                scheduler=scheduler, hooks=[labkit.SkipAlarm(None), labkit.ClipAlarm(None)])(inputs, targets)""",
     "skip_answer": solution("skip_answer"),
 }
 

@@ -13,6 +13,7 @@ from host_reads import SyncCounter
 import labkit
 from labkit import GradScaler, ToyTask, TrainStep
 from labkit.clippers import ZClip
+from labkit.faults import Faults
 from labkit.hooks import DecisionView, Hook, Verdict
 from labkit.reasons import Reason
 
@@ -76,7 +77,7 @@ def run(task, hooks=(), steps=STEPS, kind="sgd", **kwargs):
 
 def test_moments_come_in_the_amp_order(task):
     rec = Recorder()
-    _, records, train = run(task, [rec], steps=3, max_norm=0.05, faults={1: "nan", 2: "overflow"})
+    _, records, train = run(task, [rec, Faults({1: "nan", 2: "overflow"})], steps=3, max_norm=0.05)
     clean, bad_loss, overflow = records
     assert clean.clipped and bad_loss.reason == "nonfinite_loss" and overflow.reason == "nonfinite_grad"
     assert rec.calls == [
@@ -163,8 +164,8 @@ def test_measures_ride_the_records_read(task, monkeypatch, precision, kind, sync
         # a NaN batch at step 2 (fp16: its measure rides the read of the scale; without a scaler nothing
         # else is read on such a step, and the measure costs that step its one read)
         faults = {2: "nan"} if sync_every is None and precision == "fp16" else None
-        train = TrainStep(model, opt, task.loss_fn, precision=precision, sync_every=sync_every, hooks=hooks,
-                          faults=faults)
+        train = TrainStep(model, opt, task.loss_fn, precision=precision, sync_every=sync_every,
+                          hooks=[*hooks, Faults(faults)])
         train(*task.batch(0))
         train.flush()
         counter = SyncCounter(monkeypatch)
@@ -223,7 +224,7 @@ def test_max_norm_and_a_clipper_together_are_an_error(task):
 
 
 def test_records_hold_plain_strings_and_the_jsonl_is_unchanged(task, tmp_path):
-    _, records, train = run(task, [SkipAt(2)], steps=4, faults={1: "nan"})
+    _, records, train = run(task, [SkipAt(2), Faults({1: "nan"})], steps=4)
     assert [type(r.reason) for r in records] == [type(None), str, str, type(None)]
     summary = train.log.summary()["skips_by_reason"]
     assert summary == {"nonfinite_loss": 1, "nonfinite_grad": 0, "spike_loss": 1}
@@ -281,7 +282,7 @@ def test_hooks_carry_their_own_order(task):
     rewind, first, second = Rewind(back=2, skip=2), Recorder(), Recorder()
     model = task.model()
     train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                      hooks=[rewind, first, second], triage=True)
+                      hooks=[rewind, first, second, Triage()])
     kinds = [type(h) for h in train.hooks.members if type(h).__name__ != "BackwardOrder"]
     assert kinds == [SkipAlarm, ClipAlarm, Triage, Recorder, Recorder, Rewind]
     assert train.hooks.members.index(first) < train.hooks.members.index(second)

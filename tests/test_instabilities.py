@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from gpt_before_options import GPTTask as GPTTaskBefore
 
 import labkit
+from labkit.alarms import SkipAlarm
 from labkit.export.schema import row
 from labkit.lab import describe
 from labkit.lab.experiment import ExperimentConfig, make_optimizer, make_scheduler, run_experiment
@@ -28,6 +29,7 @@ from labkit.steplog import StepLog
 from labkit.tasks import GPTTask
 from labkit.tasks.gpt import LogitMonitor, cross_entropy_with_z_loss
 from labkit.tasks.perturb import PERTURB_ENV
+from labkit.triage import Triage
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
 # the CPU default's width, context and heads (head dim 16), as in lesson 07
@@ -377,8 +379,8 @@ def _fp16_steps(variant, lr, steps, until=None, triage=False):
     opt = make_optimizer(config, model.parameters())
     scaler = labkit.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
-                            scheduler=make_scheduler(config, opt), hooks=[task.monitor(model)],
-                            skip_alarm=None, triage=config.triage)
+                            scheduler=make_scheduler(config, opt),
+                            hooks=[task.monitor(model), SkipAlarm(None), *[Triage()] * config.triage])
     records = []
     for i in range(steps):
         records.append(step(*task.batch(i)))

@@ -20,7 +20,8 @@ import torch
 
 import labkit
 from labkit import LogWriteError, StepLog, StepRecord
-from labkit.alarms import LabkitWarning
+from labkit.alarms import ClipAlarm, LabkitWarning
+from labkit.faults import Faults
 
 NAN, INF = float("nan"), float("inf")
 
@@ -151,8 +152,8 @@ class FullDisk:
 def test_a_full_disk_loses_no_record_and_no_step_number(task, tmp_path, monkeypatch, precision):
     path = tmp_path / "log.jsonl"
     model = task.model()
-    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, precision=precision,
-                            log_path=path)
+    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                            precision=precision, log=path)
     disk = FullDisk(monkeypatch, partial=25)
     step(*task.batch(0))
     disk.full = True
@@ -180,8 +181,8 @@ WRITER = textwrap.dedent(f"""
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = labkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, faults={FAULTS!r},
-                            log_path=path)
+    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler,
+                            hooks=[labkit.Faults({FAULTS!r})], log=path)
     while True:
         record = step(*task.batch(step.step_count))
         print(record.step, flush=True)  # after this line, the record is in the file
@@ -199,8 +200,8 @@ def fresh(task, path, state=None):
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
     scaler = labkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, faults=FAULTS,
-                            log_path=path)
+    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, log=path,
+                            hooks=[Faults(FAULTS)])
     if state is not None:
         step.load_state_dict(state["train"])
     return step
@@ -359,7 +360,7 @@ def test_a_fifo_gets_every_record_and_one_nobody_reads_is_refused_not_waited_on(
     os.mkfifo(fifo)
     model = task.model()
     make = lambda: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),  # noqa: E731
-                                    task.loss_fn, log_path=fifo)
+                                    task.loss_fn, log=fifo)
     with pytest.raises(OSError, match="nothing is reading it. Start its reader first"):
         make()
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that is there, reading after the run
@@ -382,7 +383,7 @@ PRINTER = textwrap.dedent("""
     task = labkit.ToyTask()
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = labkit.TrainStep(model, opt, task.loss_fn, log_path="/dev/stdout")
+    step = labkit.TrainStep(model, opt, task.loss_fn, log="/dev/stdout")
     errors = StepLog(stream="/dev/stderr")
     for i in range(3):
         print(f"before step {i}")
@@ -411,7 +412,7 @@ def test_stdout_redirected_to_a_file_gets_the_records_between_the_prints(task, c
     descriptor of our own would write at its own offset, and print's next line would overwrite ours."""
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = labkit.TrainStep(model, opt, task.loss_fn, log_path="/dev/stdout")
+    step = labkit.TrainStep(model, opt, task.loss_fn, log="/dev/stdout")
     for i in range(3):
         print(f"before step {i}")
         step(*task.batch(i))
@@ -424,7 +425,7 @@ def test_stdout_redirected_to_a_file_gets_the_records_between_the_prints(task, c
 def test_dev_null_and_dev_full_never_hang_or_read(task):
     model = task.model()
     make = lambda path: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),  # noqa: E731
-                                         task.loss_fn, log_path=path)
+                                         task.loss_fn, log=path)
     step = make("/dev/null")
     step(*task.batch(0))
     step.log.close()
@@ -440,7 +441,7 @@ def test_a_folder_or_a_socket_as_log_path_is_refused_saying_what_to_give(task, t
 
     model = task.model()
     make = lambda path: labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05),  # noqa: E731
-                                         task.loss_fn, log_path=path)
+                                         task.loss_fn, log=path)
     with pytest.raises(IsADirectoryError, match="it is a folder; give a file in it"):
         make(tmp_path)
     with socket.socket(socket.AF_UNIX) as server:
@@ -533,7 +534,7 @@ def test_the_summary_survives_a_resume(task):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         scaler = labkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # grows before step 5
         return labkit.TrainStep(model, opt, task.loss_fn, max_norm=0.3, precision="fp16", scaler=scaler,
-                                faults=["2:nan", "8:overflow"], clip_alarm=None)
+                                hooks=[ClipAlarm(None), Faults(["2:nan", "8:overflow"])])
 
     step = make(task.model())
     for i in range(5):

@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 
+from labkit.alarms import SkipAlarm
+from labkit.faults import Faults
 from labkit.lab.defenses import Defenses
 from labkit.lab.experiment import ExperimentConfig, run_experiment
 from labkit.lab.moments import AdamWatch, plot_adam_moments
@@ -89,7 +91,7 @@ def test_the_watch_is_a_hook_the_step_attaches_and_equals_the_plain_loop():
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         if how == "hooks":  # no attach by hand: the step hands the watch its optimizer
             watches[how] = watch = AdamWatch()
-            step = TrainStep(model, opt, task.loss_fn, hooks=[watch], faults={2: "nan"}, skip_alarm=None)
+            step = TrainStep(model, opt, task.loss_fn, hooks=[watch, SkipAlarm(None), Faults({2: "nan"})])
             for i in range(4):
                 step(*task.batch(i))
         else:

@@ -1,4 +1,5 @@
-"""One vocabulary: the precisions, fp16's max and a parameter's module, spelled once in labkit.names."""
+"""One vocabulary: the precisions, fp16's max and a parameter's module, spelled once in labkit.names (the
+precisions' dtypes once in labkit.autocast)."""
 
 import re
 from pathlib import Path
@@ -20,6 +21,14 @@ def test_the_steps_dtype_map_is_keyed_by_the_names():
     assert {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16} == DTYPES
 
 
+def test_the_step_and_triage_take_their_dtypes_from_one_map():
+    import labkit.autocast
+    import labkit.triage
+
+    assert DTYPES is labkit.autocast.PRECISIONS and labkit.triage.PRECISIONS is DTYPES
+    assert not hasattr(labkit.triage, "_AUTOCAST_DTYPE")
+
+
 def test_the_sweep_cli_offers_the_names_precisions():
     (action,) = [a for a in sweep.build_parser()._actions if a.dest == "precision"]
     assert tuple(action.choices) == names.PRECISIONS
@@ -39,12 +48,14 @@ def test_a_root_parameter_belongs_to_the_root_module_as_torch_names_it():
 
 
 # an assignment to FP16_MAX (alone or unpacked), the precisions as a literal list, another module_of
-AGAIN = re.compile(r"^\s*[\w, ]*\bFP16_MAX\b[\w, ]*=(?!=)|\[\"fp32\", \"bf16\", \"fp16\"\]|def _?module_of\b")
+AGAIN = re.compile(r"^\s*[\w, ]*\bFP16_MAX\b[\w, ]*=(?!=)|\[\"fp32\", \"bf16\", \"fp16\"\]|def _?module_of\b"
+                   r"|None, torch\.bfloat16, torch\.float16")  # the name -> dtype map: labkit.autocast's
 
 
 def test_no_module_spells_the_vocabulary_again():
     root = Path(names.__file__).parent
-    again = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "names.py"
+    homes = ("names.py", "autocast.py")
+    again = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name not in homes
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if AGAIN.search(line)]
     assert again == []

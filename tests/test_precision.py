@@ -10,6 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from labkit import TrainStep
+from labkit.alarms import SkipAlarm
+from labkit.faults import Faults
 from labkit.formats.bf16 import (
     StaleMonitor,
     StaleUpdateWarning,
@@ -68,11 +70,11 @@ def test_stale_fraction_rejects_mismatched_shapes():
         stale_fraction(torch.zeros(3), torch.zeros(4))
 
 
-def _bf16_step(monitor, lr=1e-4, dtype=torch.bfloat16):
+def _bf16_step(monitor, lr=1e-4, dtype=torch.bfloat16, hooks=()):
     task = ToyTask(seed=0)
     model = task.model().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, hooks=[monitor])
+    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, hooks=[monitor, *hooks])
 
 
 def test_stale_monitor_records_each_layer_like_a_hand_computation():
@@ -107,9 +109,8 @@ def test_stale_monitor_warns_once_per_streak_and_fp32_weights_stay_quiet():
 
 
 def test_stale_monitor_every_k_and_skips_record_nothing():
-    task, _, step = _bf16_step(StaleMonitor(patience=100, every=2))
+    task, _, step = _bf16_step(StaleMonitor(patience=100, every=2), hooks=[Faults({4: "nan"})])
     assert [bool(step(*task.batch(i)).stale) for i in range(4)] == [True, False, True, False]
-    step.faults = type(step.faults)({4: "nan"})
     assert step(*task.batch(4)).stale == {}
 
 
@@ -137,8 +138,8 @@ def test_bf16_without_a_scaler_logs_its_skips_with_the_reason(kind, tmp_path):
     model = task.model()
     loss_fn = task.loss_fn if kind == "nan_loss" else (lambda out, y: task.loss_fn(_OverflowingGrad.apply(out), y))
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), loss_fn, precision="bf16",
-                     faults={0: "nan", 1: "nan"} if kind == "nan_loss" else None, skip_alarm=2,
-                     log_path=tmp_path / "log.jsonl")
+                     log=tmp_path / "log.jsonl",
+                     hooks=[SkipAlarm(2), Faults({0: "nan", 1: "nan"} if kind == "nan_loss" else None)])
     assert not step.scaler.is_enabled()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(Warning, match="2 steps skipped in a row"):

@@ -16,7 +16,10 @@ import torch
 from nanogpt import G, NanoGPT, get_batch, textbook_step
 
 import labkit
+from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.faults import Faults
 from labkit.reasons import Reason
+from labkit.triage import Triage
 
 STEPS = 6
 
@@ -25,9 +28,10 @@ def loss_of(out):
     return out[1]
 
 
-def trainstep(model, precision, **kwargs):
-    kwargs = {"clip_alarm": None, "skip_alarm": None, "max_norm": 1.0, **kwargs}
-    return labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision=precision, **kwargs)
+def trainstep(model, precision, hooks=(), **kwargs):
+    kwargs = {"max_norm": 1.0, **kwargs}
+    return labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision=precision,
+                            hooks=[ClipAlarm(None), SkipAlarm(None), *hooks], **kwargs)
 
 
 def micro_batches(i, form, rank=0):
@@ -109,11 +113,12 @@ def test_an_iterator_gives_exactly_g_micro_batches_per_step():
 # ---------------------------------------------------------------- faults on a language model
 
 
-def run(kind, precision, step_at=1, steps=3, model=None, loss_fn=loss_of, **kwargs):
+def run(kind, precision, step_at=1, steps=3, model=None, loss_fn=loss_of, hooks=(), **kwargs):
     model = model or NanoGPT()
     faults = {step_at: kind} if kind else None
     step = labkit.TrainStep(model, model.configure_optimizers(), loss_fn, precision=precision, max_norm=1.0,
-                            clip_alarm=None, skip_alarm=None, faults=faults, accumulation_steps=G, **kwargs)
+                            accumulation_steps=G, **kwargs,
+                            hooks=[SkipAlarm(None), ClipAlarm(None), Faults(faults), *hooks])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(steps):
@@ -132,7 +137,7 @@ def test_a_spike_on_token_ids_scales_the_loss_used_and_the_norm_by_its_magnitude
 @pytest.mark.parametrize("kind", ["nan", "inf"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_nan_and_inf_on_token_ids_go_into_the_first_activation_and_the_step_skips(kind, precision):
-    log = run(kind, precision, triage=True)
+    log = run(kind, precision, hooks=[Triage()])
     bad = log[1]
     assert bad.fault == kind and bad.skipped and not math.isfinite(bad.loss)
     # the data's first activation went bad: fp32 gives no finite loss either, so it is no forward overflow
@@ -176,8 +181,8 @@ def test_every_fault_acts_on_a_model_that_returns_a_loss_alone(kind, precision, 
 
 def test_a_fault_fires_once_a_step_replayed_after_going_back_runs_clean():
     model = NanoGPT()
-    step = labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision="fp16", faults={1: "nan"},
-                            clip_alarm=None, skip_alarm=None)
+    step = labkit.TrainStep(model, model.configure_optimizers(), loss_of, precision="fp16",
+                            hooks=[SkipAlarm(None), ClipAlarm(None), Faults({1: "nan"})])
     step(get_batch(0, 0))
     saved = step.state_dict()
     assert step(get_batch(1, 0)).fault == "nan"
@@ -197,7 +202,7 @@ def test_a_nan_fault_with_nowhere_to_go_raises_saying_where_to_inject():
 
     model = Counts()
     step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            lambda out: (out.float() * model.w).mean(), faults={0: "nan"})
+                            lambda out: (out.float() * model.w).mean(), hooks=[Faults({0: "nan"})])
     with pytest.raises(TypeError, match="found no floating tensor"):
         step(torch.ones(2, 3, dtype=torch.long))
 
@@ -245,7 +250,8 @@ def ddp_worker(rank, port, out):
                     reduces.append(len(calls) - n)
             else:
                 step = labkit.TrainStep(model, model.module.configure_optimizers(), loss_of, precision="fp16",
-                                        max_norm=1.0, accumulation_steps=G, clip_alarm=None, skip_alarm=None)
+                                        max_norm=1.0, accumulation_steps=G,
+                                        hooks=[SkipAlarm(None), ClipAlarm(None)])
                 for i in range(DDP_STEPS):
                     before, n = len(buckets), len(calls)
                     step(*micro_batches(i, name, rank))

@@ -12,6 +12,7 @@ import labkit.step  # noqa: F401  the step's parts declare their record fields (
 from labkit import StepLog, StepRecord
 from labkit.alarms import SkipAlarm
 from labkit.blame import BackwardOrder
+from labkit.faults import Faults
 from labkit.formats.bf16 import StaleMonitor
 from labkit.records import CORE, Field, RewindEvent, declare, declared, put
 from labkit.spikes import SpikeDetector
@@ -317,8 +318,8 @@ def test_csv_of_an_empty_log_is_just_the_header(tmp_path):
 def test_trainstep_streams_one_flushed_line_per_step(task, tmp_path):
     path = tmp_path / "live.jsonl"
     model = task.model()
-    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                            max_norm=0.1, faults={1: "nan"}, log_path=path)
+    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, max_norm=0.1,
+                            log=path, hooks=[Faults({1: "nan"})])
     try:
         for i in range(4):
             record = step(*task.batch(i))

@@ -158,6 +158,29 @@ def test_no_part_reaches_into_anothers_privates():
         assert private_reaches(path.read_text()) == [], path.name
 
 
+def test_the_step_never_knows_a_hook_by_type_or_state_key():
+    """The alarms, blame, faults and triage are ordinary hooks: the step names none of them, builds none,
+    and reads no hook's state by its key (the defaults are parts.default_hooks')."""
+    hooks = {"BackwardOrder", "SkipAlarm", "ClipAlarm", "Triage", "Faults", "FaultSchedule", "Rewind",
+             "SpikeDetector", "StaleMonitor", "UpdateMonitor"}
+    keys = {"skip_alarm", "clip_alarm", "spike_detector", "rewind", "stale_monitor"}
+    tree = ast.parse((STEP / "train.py").read_text())
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not named & hooks, named & hooks
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not strings & keys, strings & keys
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "state_key"]
+
+
+def test_the_steps_constructor_takes_few_parameters():
+    init = _method(STEP / "train.py", "TrainStep", "__init__")
+    params = [a.arg for a in init.args.args + init.args.kwonlyargs if a.arg != "self"]
+    assert params == ["model", "optimizer", "loss_fn", "precision", "max_norm", "clipper", "scaler",
+                      "scheduler", "accumulation_steps", "hooks", "log", "process_group", "sync_every"]
+    assert init.args.kwarg.arg == "removed"  # to say what a removed keyword became (parts.refuse_removed)
+
+
 def private_imports(source: str) -> list[str]:
     """``from module import _name``: a private name taken from another module (the name, not its alias)."""
     return [f"{a.name} (line {node.lineno})" for node in ast.walk(ast.parse(source))

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import labkit
+from labkit.alarms import ClipAlarm
+from labkit.faults import Faults
 from labkit.lab import plot_log
 from labkit.lab.show import main
 from labkit.records import StepRecord
@@ -27,8 +29,8 @@ def trainstep_log(tmp_path_factory):
     task = labkit.ToyTask()
     model = task.model()
     step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                            precision="fp16", max_norm=0.5, faults=["2:nan", "5:spike:10"], log_path=path,
-                            clip_alarm=None)
+                            precision="fp16", max_norm=0.5, log=path,
+                            hooks=[ClipAlarm(None), Faults(["2:nan", "5:spike:10"])])
     for i in range(8):
         step(*task.batch(i))
     step.log.close()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit import StepLog, ToyTask, TrainStep
-from labkit.alarms import LabkitWarning
+from labkit.alarms import ClipAlarm, LabkitWarning
 from labkit.clippers import ZClip
 from labkit.records import RewindEvent
 from labkit.rewind import Rewind
@@ -74,8 +74,7 @@ def make(task, rewind=None, detector=True):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
     return TrainStep(model, opt, task.loss_fn, precision="fp32", clipper=ZClip(warmup=5), scheduler=sched,
-                     hooks=[h for h in (SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind) if h],
-                     clip_alarm=None)
+                     hooks=[*[h for h in (SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind) if h], ClipAlarm(None)])
 
 
 def test_a_spike_is_detected_at_the_step_it_happens():
@@ -161,7 +160,7 @@ def test_detector_can_clip_instead_of_skip():
     task = ToyTask()
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, max_norm=None,
-                     hooks=[SpikeDetector(window=16, skip_z=None, clip_z=4.0)], clip_alarm=None)
+                     hooks=[SpikeDetector(window=16, skip_z=None, clip_z=4.0), ClipAlarm(None)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(SPIKE_AT):
@@ -191,8 +190,8 @@ def test_a_rewind_is_an_event_so_the_log_read_back_from_its_file_says_what_the_l
     with pytest.warns(LabkitWarning, match="skip shorter than the steps undone"):
         rewind = Rewind(back=3, skip=2)
     model = task.model()
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, log_path=path,
-                     hooks=[SpikeDetector(window=8, skip_z=6.0), rewind], clip_alarm=None)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, log=path,
+                     hooks=[SpikeDetector(window=8, skip_z=6.0), rewind, ClipAlarm(None)])
     fed = []
     while step.step_count < 20:
         fed.append(rewind.data_index(step.step_count))
@@ -219,7 +218,7 @@ def test_a_rewind_moves_past_the_bad_batch_once_and_the_loss_recovers():
         rewind = Rewind(back=20, skip=10)
     model = task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
-                     hooks=[SpikeDetector(), rewind], clip_alarm=None)
+                     hooks=[SpikeDetector(), rewind, ClipAlarm(None)])
     fed, losses = [], {}
     while step.step_count < 140:
         fed.append(rewind.data_index(step.step_count))
@@ -245,8 +244,8 @@ def test_repeated_rewinds_add_up_their_skips_and_running_out_says_which_steps():
         return False
 
     rewind = Rewind(back=4, skip=4, every=4, max_rewinds=2, trigger=trigger)
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, hooks=[rewind],
-                     clip_alarm=None)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                     hooks=[rewind, ClipAlarm(None)])
     with pytest.warns(LabkitWarning, match=r"step 14 asked for a rewind .* max_rewinds=2 were made \(steps "
                                            r"10->4, 12->8\); the run goes on without rewinding"):
         while step.step_count < 16:

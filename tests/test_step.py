@@ -13,6 +13,9 @@ from torch import nn
 
 import labkit
 import labkit.step
+from labkit.alarms import ClipAlarm, SkipAlarm
+from labkit.clippers import NormClip
+from labkit.faults import Faults
 
 INF = float("inf")
 NAN = float("nan")
@@ -126,7 +129,8 @@ def test_fp32_matches_plain_torch_loop_bitwise(task, optimizer, max_norm, norm_t
     model = task.model()
     opt = OPTIMIZERS[optimizer](model.parameters())
     sched = SCHEDULERS["steplr"](opt)
-    train = labkit.TrainStep(model, opt, task.loss_fn, max_norm=max_norm, norm_type=norm_type, scheduler=sched)
+    clip = dict(max_norm=None) if max_norm is None else dict(clipper=NormClip(max_norm, norm_type=norm_type))
+    train = labkit.TrainStep(model, opt, task.loss_fn, **clip, scheduler=sched)
     records = run(train, task, steps)
 
     ref = task.model()
@@ -240,7 +244,7 @@ SKIP_CAUSES = {
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_skipped_step_leaves_params_and_optimizer_state_bitwise(make_step, task, precision, optimizer, cause):
     faults = {2: cause.split("-")[0]} if cause.endswith("batch") else None
-    train = make_step(precision, optimizer, faults=faults)
+    train = make_step(precision, optimizer, hooks=[Faults(faults)])
     hook = GradHook(train.model, "2.weight", NAN)
     run(train, task, 2)  # momentum / Adam moments exist now
     params, state = params_of(train.model), copy.deepcopy(train.optimizer.state_dict())
@@ -267,7 +271,7 @@ def test_skipped_step_leaves_params_and_optimizer_state_bitwise(make_step, task,
 
 
 def test_skip_on_nonfinite_loss_does_not_run_backward(make_step, task):
-    train = make_step("fp16", faults={0: "nan"})
+    train = make_step("fp16", hooks=[Faults({0: "nan"})])
     record = train(*task.batch(0))
     assert record.reason == "nonfinite_loss"
     assert all(p.grad is None for p in train.model.parameters())  # zeroed, and backward never ran
@@ -278,7 +282,7 @@ def test_skip_on_nonfinite_loss_does_not_run_backward(make_step, task):
 
 def test_fp16_nan_batches_leave_the_scale_alone(make_step, task):
     scaler = labkit.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
-    train = make_step("fp16", scaler=scaler, faults=labkit.FaultSchedule.parse(["1-3:nan"]))
+    train = make_step("fp16", scaler=scaler, hooks=[Faults(labkit.FaultSchedule.parse(["1-3:nan"]))])
     records = run(train, task, 6)
     assert [r.reason for r in records] == [None, "nonfinite_loss", "nonfinite_loss", "nonfinite_loss", None, None]
     for r in records[1:4]:
@@ -289,7 +293,7 @@ def test_fp16_nan_batches_leave_the_scale_alone(make_step, task):
 
 def test_fp16_overflow_backs_off_by_the_scaler_backoff(make_step, task):
     scaler = labkit.GradScaler("cpu", init_scale=4096.0, backoff_factor=0.25)
-    train = make_step("fp16", scaler=scaler, faults={1: "overflow", 2: "overflow"})
+    train = make_step("fp16", scaler=scaler, hooks=[Faults({1: "overflow", 2: "overflow"})])
     records = run(train, task, 4)
     assert [r.reason for r in records] == [None, "nonfinite_grad", "nonfinite_grad", None]
     assert [(r.scale, r.next_scale) for r in records] == [(4096, 4096), (4096, 1024), (1024, 256), (256, 256)]
@@ -318,7 +322,7 @@ def test_torch_gradscaler_halves_the_scale_on_nan_batches_labkit_does_not(make_s
         scaler.update()
         torch_scales.append(scaler.get_scale())
 
-    train = make_step("fp16", faults={i: "nan" for i in nan_steps})
+    train = make_step("fp16", hooks=[Faults({i: "nan" for i in nan_steps})])
     labkit_scales = [r.next_scale for r in run(train, task, 5)]
 
     assert torch_scales == [65536.0, 32768.0, 16384.0, 8192.0, 8192.0]
@@ -333,7 +337,7 @@ def test_torch_gradscaler_halves_the_scale_on_nan_batches_labkit_does_not(make_s
 
 @pytest.mark.parametrize("scheduler", list(SCHEDULERS), ids=list(SCHEDULERS))
 def test_scheduler_only_steps_with_the_optimizer(make_step, task, scheduler):
-    train = make_step("fp16", scheduler=scheduler, faults={1: "nan", 2: "inf", 4: "overflow"})
+    train = make_step("fp16", scheduler=scheduler, hooks=[Faults({1: "nan", 2: "inf", 4: "overflow"})])
     records = run(train, task, 8)
     assert train.log.skipped_steps == [1, 2, 4]
     real = [0] + [sum(not r.skipped for r in records[:i]) for i in range(1, 8)]  # real steps before each
@@ -438,24 +442,24 @@ def warned_at(train, task, steps, category, each=None):
 def test_skip_streak_warning_once_per_streak(make_step, task):
     assert issubclass(labkit.SkipStreakWarning, labkit.LabkitWarning)
     # streak of 5 (steps 0-4), a good step, then a streak of 3 (steps 6-8)
-    train = make_step(skip_alarm=3, faults=labkit.FaultSchedule.parse(["0-4:nan", "6-8:nan"]))
+    train = make_step(hooks=[SkipAlarm(3), Faults(labkit.FaultSchedule.parse(["0-4:nan", "6-8:nan"]))])
     fired_at, caught = warned_at(train, task, 10, labkit.SkipStreakWarning)
     assert fired_at == [2, 8]
     assert train.log.column("skip_streak") == [1, 2, 3, 4, 5, 0, 1, 2, 3, 0]
     message = str(next(w.message for w in caught if issubclass(w.category, labkit.SkipStreakWarning)))
     assert "3 steps skipped in a row" in message
-    assert "nonfinite_loss" in message and "TrainStep(triage=True) does both" in message
+    assert "nonfinite_loss" in message and "TrainStep(hooks=[Triage()]) does both" in message
 
 
 def test_skip_streak_warning_with_pytest_warns(make_step, task):
-    train = make_step("fp16", skip_alarm=2, faults={0: "overflow", 1: "overflow"})
+    train = make_step("fp16", hooks=[SkipAlarm(2), Faults({0: "overflow", 1: "overflow"})])
     train(*task.batch(0))
     with pytest.warns(labkit.SkipStreakWarning, match=r"2 steps skipped in a row \(steps 0-1: nonfinite_grad x2\)"):
         train(*task.batch(1))
 
 
 def test_skip_alarm_none_never_warns(make_step, task):
-    train = make_step(skip_alarm=None, faults=labkit.FaultSchedule.parse(["0-11:nan"]))
+    train = make_step(hooks=[SkipAlarm(None), Faults(labkit.FaultSchedule.parse(["0-11:nan"]))])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = run(train, task, 12)
@@ -465,7 +469,7 @@ def test_skip_alarm_none_never_warns(make_step, task):
 
 def test_repeated_clipping_warning_fires_once(make_step, task):
     assert issubclass(labkit.RepeatedClippingWarning, labkit.LabkitWarning)
-    train = make_step(max_norm=1e-3, clip_alarm=0.5, clip_window=4)
+    train = make_step(max_norm=1e-3, hooks=[ClipAlarm(0.5, window=4)])
     fired_at, caught = warned_at(train, task, 12, labkit.RepeatedClippingWarning, each=lambda r: _assert_clipped(r))
     assert fired_at == [3]
     message = str(next(w.message for w in caught if issubclass(w.category, labkit.RepeatedClippingWarning)))
@@ -473,28 +477,29 @@ def test_repeated_clipping_warning_fires_once(make_step, task):
 
 
 def test_repeated_clipping_with_pytest_warns(make_step, task):
-    train = make_step(max_norm=1e-3, clip_window=2)
+    train = make_step(max_norm=1e-3, hooks=[ClipAlarm(0.5, window=2)])
     train(*task.batch(0))
     with pytest.warns(labkit.RepeatedClippingWarning, match="repeated clipping: 100% of the last 2 steps"):
         train(*task.batch(1))
 
 
 def test_repeated_clipping_counts_stepped_steps_only(make_step, task):
-    train = make_step(max_norm=1e-3, clip_window=2, faults={1: "nan", 2: "nan"})
+    train = make_step(max_norm=1e-3, hooks=[ClipAlarm(0.5, window=2), Faults({1: "nan", 2: "nan"})])
     fired_at, caught = warned_at(train, task, 6, labkit.RepeatedClippingWarning)
     assert fired_at == [3]  # the stepped steps 0 and 3 fill the window of 2; skips 1-2 are not in it
 
 
 def test_repeated_clipping_needs_more_than_the_fraction(make_step, task):
     # spikes clip steps 0, 2, 4 (half of every window of 4): not above 0.5; step 5 tips it
-    train = make_step(max_norm=5.0, clip_window=4, faults=labkit.FaultSchedule.parse(["0:spike", "2:spike", "4-5:spike"]))
+    train = make_step(max_norm=5.0,
+                      hooks=[ClipAlarm(0.5, window=4), Faults(labkit.FaultSchedule.parse(["0:spike", "2:spike", "4-5:spike"]))])
     fired_at, caught = warned_at(train, task, 6, labkit.RepeatedClippingWarning)
     assert train.log.clipped_steps == [0, 2, 4, 5]
     assert fired_at == [5]
 
 
 def test_clip_alarm_none_never_warns(make_step, task):
-    train = make_step(max_norm=1e-3, clip_alarm=None, clip_window=2)
+    train = make_step(max_norm=1e-3, hooks=[ClipAlarm(None, window=2)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = run(train, task, 6)
@@ -540,7 +545,7 @@ def test_first_nonfinite_names_the_nan_layer(make_step, task, precision, name):
 
 
 def test_no_forensics_on_a_bad_batch(make_step, task):
-    record = make_step(faults={0: "nan"})(*task.batch(0))
+    record = make_step(hooks=[Faults({0: "nan"})])(*task.batch(0))
     assert record.reason == "nonfinite_loss"
     assert record.top_grads == [] and record.first_nonfinite is None
 
@@ -578,10 +583,9 @@ def test_resume_equals_an_uninterrupted_run(task, precision):
         opt = OPTIMIZERS["adamw"](model.parameters())
         sched = SCHEDULERS["steplr"](opt)
         scaler = labkit.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
-        train = labkit.TrainStep(
-            model, opt, task.loss_fn, precision=precision, scaler=scaler if precision == "fp16" else None,
-            scheduler=sched, max_norm=0.5, faults=schedule, skip_alarm=3,
-        )
+        train = labkit.TrainStep(model, opt, task.loss_fn, precision=precision,
+                                 scaler=scaler if precision == "fp16" else None, scheduler=sched,
+                                 max_norm=0.5, hooks=[SkipAlarm(3), Faults(schedule)])
         return train
 
     with warnings.catch_warnings(record=True) as caught_full:
@@ -618,7 +622,7 @@ def test_resume_equals_an_uninterrupted_run(task, precision):
 
 
 def test_state_dict_contents(make_step, task):
-    train = make_step("fp16", faults={1: "nan"})
+    train = make_step("fp16", hooks=[Faults({1: "nan"})])
     run(train, task, 3)
     state = train.state_dict()
     assert state["step"] == 3
@@ -750,7 +754,7 @@ def test_two_param_groups_sum_the_norm_in_model_order_like_torch(precision):
 
 @pytest.mark.parametrize("sync_every", [None, 2])
 def test_the_alarms_warn_at_the_users_call_not_inside_labkit(make_step, task, sync_every):
-    train = make_step(max_norm=1e-3, clip_window=2, sync_every=sync_every)
+    train = make_step(max_norm=1e-3, sync_every=sync_every, hooks=[ClipAlarm(0.5, window=2)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(4):

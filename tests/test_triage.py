@@ -18,7 +18,8 @@ from torch import nn
 
 import labkit
 from labkit import SkipStreakWarning, StepRecord, ToyTask, TrainStep
-from labkit.alarms import REMEDIES
+from labkit.alarms import REMEDIES, ClipAlarm, SkipAlarm
+from labkit.faults import Faults
 from labkit.hooks import DecisionView
 from labkit.lab import describe
 from labkit.lab.defenses import OUTCOMES, ledger
@@ -28,10 +29,10 @@ from labkit.triage import Triage, _fp32_loss, rng_state, triage
 NAN = float("nan")
 
 
-def step_for(model, task, precision="fp16", **kw):
-    kw = {"skip_alarm": None, "clip_alarm": None, **kw}
+def step_for(model, task, precision="fp16", hooks=(), **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    return TrainStep(model, opt, task.loss_fn, precision=precision, **kw)
+    return TrainStep(model, opt, task.loss_fn, precision=precision, **kw,
+                     hooks=[SkipAlarm(None), ClipAlarm(None), *hooks])
 
 
 def overflowing_head(task):
@@ -46,7 +47,7 @@ def overflowing_head(task):
 def test_a_nan_batch_reads_nonfinite_input(precision):
     task = ToyTask()
     model = task.model()
-    step = step_for(model, task, precision, triage=True, faults={1: "nan"})
+    step = step_for(model, task, precision, hooks=[Triage(), Faults({1: "nan"})])
     forwards = []
     model.register_forward_pre_hook(lambda m, args: forwards.append(step.step_count))
     records = [step(*task.batch(i)) for i in range(3)]
@@ -69,7 +70,7 @@ def test_an_fp16_forward_overflow_on_finite_data_reads_forward_overflow():
         assert torch.isfinite(task.loss_fn(model(x), y)) and torch.isfinite(x).all()
         with torch.autocast("cpu", dtype=torch.float16):
             assert not torch.isfinite(task.loss_fn(model(x), y))
-    step = step_for(model, task, triage=True)
+    step = step_for(model, task, hooks=[Triage()])
     record = step(x, y)
     assert (record.skipped, record.reason) == (True, "forward_overflow")
     assert record.next_scale == record.scale  # the scale cannot help: it is left alone
@@ -88,11 +89,12 @@ def test_a_forward_overflow_names_the_module_whose_fp16_output_first_went_nonfin
     for h in hooks:
         h.remove()
     assert torch.isfinite(outs["3"]).all() and not torch.isfinite(outs["4"]).all()  # layer 4 made the inf
-    step = step_for(model, task, triage=True)
+    step = step_for(model, task, hooks=[Triage()])
     record = step(x, y)
     assert (record.reason, record.culprit_module) == ("forward_overflow", "4")
     assert "(the forward overflowed) in 4" in describe(record, 1.0)[0]
-    assert step_for(task.model(), task, triage=True)(x, y).culprit_module is None  # a good step: no re-run
+    good = step_for(task.model(), task, hooks=[Triage()])(x, y)
+    assert good.culprit_module is None  # a good step: no re-run
 
 
 def test_the_gpts_attention_overflow_is_named_at_the_attention_not_the_projection_after_it():
@@ -116,7 +118,7 @@ def test_the_gpts_attention_overflow_is_named_at_the_attention_not_the_projectio
         h.remove()
     assert torch.isfinite(seen["attn"][0]).all() and torch.isfinite(seen["c_attn"][1]).all()
     assert not torch.isfinite(seen["c_proj"][0]).all()  # c_proj is fed the non-finite value: not its origin
-    record = step_for(model, task, triage=True)(x, y)
+    record = step_for(model, task, hooks=[Triage()])(x, y)
     assert (record.reason, record.culprit_module) == ("forward_overflow", "h.1.attn")
 
 
@@ -125,7 +127,7 @@ def test_nan_weights_read_nonfinite_loss():
     model = task.model()
     with torch.no_grad():
         model[2].weight[0, 0] = NAN
-    record = step_for(model, task, triage=True)(*task.batch(0))
+    record = step_for(model, task, hooks=[Triage()])(*task.batch(0))
     assert (record.skipped, record.reason) == (True, "nonfinite_loss")
 
 
@@ -133,18 +135,18 @@ def test_triage_is_off_by_default_and_ps1_sees_nonfinite_loss():
     from labkit.grading.checks.ps1 import REASONS
 
     task = ToyTask()
-    step = step_for(task.model(), task, faults={0: "nan"})
+    step = step_for(task.model(), task, hooks=[Faults({0: "nan"})])
     assert not any(isinstance(h, Triage) for h in step.hooks.members)
     assert step(*task.batch(0)).reason == "nonfinite_loss" and "nonfinite_loss" in REASONS
     assert "nonfinite_input" not in REASONS  # a student's skip decision is graded on the two reasons
 
 
-def test_triage_true_is_refused_with_deferred_records_and_a_wrong_type():
+def test_triage_is_refused_with_deferred_records_and_the_old_keyword_says_what_to_write():
     task = ToyTask()
     with pytest.raises(ValueError, match="Triage"):
-        step_for(task.model(), task, triage=True, sync_every=4)
-    with pytest.raises(TypeError, match="triage must be True or False"):
-        step_for(task.model(), task, triage="yes")
+        step_for(task.model(), task, sync_every=4, hooks=[Triage()])
+    with pytest.raises(TypeError, match=r"TrainStep\(triage=...\) was removed: write hooks=\[Triage\(\)\]"):
+        step_for(task.model(), task, triage=True)
     with pytest.raises(ValueError, match="precision"):
         Triage(precision="fp8")
 
@@ -176,7 +178,7 @@ def test_the_fp32_rerun_leaves_dropout_and_batchnorm_as_a_run_without_triage(acc
     for on in (True, False):
         torch.manual_seed(1)  # the dropout masks come from the global generator
         model = DropoutNet()
-        step = step_for(model, task, triage=on, accumulation_steps=accumulation)
+        step = step_for(model, task, accumulation_steps=accumulation, hooks=[*([Triage()] if on else [])])
         records = [step(x, y) for x, y in batches(task, 5, overflow_at=2)]
         runs[on] = (records, model.state_dict(), torch.get_rng_state())
     (with_t, params_t, rng_t), (without, params, rng) = runs[True], runs[False]
@@ -228,13 +230,14 @@ def test_the_hook_in_a_plain_loop():
 @pytest.mark.parametrize("reason, remedy", [
     ("nonfinite_input", "fix the data pipeline"),
     ("forward_overflow", "the loss scale acts on backward and cannot help"),
-    ("nonfinite_loss", "run its forward in fp32 (TrainStep(triage=True) does both"),
+    ("nonfinite_loss", "run its forward in fp32 (TrainStep(hooks=[Triage()]) does both"),
 ])
 def test_a_skip_streak_names_each_reasons_remedy(reason, remedy):
     task = ToyTask()
     model = overflowing_head(task) if reason == "forward_overflow" else task.model()
     faults = {i: "nan" for i in range(3)} if reason != "forward_overflow" else None
-    step = step_for(model, task, triage=reason != "nonfinite_loss", faults=faults, skip_alarm=3)
+    step = step_for(model, task,
+                    hooks=[SkipAlarm(3), *([Triage()] if reason != "nonfinite_loss" else []), Faults(faults)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = [step(*task.batch(i)) for i in range(3)]
@@ -264,7 +267,7 @@ def test_summary_counts_the_new_reasons_and_the_trackers_take_them(tmp_path):
     from labkit.export import replay
 
     task = ToyTask()
-    step = step_for(task.model(), task, triage=True, faults={1: "nan"}, log_path=tmp_path / "run.jsonl")
+    step = step_for(task.model(), task, log=tmp_path / "run.jsonl", hooks=[Triage(), Faults({1: "nan"})])
     for i in range(3):
         step(*task.batch(i))
     step.log.append(StepRecord(3, NAN, skipped=True, reason="forward_overflow"))
@@ -288,7 +291,7 @@ def test_fp16_weights_have_no_fp32_forward_and_read_nonfinite_loss_without_raisi
     model = overflowing_head(task).half()
     x, y = task.batch(0)  # fp32: autocast casts them for the fp16 weights; an fp32 re-run could not
     assert triage(model, task.loss_fn, (x, y), precision="fp16") is Reason.NONFINITE_LOSS
-    record = step_for(model, task, triage=True)(x, y)
+    record = step_for(model, task, hooks=[Triage()])(x, y)
     assert record.skipped and record.reason == "nonfinite_loss"
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import labkit
+from labkit.faults import Faults
 from labkit.hooks import Hook
 from labkit.optim import StableAdamW, read_update_rms
 from labkit.records import StepRecord, put
@@ -139,7 +140,7 @@ def test_a_skipped_step_reads_nan():
     """An fp16 overflow skips the optimizer: its v is last step's, so the ratio is not this step's."""
     model, opt = model_and_adamw()
     train = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision="fp16", max_norm=None,
-                             hooks=[UpdateMonitor()], faults={3: "overflow"})
+                             hooks=[UpdateMonitor(), Faults({3: "overflow"})])
     x, y = data()
     records = [train(x, y) for _ in range(6)]
     assert records[3].skipped and not records[4].skipped
@@ -187,7 +188,7 @@ def test_deferred_records_carry_the_same_fields(fused):
         model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), fused=fused)
         train = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision="fp16", max_norm=None,
-                                 hooks=[UpdateMonitor()], sync_every=sync_every, faults={4: "overflow"})
+                                 hooks=[UpdateMonitor(), Faults({4: "overflow"})], sync_every=sync_every)
         x, y = data()
         for _ in range(9):
             train(x, y)

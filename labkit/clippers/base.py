@@ -124,7 +124,8 @@ class Clipper:
     - ``after_step_(params) -> Tensor | None``: after the optimizer stepped, clip the update;
       return ``[coef, threshold]``, or None.
 
-    What the step reads instead of a type: ``on_host`` (the coefficient is a function of the
+    What the step reads instead of a type: ``norm_type`` (the order of the norms it computes
+    for the clipper: 2.0 but for ``NormClip(norm_type=p)``), ``on_host`` (the coefficient is a function of the
     norm alone: the clipper has no state, so deferred records may take it), ``fused_ok`` (a global
     coefficient is all it does: no ``clip_unscaled_``, no ``after_step_``, so a fused optimizer
     can apply it and the step asks nothing more), ``fixed_threshold`` (the
@@ -133,6 +134,7 @@ class Clipper:
     """
 
     name = "clipper"
+    norm_type = 2.0
     on_host = False
     fused_ok = False
     fixed_threshold: float | None = None
@@ -141,11 +143,11 @@ class Clipper:
     _seen = 0  # guard releases already reported by lockin()
 
     def clip_(self, parameters: Parameters) -> Tensor:
-        """Clip the gradients of ``parameters`` in place; return their pre-clip global L2 norm."""
+        """Clip the gradients of ``parameters`` in place; return their pre-clip global norm (``norm_type``)."""
         params = parameters_list(parameters)
         grads, _ = named_grads(params)
-        norms = per_tensor_norms(grads, 2.0)
-        norm = total_norm(norms, 2.0)
+        norms = per_tensor_norms(grads, self.norm_type)
+        norm = total_norm(norms, self.norm_type)
         self.clip_with_norms_([p for p in params if p.grad is not None], norms, norm)
         return norm
 

@@ -16,12 +16,13 @@ from torch import nn
 from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
-from ..faults import FaultSchedule
+from ..faults import Faults, FaultSchedule
 from ..records import StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
 from ..steplog import StepLog
 from ..tasks import TASKS, Task, make_task
+from ..triage import Triage
 from ..validate import check_int, check_number
 from .defenses import Defenses, loss_fn_with_shift
 
@@ -70,7 +71,7 @@ class ExperimentConfig:
     ``weight_decay`` is torch's (AdamW's is decoupled and multiplied by the lr: Wortsman et al.'s
     *independent* decay λ is ``weight_decay=λ / lr``). ``warmup`` steps raise the lr linearly
     to ``lr`` (nanoGPT's ``lr * (t + 1) / (warmup + 1)``), then ``scheduler="cosine"`` decays it to 0.
-    ``triage`` (on by default) says why a loss was not finite (``TrainStep(triage=True)``): bad
+    ``triage`` (on by default) says why a loss was not finite (``TrainStep(hooks=[Triage()])``): bad
     data (``nonfinite_input``) or an fp16 forward overflow (``forward_overflow``); off, every
     non-finite loss reads ``nonfinite_loss``.
 
@@ -267,7 +268,7 @@ def run_experiment(
     step (``TrainStep(hooks=[...])``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
     ``labkit.lab.moments.AdamWatch``: a ``labkit.hooks.Hook``, attached by the step). Where to show
     a run is not part of its config. With ``config.triage`` (the default) a non-finite loss is
-    triaged (``TrainStep(triage=True)``): the record says ``nonfinite_input`` (bad data) or
+    triaged (``TrainStep(hooks=[Triage()])``): the record says ``nonfinite_input`` (bad data) or
     ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
@@ -296,10 +297,10 @@ def run_experiment(
     detector, rewind = (None, None) if d is None else (d.detector(), d.rewind())
     if d is not None:
         loss_fn = loss_fn_with_shift(loss_fn, d, lambda: step.step_count)
+    hooks = [Faults(faults), *([Triage()] if config.triage else []), observer, monitor, detector, rewind]
     step = TrainStep(model, optimizer, loss_fn, precision=config.precision,
                      max_norm=config.max_norm if d is None else None, scaler=scaler, scheduler=scheduler,
-                     faults=faults, log_path=log_path, triage=config.triage,
-                     hooks=[h for h in (observer, monitor, detector, rewind) if h is not None], **extra)
+                     log=log_path, hooks=[h for h in hooks if h is not None], **extra)
     telemetry = None
     try:
         if trackers and me == 0:  # the records are the same on every rank

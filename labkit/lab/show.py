@@ -2,7 +2,7 @@
 
 The event lines (``describe``: skips with their reason, clips, faults, rewinds, changes of
 scale), the summary, and the figure (``plot_log``) written next to the log as a PNG. The log
-is any JSONL that ``StepLog`` streams (``TrainStep(log_path=...)``, or ``StepLog(stream=...)`` in
+is any JSONL that ``StepLog`` streams (``TrainStep(log=...)``, or ``StepLog(stream=...)`` in
 a plain loop); a torn last line is read as ``StepLog.read_jsonl`` reads it, with a warning.
 """
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m labkit show",
         description="Show a log.jsonl from any loop: its event lines, its summary, and its figure as a PNG.")
-    parser.add_argument("log", help="the JSONL log (TrainStep(log_path=...), or StepLog(stream=...))")
+    parser.add_argument("log", help="the JSONL log (TrainStep(log=...), or StepLog(stream=...))")
     parser.add_argument("--png", help="where to write the figure (default: the log's path with .png)")
     parser.add_argument("--max-norm", type=float, help="the clip threshold to draw (default: the records')")
     args = parser.parse_args(argv)

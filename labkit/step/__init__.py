@@ -7,7 +7,7 @@ never import it: ``batch`` (the batch checked, moved and split; the buffers kept
 checked). Defenses and monitors join through ``labkit.hooks``.
 """
 
-from .batch import PRECISIONS
+from ..autocast import PRECISIONS
 from .record import DeferredRecord
 from .train import TrainStep
 

@@ -11,25 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from ..faults import Fault, Injection
-from ..names import PRECISIONS as NAMES
 
 __all__ = [
-    "PRECISIONS", "Batch", "Buffers", "LossCheck", "autocast", "batch_size", "check_loss",
-    "given_micro_batches", "gradient_sync", "split", "to_device",
+    "Batch", "Buffers", "LossCheck", "batch_size", "check_loss", "given_micro_batches", "gradient_sync",
+    "split", "to_device",
 ]
-
-# keyed by labkit.names.PRECISIONS, the one list of names the CLI and widgets offer: a name added there
-# without a dtype here fails at import, not at a student's first fp8 run
-PRECISIONS: dict[str, torch.dtype | None] = dict(zip(NAMES, (None, torch.bfloat16, torch.float16),
-                                                strict=True))
-
-
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Return the context a forward runs under: autocast to ``precision``'s dtype, or nothing for fp32."""
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def batch_size(inputs: Any, targets: Any, k: int) -> int:

@@ -1,13 +1,16 @@
 """The parts a guarded step is built from, checked before anything is created: a clear error for each.
 
-``check_parts``: the model, optimizer, loss, scheduler and device; ``make_clipper``: the
-clip stage from ``max_norm`` or ``clipper``; ``make_hooks``: the alarms, ``triage`` and
-``hooks=[...]`` as one list (``labkit.hooks.Hooks`` orders it by each hook's ``priority``);
-``GuardedParams``: the parameters the step guards, the optimizer's at each step.
+``check_parts``: the model, optimizer, loss and scheduler; ``make_clipper``: the clip stage
+from ``max_norm`` or ``clipper``; ``make_hooks``: ``hooks=[...]`` and the default hooks
+(``default_hooks``) as one ``labkit.hooks.Hooks``, ordered by each hook's ``priority``;
+``make_log``: the ``StepLog`` from ``log=``; ``refuse_removed``: the keywords that went, each
+with what to write instead; ``GuardedParams``: the parameters the step guards, the
+optimizer's at each step.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,14 +18,14 @@ import torch
 from torch import nn
 
 from ..alarms import ClipAlarm, SkipAlarm
+from ..blame import BackwardOrder
 from ..clip import check_max_norm
 from ..clippers import Clipper, NormClip
-from ..distributed import rank
-from ..hooks import Hook
-from ..scaler import check_device
-from ..triage import Triage
+from ..hooks import Hook, Hooks
+from ..steplog import StepLog
 
-__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_deferred", "check_parts", "make_clipper", "make_hooks"]
+__all__ = ["DEFAULT_MAX_NORM", "GuardedParams", "check_deferred", "check_parts", "default_hooks",
+           "make_clipper", "make_hooks", "make_log", "refuse_removed"]
 
 
 class _DefaultMaxNorm(float):
@@ -32,8 +35,8 @@ class _DefaultMaxNorm(float):
 DEFAULT_MAX_NORM = _DefaultMaxNorm(1.0)
 
 
-def check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, device: Any) -> torch.device:
-    """Raise a clear error for parts ``TrainStep`` cannot drive; return the device to train on."""
+def check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any) -> torch.device:
+    """Raise a clear error for parts ``TrainStep`` cannot drive; return the model's device, the step's."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -68,22 +71,7 @@ def check_parts(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, device
             "take: build it with sparse=False (the default)."
         )
     first = next(model.parameters(), None)
-    home = first.device if first is not None else torch.device("cpu")
-    if device is None:
-        return home
-    dev = check_device(device)
-    missing = dev.type == "cuda" and not torch.cuda.is_available() or \
-        dev.type == "mps" and not torch.backends.mps.is_available()
-    if missing:
-        raise ValueError(
-            f"device={device!r}, but there is no {dev.type} device here: use 'cpu' (or device=None, "
-            "the model's)."
-        )
-    if first is not None and dev.type != home.type:
-        raise ValueError(
-            f"device={device!r}, but the model is on {home}: move it first (model.to({str(dev)!r}))."
-        )
-    return dev
+    return first.device if first is not None else torch.device("cpu")
 
 
 def make_clipper(max_norm: float | None, clipper: Clipper | None) -> Clipper | None:
@@ -104,24 +92,77 @@ def make_clipper(max_norm: float | None, clipper: Clipper | None) -> Clipper | N
     return clipper
 
 
-def make_hooks(
-    skip_alarm: int | None, clip_alarm: float | None, clip_window: int, hooks: Sequence[Hook],
-    triage: bool = False,
-) -> tuple[SkipAlarm, ClipAlarm, list[Hook]]:
-    """Return the alarms and every hook of the step: the alarms, ``Triage`` if ``triage``, then ``hooks``.
+def default_hooks() -> list[Hook]:
+    """Return the hooks every ``TrainStep`` has, each unless a hook of its class is given in ``hooks=[...]``.
 
-    The order they are called in is their ``priority``'s (``labkit.hooks.Hook``): the alarms
-    first, ``Triage`` next, a ``Rewind`` last, wherever each is in ``hooks``.
+    ``SkipAlarm(8)`` and ``ClipAlarm(0.5, window=100)`` (``labkit.alarms``: a streak of skips, habitual
+    clipping), ``BackwardOrder()`` (``labkit.blame``: a skip's record names the first non-finite
+    gradient in backward order). As Lightning's default callbacks: ``hooks=[SkipAlarm(20)]``
+    retunes one, ``hooks=[SkipAlarm(None), ClipAlarm(None)]`` silences both.
+
+    >>> default_hooks()
+    [SkipAlarm(threshold=8), ClipAlarm(rate=0.5, window=100), BackwardOrder()]
     """
-    if not isinstance(triage, bool):
-        raise TypeError(f"triage must be True or False (for your own labkit.triage.Triage, pass "
-                        f"hooks=[...]), got {triage!r}.")
-    skips, clips = SkipAlarm(skip_alarm), ClipAlarm(clip_alarm, clip_window)
-    if rank() != 0:  # the records are the same on every rank: N ranks would warn N times
-        skips.threshold = clips.rate = None
+    return [SkipAlarm(8), ClipAlarm(0.5, window=100), BackwardOrder()]
+
+
+def make_hooks(hooks: Sequence[Hook]) -> Hooks:
+    """Return ``hooks`` and the ``default_hooks`` whose class none of them has, ordered by ``priority``.
+
+    >>> [type(h).__name__ for h in make_hooks([SkipAlarm(None)]).members]  # by priority, ties as given
+    ['ClipAlarm', 'SkipAlarm', 'BackwardOrder']
+    """
     if isinstance(hooks, Hook) or not isinstance(hooks, Sequence):
         raise TypeError(f"hooks must be a list of labkit.hooks.Hook objects, got {type(hooks).__name__}.")
-    return skips, clips, [skips, clips, *([Triage()] if triage else []), *hooks]
+    given = list(hooks)
+    kept = [d for d in default_hooks() if not any(isinstance(h, type(d)) for h in given)]
+    return Hooks([*kept, *given])
+
+
+def make_log(log: str | os.PathLike | StepLog | None) -> StepLog:
+    """Return the step's ``StepLog``: ``log`` itself, one streaming to the file path ``log``, or a new one."""
+    if log is None:
+        return StepLog()
+    if isinstance(log, StepLog):
+        return log
+    if isinstance(log, (str, os.PathLike)):
+        return StepLog(stream=log)
+    raise TypeError(f"log must be a file path (str or os.PathLike) or a labkit.StepLog (e.g. "
+                    f"StepLog(stream=path, window=1000)), got {type(log).__name__}.")
+
+
+# TrainStep's keywords before the hooks carried the alarms, faults and triage (0.1.0 keeps no old
+# spelling): each raises a TypeError saying what to write instead
+_REMOVED = {
+    "norm_type": "clipper=NormClip(max_norm, norm_type={norm_type!r})",
+    "skip_alarm": "hooks=[SkipAlarm({skip_alarm!r})] (labkit.alarms; it is on by default at 8, "
+                  "SkipAlarm(None) silences it)",
+    "clip_alarm": "hooks=[ClipAlarm({clip_alarm!r}, window={clip_window!r})] (labkit.alarms; it is on by "
+                  "default at 0.5, ClipAlarm(None) silences it)",
+    "clip_window": "hooks=[ClipAlarm({clip_alarm!r}, window={clip_window!r})] (labkit.alarms)",
+    "faults": "hooks=[Faults({faults!r})] (labkit.faults)",
+    "triage": "hooks=[Triage()] (labkit.triage) to triage a non-finite loss; leave it out for no triage",
+    "log_path": "log={log_path!r} (a file path), or log=StepLog(stream=path, window=N)",
+    "log_window": "log=StepLog(stream={log_path!r}, window={log_window!r}) (labkit.StepLog)",
+    "device": "nothing: the step trains where the model is (model.to(device) first)",
+}
+
+
+def refuse_removed(given: dict[str, Any]) -> None:
+    """Raise ``TypeError`` for keywords ``TrainStep`` does not take, saying what to write for a removed one.
+
+    >>> refuse_removed({"triage": True})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: TrainStep(triage=...) was removed: write hooks=[Triage()] (labkit.triage) to triage a ...
+    """
+    if not given:
+        return
+    name = next((n for n in _REMOVED if n in given), None)
+    if name is None:
+        raise TypeError(f"TrainStep() got an unexpected keyword argument {next(iter(given))!r}")
+    values = {"clip_alarm": 0.5, "clip_window": 100, "log_path": "path", **given}
+    raise TypeError(f"TrainStep({name}=...) was removed: write {_REMOVED[name].format(**values)}.")
 
 
 def check_deferred(sync_every: int | None, hooks: Sequence[Hook], clipper: Clipper | None) -> None:

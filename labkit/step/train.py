@@ -20,19 +20,27 @@ import torch
 from torch import Tensor, nn
 
 from ..alarms import LabkitWarning
-from ..blame import BackwardOrder
-from ..clip import check_norm_type, check_scaled_norm_type, round_to, scale_grads_
+from ..autocast import PRECISIONS, autocast
+from ..clip import check_scaled_norm_type, round_to, scale_grads_
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, mean_across
-from ..faults import FaultSchedule
-from ..hooks import NO_VERDICT, DecisionView, Hook, Hooks, Verdict
+from ..hooks import NO_VERDICT, DecisionView, GradientOrder, Hook, Verdict
 from ..records import StepRecord
 from ..scaler import GradScaler
 from ..steplog import StepLog
 from ..validate import check_int
-from .batch import PRECISIONS, Batch, Buffers, LossCheck, autocast, gradient_sync
+from .batch import Batch, Buffers, LossCheck, gradient_sync
 from .decision import Decision, decide, read, skip_bad_loss, unscaled_norms
-from .parts import DEFAULT_MAX_NORM, GuardedParams, check_deferred, check_parts, make_clipper, make_hooks
+from .parts import (
+    DEFAULT_MAX_NORM,
+    GuardedParams,
+    check_deferred,
+    check_parts,
+    make_clipper,
+    make_hooks,
+    make_log,
+    refuse_removed,
+)
 from .record import SKIPPED, Outcome, Pending, build
 
 __all__ = ["TrainStep"]
@@ -67,18 +75,22 @@ class TrainStep:
     Under ``torch.distributed`` (DDP, FSDP2) every rank decides alike: the loss is all-reduced
     (one number per micro-batch, over ``process_group``) *before* backward, so a NaN on one
     rank makes every rank skip backward together; the norm is global, and so are the records.
-    Rank 0 alone writes ``log_path`` and raises the alarms.
+    Rank 0 alone writes the log file and raises the alarms.
 
-    The parameters guarded are the optimizer's at each step (groups added later included).
-    Bad arguments raise before anything changes; a skipped or failed step leaves the
-    parameters, the optimizer, the scaler and the module's buffers (BatchNorm's running
-    statistics) as they were. ``log_window=N`` keeps only the last N records in ``log``.
+    The parameters guarded are the optimizer's at each step (groups added later included), on
+    the model's device (move the model first). Bad arguments raise before anything changes; a
+    skipped or failed step leaves the parameters, the optimizer, the scaler and the module's
+    buffers (BatchNorm's running statistics) as they were. ``log``: a file path the records
+    stream to (JSONL), or a ``StepLog`` (``StepLog(stream=path, window=N)`` keeps the last N).
 
-    Defenses and monitors are ``labkit.hooks.Hook`` objects called at named moments, in the
-    order of their ``priority``: ``hooks=[...]`` (``StaleMonitor``, ``SpikeDetector``, ``Rewind``,
-    your own), the alarms (``skip_alarm``, ``clip_alarm``) and ``triage`` (``labkit.triage``: why
-    a loss was not finite). The clip stage is ``clipper`` or ``max_norm`` (``NormClip``). Skips
-    name the first non-finite gradient in backward order (``labkit.blame``).
+    The clip stage is ``max_norm`` (torch's name: ``NormClip(max_norm)``) or ``clipper``
+    (``NormClip(1.0, norm_type=math.inf)``, ``ZClip()``...). Defenses and monitors are
+    ``labkit.hooks.Hook`` objects called at named moments, in the order of their ``priority``:
+    ``hooks=[...]`` (``Faults``, ``Triage``, ``SpikeDetector``, ``Rewind``, ``StaleMonitor``,
+    your own) and the default hooks (``parts.default_hooks``: ``SkipAlarm(8)``,
+    ``ClipAlarm(0.5, window=100)``, ``BackwardOrder()``, each replaced by a hook of its class
+    given in ``hooks``: ``hooks=[SkipAlarm(None)]`` silences that alarm). Skips name the first
+    non-finite gradient in backward order (``labkit.blame``).
 
     >>> from labkit.tasks import ToyTask
     >>> task = ToyTask(); model = task.model()
@@ -89,15 +101,13 @@ class TrainStep:
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[Tensor, Tensor], Tensor],
-        *, precision: str = "fp32", max_norm: float | None = DEFAULT_MAX_NORM, norm_type: float = 2.0,
-        scaler: GradScaler | None = None, scheduler: Any = None, device: str | torch.device | None = None,
-        accumulation_steps: int = 1, skip_alarm: int | None = 8, clip_alarm: float | None = 0.5,
-        clip_window: int = 100, faults: FaultSchedule | dict | list[str] | None = None,
-        log_path: str | os.PathLike | None = None, log_window: int | None = None,
-        process_group: ProcessGroup | None = None, sync_every: int | None = None,
-        clipper: Clipper | None = None, hooks: Sequence[Hook] = (), triage: bool = False,
+        *, precision: str = "fp32", max_norm: float | None = DEFAULT_MAX_NORM, clipper: Clipper | None = None,
+        scaler: GradScaler | None = None, scheduler: Any = None, accumulation_steps: int = 1,
+        hooks: Sequence[Hook] = (), log: str | os.PathLike | StepLog | None = None,
+        process_group: ProcessGroup | None = None, sync_every: int | None = None, **removed: Any,
     ) -> None:
-        self.device = check_parts(model, optimizer, loss_fn, scheduler, device)
+        refuse_removed(removed)  # the keywords that became hooks, log= and NormClip's norm_type
+        self.device = check_parts(model, optimizer, loss_fn, scheduler)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}.")
         self.accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -114,26 +124,21 @@ class TrainStep:
         self.model, self.optimizer, self.loss_fn, self.precision = model, optimizer, loss_fn, precision
         self.sync_every = check_int("sync_every", sync_every, 1, none="read every step")
         self.clipper = make_clipper(max_norm, clipper)
-        self.skip_alarm, self.clip_alarm, members = make_hooks(skip_alarm, clip_alarm, clip_window, hooks,
-                                                               triage)
-        self.backward_order = BackwardOrder()  # where backward produced each gradient: the record's culprit
-        self.hooks = Hooks([self.backward_order, *members])
+        self.hooks = make_hooks(hooks)  # yours, and the defaults (alarms, blame) of no class among them
         check_deferred(sync_every, self.hooks.members, self.clipper)
-        self.norm_type = check_norm_type(norm_type)
-        if not self.norm_type > 0:  # the inf check rides on the norms: a p > 0 norm is inf/NaN on inf/NaN
-            raise ValueError(f"TrainStep needs norm_type p > 0 (2.0, 1.0 or float('inf')), got "
-                             f"{norm_type!r}.")
+        self.norm_type = self.clipper.norm_type if self.clipper is not None else 2.0
         self.scheduler, self.process_group = scheduler, process_group
         if scaler is None:
             scaler = GradScaler(self.device.type, enabled=precision == "fp16", process_group=process_group)
         if scaler.is_enabled():
             check_scaled_norm_type(self.norm_type)
-        self.scaler, self.faults = scaler, FaultSchedule.coerce(faults)
-        self._log = StepLog(stream=log_path, window=log_window)  # last: it opens the file, all else valid
-        self.step_count = self._unseen = 0  # _unseen: the first step not run yet (a fault fires once)
+        self.scaler = scaler
+        self._log = make_log(log)  # last: it opens the file, all else valid
+        self.step_count = 0
         self._named_params = GuardedParams(model, optimizer)
         self._params: list[tuple[str, nn.Parameter]] = []  # this step's (read once, in _decide)
         self._named_grads: list[tuple[str, Tensor]] = []  # this step's, for its forensics
+        self._order: GradientOrder | None = None  # this step's, from the hooks: where backward made each
         self._pending = Pending()
         self._one: Tensor | None = None  # a disabled scaler's scale, on the gradients' device
         self.hooks.attach(self)  # a Rewind takes its first snapshot: a spike in the first steps rewinds here
@@ -147,7 +152,7 @@ class TrainStep:
         changes; an error from the model, loss or optimizer leaves all as it was (a scheduler's: raised
         after its step is recorded)."""
         step = self.step_count
-        fault = self.faults.get(step) if step >= self._unseen else None
+        fault = self.hooks.pre_forward(self, step)  # Faults' (labkit.faults), once per step number
         batch = Batch(inputs, targets, self.accumulation_steps, self.device, fault)
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         buffers = Buffers(self.model)  # the forward changes them before the loss is checked
@@ -155,6 +160,7 @@ class TrainStep:
         try:
             loss = self._forward_backward(batch)  # forward and loss check -> scaled backward
             measures = self.hooks.post_backward(self, step)
+            self._order = self.hooks.gradient_order(self, step)  # kept with the record, for its forensics
             decision = self._decide(step, loss, batch, measures)  # unscaled norms -> check -> clip, verdict
             found = None
             if not loss.bad:  # a non-finite loss: nothing to step, the scale untouched
@@ -269,9 +275,9 @@ class TrainStep:
     def _outcome(self, step: int, lrs: list[float], batch: Batch, loss: LossCheck, d: Decision,
                  found: Tensor | None, measures: dict[str, Tensor]) -> Outcome:
         """Return what the record is made of: its numbers (floats, or one device row) and the evidence."""
+        order, uses = self._order or (None, None)
         o = Outcome(step, lrs, batch.label, [], d.norms, self._named_grads, d.threshold, self.clipper,
-                    d.reason, d.hook_clip, d.clip_reason, d.fields, order=self.backward_order.positions,
-                    uses=self.backward_order.uses)
+                    d.reason, d.hook_clip, d.clip_reason, d.fields, order=order, uses=uses)
         if loss.bad:
             o.values = [loss.value, 1.0, math.nan, 1.0, d.scale, d.scale, 1.0]
         elif d.host is not None:  # read to step a plain optimizer: only the next scale is left to read
@@ -312,7 +318,6 @@ class TrainStep:
             if deferred or stepped:
                 self.hooks.post_step(self, self._params, record)
             self.step_count += 1  # the step is complete: numbering stays true even if the file write fails
-            self._unseen = max(self._unseen, self.step_count)
             if not deferred:
                 self._append(record)  # raises LogWriteError on a full disk; the record is kept in memory
             elif len(self._pending) >= self.sync_every:  # type: ignore[operator]

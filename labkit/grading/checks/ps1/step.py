@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.faults import Fault
 from labkit.records import StepRecord
 from labkit.scaler import GradScaler
@@ -213,7 +214,8 @@ def _reference(sc: _Scenario) -> tuple[list[Tensor], list[tuple[StepRecord, dict
         return _REFERENCES[key]
     mine = _Run(sc)
     reference = TrainStep(mine.model, mine.optimizer, mine.loss_fn, precision="fp16", max_norm=sc.max_norm,
-                          scaler=mine.scaler, scheduler=mine.scheduler, skip_alarm=None, clip_alarm=None)
+                          scaler=mine.scaler, scheduler=mine.scheduler,
+                          hooks=[SkipAlarm(None), ClipAlarm(None)])
     params = list(mine.model.parameters())
     initial, steps = [p.detach().clone() for p in params], []
     for x, y, fault in _batches(sc):

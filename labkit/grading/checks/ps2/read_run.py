@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.reasons import Reason
 from labkit.records import StepRecord
 from labkit.scaler import GradScaler
@@ -49,7 +50,7 @@ def _gpt_run(seed: int, steps: int, growth_interval: int, hysteresis: int, skip_
         scaler = GradScaler("cpu", init_scale=2.0**14, growth_interval=growth_interval, hysteresis=hysteresis)
         detector = SpikeDetector(window=16, skip_z=skip_z) if skip_z is not None else None
         step = TrainStep(model, optimizer, task.loss_fn, precision="fp16", scaler=scaler, max_norm=1.0,
-                         skip_alarm=None, clip_alarm=None, hooks=[detector] if detector is not None else [])
+                         hooks=[SkipAlarm(None), ClipAlarm(None), *([] if detector is None else [detector])])
         return tuple(step(*task.batch(i)) for i in range(steps))
 
 
