@@ -320,15 +320,14 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     >>> clip_coef(torch.tensor(5.0), 1.0), clip_coef(torch.tensor(float("inf")), torch.tensor(1.0))
     (tensor(0.2000), tensor(1.))
     """
-    # clamp and a mask, not `if`: a Python branch on a device tensor forces a host sync. A
-    # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
-    # In place after the first op: no temporaries; every step pays this on its 0-dim norm.
+    # torch's operations (so its bits), then a select, not `if`: a Python branch on a device tensor forces
+    # a host sync. sqrt is NaN below 0 and inf at inf: one test leaves a NaN, infinite or negative norm's
+    # gradients alone (no norm is negative; torch would flip their sign)
     if isinstance(max_norm, Tensor):
         coef = torch.div(max_norm, norm + EPS)
     else:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
         coef = (norm + EPS).reciprocal_().mul_(max_norm)
-    usable = (norm >= 0).logical_and_(norm < math.inf)  # NaN fails both comparisons
-    return coef.clamp_(max=1.0).masked_fill_(usable.logical_not_(), 1.0)
+    return torch.where(norm.sqrt().isfinite(), coef.clamp_(max=1.0), 1.0)
 
 
 def round_to(x: float, dtype: torch.dtype) -> float:

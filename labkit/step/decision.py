@@ -137,8 +137,9 @@ def decide(
     >>> d.skip, d.coef, d.factor()
     (tensor(0.), tensor(0.2000), tensor(0.2000))
     """
-    # inf - inf and NaN - NaN are NaN: isfinite's answer with fewer 0-dim operations
-    found_inf = torch.isnan(norm - norm).float()
+    # 0 * inf and 0 * NaN are NaN: isfinite's answer as a float, in fewer 0-dim operations
+    found_inf = norm.mul(0.0).nan_to_num_(1.0)
+    found_inf = found_inf if found_inf.dtype == torch.float32 else found_inf.float()
     if loss_bad is not None:
         found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
     if verdict.skip is not None:  # a spike is no scaling problem: skip, keep the scale

@@ -211,8 +211,7 @@ class TrainStep:
                 named.append((name, g))
                 grads.append(g)
         self._named_grads = named
-        # update() writes the scaler's state in place: the record reads this step's scale after it
-        scale = scaler.get_scale_async().clone() if enabled else None
+        scale = scaler.get_scale_async() if enabled else None  # update() leaves this tensor as it is
         norms, norm, inv_scale = unscaled_norms(grads, scale, self.norm_type)
         if scale is None:  # a disabled scaler's: one 1 on the norm's device, made once
             if self._one is None or self._one.device != norm.device:
@@ -262,7 +261,7 @@ class TrainStep:
         if not d.keep_scale and loss.flag is None:
             self.scaler.update()
         elif d.keep_scale:
-            self.scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=d.scale.device))
+            self.scaler.update(keep_if=True)
         else:  # a non-finite loss found on the device is no scaling problem either
             self.scaler.update(keep_if=loss.flag.to(d.scale.device))  # type: ignore[union-attr]
 
