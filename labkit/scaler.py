@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .clip import constant
 from .distributed import ProcessGroup, all_reduce_, local_tensor
 from .validate import check_int, real
 
@@ -184,9 +185,10 @@ def update_scale(
     >>> s.item(), g.item(), h.item()
     (512.0, 0, 0)
     """
-    overflow = found_inf != 0
+    dev = scale.device
+    overflow = found_inf.ne(constant(0.0, dev, found_inf.dtype))
     # torch's kernel writes its arguments in place: it gets fresh ones (the clamp's result is one)
-    new_scale, new_tracker = scale.clone(), torch.clamp(growth_tracker, max=config.growth_interval - 1)
+    new_scale, new_tracker = scale.clone(), growth_tracker.clamp(max=config.growth_interval - 1)
     torch._amp_update_scale_(new_scale, new_tracker, found_inf if found_inf.dtype == torch.float32 else
                              found_inf.float(), config.growth_factor, config.backoff_factor,
                              config.growth_interval)
@@ -195,12 +197,14 @@ def update_scale(
         new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
     floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
     new_scale = torch.where(overflow, new_scale.clamp(min=floor), new_scale)  # without a floor it could die
-    hyst_after = (hysteresis_left - 1).clamp_(min=0)
-    if config.hysteresis > 1:  # fewer than H overflows since the last growth: the back-off waits
+    if config.hysteresis == 1:  # every overflow backs off; hysteresis_left is 0 after one, 1 after a growth
+        after = ~overflow
+    else:  # fewer than H overflows since the last growth: the back-off waits
+        hyst_after = (hysteresis_left - 1).clamp_(min=0)
         new_scale = torch.where(overflow & (hyst_after > 0), scale, new_scale)
+        after = torch.where(overflow, hyst_after, config.hysteresis)
     # the tracker is 0 after an overflow and after a growth, which refills the hysteresis
-    new_hyst = torch.where(new_tracker == 0, torch.where(overflow, hyst_after, config.hysteresis),
-                           hysteresis_left)
+    new_hyst = torch.where(new_tracker.eq(constant(0, dev, torch.int32)), after, hysteresis_left)
     return new_scale, new_tracker, new_hyst
 
 
@@ -555,8 +559,9 @@ class GradScaler:
             found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
             new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
                                self.config)
-            skipped = found_inf != 0
-            counters = (state["skip_count"] + skipped, (state["skip_streak"] + 1) * skipped)
+            skipped = found_inf.ne(constant(0.0, device, found_inf.dtype))
+            one = constant(1, device, torch.int64)
+            counters = (state["skip_count"] + skipped, (state["skip_streak"] + one) * skipped)
             # new tensors, not writes into the old ones: a scale read before (get_scale_async) stays this
             # iteration's, as a record needs it, with no copy
             for key, value in zip(STATE_KEYS, (*new, *counters)):

@@ -137,9 +137,10 @@ def decide(
     >>> d.skip, d.coef, d.factor()
     (tensor(0.), tensor(0.2000), tensor(0.2000))
     """
-    # 0 * inf and 0 * NaN are NaN: isfinite's answer as a float, in fewer 0-dim operations
-    found_inf = norm.mul(0.0).nan_to_num_(1.0)
-    found_inf = found_inf if found_inf.dtype == torch.float32 else found_inf.float()
+    # inf - inf and NaN - NaN are NaN, the one number unequal to itself: isfinite's answer, as a float
+    # (found_inf's dtype), in fewer 0-dim operations
+    found_inf = norm - norm
+    found_inf = found_inf.ne_(found_inf) if found_inf.dtype == torch.float32 else found_inf.isnan().float()
     if loss_bad is not None:
         found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
     if verdict.skip is not None:  # a spike is no scaling problem: skip, keep the scale
