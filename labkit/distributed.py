@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_reduce_", "is_distributed", "local_tensor", "mean_across", "rank", "reduce_sharded_norms_"]
+__all__ = ["all_reduce_", "is_distributed", "local_tensor", "mean_across", "rank", "reduce_sharded_norms_",
+           "reduce_sharded_sums_"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, which a build without distributed lacks
 
@@ -140,3 +141,29 @@ def reduce_sharded_norms_(norms: Tensor, grads: list[Tensor], norm_type: float) 
             values = values.pow(1.0 / norm_type)
         norms.index_copy_(0, index, values.to(norms.dtype))
     return norms
+
+
+def reduce_sharded_sums_(sums: Tensor, tensors: list[Tensor]) -> Tensor:
+    """Turn sums over the local shards of sharded ``DTensor``s into sums over the whole tensors, in place.
+
+    ``sums[i]`` is a sum over ``tensors[i]``'s local shard; one all-reduce (SUM) per group of ranks,
+    for every tensor sharded alike (as ``reduce_sharded_norms_``). Plain and replicated tensors
+    are left alone and cost no collective.
+
+    >>> reduce_sharded_sums_(torch.tensor([3.0, 4.0]), [torch.ones(1), torch.ones(1)])
+    tensor([3., 4.])
+    """
+    if _dtensor_type() is None:
+        return sums
+    buckets: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups = _shard_groups(t)
+        if groups:
+            buckets.setdefault(groups, []).append(i)
+    for groups, idx in buckets.items():
+        index = torch.tensor(idx, device=sums.device)
+        values = sums.index_select(0, index)
+        for group in groups:
+            all_reduce_(values, "sum", group)
+        sums.index_copy_(0, index, values)
+    return sums
