@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -95,6 +96,7 @@ def _compiled(module: nn.Module) -> bool:
         getattr(module, "_compiled_call_impl", None) is not None
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 # What fired in one backward is kept up to this many entries (a plain loop that never calls pre_step
 # keeps the latest ones, not an ever longer list)
 FIRED_MAX = 1 << 16
@@ -256,8 +258,8 @@ class BackwardOrder(Hook):
     def _optimizer_key(self, trainer: Any) -> tuple:
         # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter
         groups = getattr(getattr(trainer, "optimizer", None), "param_groups", ())
-        training = sum(p.requires_grad for p in self._all)  # the list kept at attach: no walk of the modules
-        return (*((id(g["params"]), len(g["params"])) for g in groups), training)
+        training = sum(map(_REQUIRES_GRAD, self._all))  # the list kept at attach: no walk of the modules
+        return (*[(id(g["params"]), len(g["params"])) for g in groups], training)
 
     def _hook_param(self, name: str, p: Tensor) -> None:
         if id(p) in self._hooked or not p.requires_grad:

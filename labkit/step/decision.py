@@ -91,7 +91,9 @@ def read(*tensors: Tensor) -> list[float]:
     first = tensors[0]
     if len(tensors) == 1:
         return [first.item()]
-    return torch.stack([first, *(t.to(first) for t in tensors[1:])]).tolist()
+    dtype, device = first.dtype, first.device
+    return torch.stack([first, *(t if t.dtype is dtype and t.device == device else t.to(first)
+                                 for t in tensors[1:])]).tolist()
 
 
 def unscaled_norms(

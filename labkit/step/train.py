@@ -200,16 +200,12 @@ class TrainStep:
                 [scaler.get_scale()]
             verdict = self._verdict(step, loss.value, math.nan, scale=scale, loss_bad=True, batch=batch)
             return skip_bad_loss(scale, verdict.measured(zip(measures, measured)))
-        named, grads = [], []
         self._params = self._named_params()  # this step's: the hooks and the clipper see the same list
-        for name, p in self._params:
-            g = p.grad
-            if g is not None:
-                if g.is_sparse:
-                    raise ValueError("sparse gradients are not supported by the global norm: use "
-                                     "sparse=False in the model.")
-                named.append((name, g))
-                grads.append(g)
+        named = [(name, p.grad) for name, p in self._params if p.grad is not None]
+        grads = [g for _, g in named]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the "
+                             "model.")
         self._named_grads = named
         scale = scaler.get_scale_async() if enabled else None  # update() leaves this tensor as it is
         norms, norm, inv_scale = unscaled_norms(grads, scale, self.norm_type)
