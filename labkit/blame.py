@@ -231,7 +231,7 @@ class BackwardOrder(Hook):
                     if len(owners.get(id(p), ())) > 1 and id(p) in first_name]
             if tied and not any(n in self._regions for n in tied):  # no hooks inside a compiled graph
                 self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, names=tuple(tied), path=path, used=_weak(self._used):
+                    lambda mod, args, out, names=tuple(tied), path=path, used=_weak(self._used):  # noqa: B008
                     used(names, path, out)))
 
     def detach(self) -> None:

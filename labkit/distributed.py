@@ -43,7 +43,7 @@ def rank() -> int:
 
 
 def all_reduce_(tensor: Tensor, op: str, group: ProcessGroup | None = None) -> Tensor:
-    """Reduce ``tensor`` in place across ``group`` (default: the world) with ``"sum"``, ``"max"`` or ``"min"``.
+    """Reduce ``tensor`` in place across ``group`` (default: the world) by ``"sum"``, ``"max"`` or ``"min"``.
 
     Not distributed: return ``tensor`` untouched, with no collective.
 
@@ -98,7 +98,8 @@ def _shard_groups(t: Tensor) -> tuple:
         return ()
     if any(p.is_partial() for p in t.placements):
         raise ValueError(
-            f"a gradient is a DTensor with a Partial placement {t.placements}: its norm is not the norm of its "
+            f"a gradient is a DTensor with a Partial placement {t.placements}: its norm is not the norm of "
+            "its "
             "shards. Reduce it first (grad.redistribute(placements=[Replicate()]) or let FSDP2's backward "
             "reduce-scatter it into Shard) before asking for the norm."
         )

@@ -135,7 +135,8 @@ def read_update_rms(optimizer: torch.optim.Optimizer, params: Iterable[Tensor] |
         if p.grad is None or not state:
             out.append(torch.full((), float("nan"), device=p.device))
             continue
-        grad, v, step, beta2, eps = p.grad, state["exp_avg_sq"], state["step"], group["betas"][1], group["eps"]
+        grad, v, step = p.grad, state["exp_avg_sq"], state["step"]
+        beta2, eps = group["betas"][1], group["eps"]
         sharded = type(grad) is not Tensor  # FSDP2's DTensor: the mean over the whole tensor, across ranks
         if not isinstance(step, Tensor) or grad.is_complex() or isinstance(beta2, Tensor) or \
                 not sharded and grad.numel() == 0:  # the rule itself, one tensor at a time

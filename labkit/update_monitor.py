@@ -20,6 +20,7 @@ gradients that are still scaled and not yet clipped, and a skip not yet decided.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -88,10 +89,8 @@ class UpdateMonitor(Hook):
     @staticmethod
     def _check(optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer without a second moment now, as ``read_update_rms`` would at the first step."""
-        try:
+        with contextlib.suppress(RuntimeError):  # no gradient yet: the optimizer itself is fine
             read_update_rms(optimizer)
-        except RuntimeError:  # no gradient yet: the optimizer itself is fine
-            pass
 
     def attach(self, trainer: Any) -> None:
         if self.optimizer is None:
@@ -112,7 +111,8 @@ class UpdateMonitor(Hook):
             return
         values = read_update_rms(opt, [p for _, p in params])
         states = [opt.state.get(p) for _, p in params]
-        stepped = [(n, p, rms, torch.as_tensor(state["step"])) for (n, p), rms, state in zip(params, values, states)
+        stepped = [(n, p, rms, torch.as_tensor(state["step"]))
+                   for (n, p), rms, state in zip(params, values, states)
                    if state and state.get("step") is not None]  # else never stepped
         if not stepped:
             self._pending = {}
@@ -143,7 +143,8 @@ class UpdateMonitor(Hook):
         self._pending = measures
 
     @staticmethod
-    def _applied_rms(opt: torch.optim.Optimizer, moved: list[tuple[Tensor, Tensor, Tensor]], count: int) -> Tensor:
+    def _applied_rms(opt: torch.optim.Optimizer, moved: list[tuple[Tensor, Tensor, Tensor]],
+                     count: int) -> Tensor:
         """RMS over every coordinate of ``(theta_t - theta_{t-1}) / lr``, in float64 (masked as the RMS)."""
         lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
         # a DTensor's (FSDP2) local shard; its sum is added up across the ranks below
