@@ -175,7 +175,11 @@ def _update_rms_together(batch: list[tuple[int, Tensor, Tensor, Tensor]], dtype:
     # kernel's element-by-element loop, as a 0-dim tensor does (a contiguous one may take a vectorized
     # pow, which rounds some last bits otherwise)
     corrections = 1 - torch.pow(beta2, torch.stack([steps, steps], 1)[:, 0])
-    v_hat = torch._foreach_div(squares, list(corrections.to(dtype).unbind()))
+    corrections = corrections.to(dtype).unbind()
+    if corrections[0].device == grads[0].device:
+        v_hat = torch._foreach_div(squares, list(corrections))
+    else:  # torch's CPU step counts with parameters on a GPU: each 0-dim CPU number joins its own kernel
+        v_hat = [v / c for v, c in zip(squares, corrections)]
     ratios = torch._foreach_div(torch._foreach_mul(grads, grads), torch._foreach_clamp_min(v_hat, eps * eps))
     if sharded:  # the mean of the whole tensor: the shards' sums added up, over its number of elements
         sums = reduce_sharded_sums_(torch.stack([r.sum() for r in ratios]), [g for _, g, _, _ in batch])

@@ -157,7 +157,11 @@ class UpdateMonitor(Hook):
             deltas = [d / r for d, r in zip(deltas, rates)]
         torch._foreach_mul_(deltas, deltas)
         squares = reduce_sharded_sums_(torch.stack([d.sum() for d in deltas]), [p for p, _, _ in moved])
-        squares = squares + torch.stack([m for *_, m in moved]).to(squares)
+        masks = [m for *_, m in moved]
+        if masks[0].device == squares.device:
+            squares = squares + torch.stack(masks).to(squares.dtype)
+        else:  # a CPU count's mask with GPU parameters: 0-dim numbers join the kernels, no copy to wait for
+            squares = torch.stack([s + m.double() for s, m in zip(squares.unbind(), masks)])
         return (squares.sum() / count).sqrt().float()
 
     def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor] | None:
