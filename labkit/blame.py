@@ -34,8 +34,9 @@ first firing of the step). Under DDP and FSDP2 every rank runs the same backward
 records the same order; ``forensics`` agrees on the culprit with one all-reduce on skipped steps
 (two when a tied parameter is among the non-finite: its uses' output gradients are each rank's own).
 
-Cost: one Python call per parameter per backward (and one per tied use per forward, with one
-reduction over that use's output gradient).
+Cost: per parameter per backward, autograd calls a hook that appends it to a list (no Python
+frame); per tied use per forward, one Python call and one reduction over that use's output
+gradient. The ranks are worked out from the list only when a record asks (a non-finite step).
 
 >>> import torch
 >>> from torch import nn
@@ -50,7 +51,9 @@ reduction over that use's output gradient).
 
 from __future__ import annotations
 
+import collections
 import math
+import operator
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -93,6 +96,67 @@ def _compiled(module: nn.Module) -> bool:
         getattr(module, "_compiled_call_impl", None) is not None
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# What fired in one backward is kept up to this many entries (a plain loop that never calls pre_step
+# keeps the latest ones, not an ever longer list)
+FIRED_MAX = 1 << 16
+
+
+class _Trace:
+    """One step's backward order, worked out from what fired the first time it is read (a skipped step's)."""
+
+    __slots__ = ("_fired", "_names", "_regions", "_raw_uses", "_done")
+
+    def __init__(self, fired: list[Any], names: Mapping[int, tuple[str, str]], regions: Mapping[str, str],
+                 raw_uses: dict[str, dict[str, list[Any]]]) -> None:
+        self._fired, self._names, self._regions, self._raw_uses = fired, names, regions, raw_uses
+        self._done: tuple[dict, dict] | None = None
+
+    def get(self) -> tuple[dict[str, tuple[int, str]], dict[str, dict[str, list[Any]]]]:
+        if self._done is None:
+            positions: dict[str, tuple[int, str]] = {}
+            region_rank: dict[str, int] = {}
+            ranks = []  # how many gradients were placed before each entry
+            for item in self._fired:
+                ranks.append(len(positions))
+                name, module = item if type(item) is tuple else self._names[id(item)]
+                if name in positions:  # a later micro-batch, or a tied parameter's last use
+                    continue
+                region = self._regions.get(name)
+                # a compiled region is one node to autograd: its gradients arrive together, ranked as one
+                positions[name] = (len(positions) if region is None else
+                                   region_rank.setdefault(region, len(positions)), module)
+            ranks.append(len(positions))
+            uses = {name: {path: [ranks[i], amax] for path, (i, amax) in seen.items()}
+                    for name, seen in self._raw_uses.items()}
+            self._done = positions, uses
+        return self._done
+
+
+class _View(Mapping):
+    """``positions`` or ``uses`` of one step, worked out when first read."""
+
+    __slots__ = ("_trace", "_which")
+
+    def __init__(self, trace: _Trace, which: int) -> None:
+        self._trace, self._which = trace, which
+
+    def _dict(self) -> dict:
+        return self._trace.get()[self._which]
+
+    def __getitem__(self, key: str) -> Any:
+        return self._dict()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __repr__(self) -> str:
+        return repr(self._dict())
+
+
 class BackwardOrder(Hook):
     """Record, per step, where each gradient came in backward: ``positions[name] = (rank, module)``.
 
@@ -105,6 +169,8 @@ class BackwardOrder(Hook):
     and ``pre_step(None, step)`` before each forward, then pass ``positions`` and ``uses`` to
     ``forensics`` (after unfreezing parameters there, call ``attach`` again: a frozen parameter
     takes no hook).
+    ``positions`` and ``uses`` are read-only mappings of the last backward, worked out when first
+    read: each parameter's hook only appends it to a list (no Python frame of its own).
     """
 
     # on a skipped or clipped step (``labkit.step.record.forensics``): the top 3 (name, norm), the first
@@ -113,15 +179,32 @@ class BackwardOrder(Hook):
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
-        self.positions: dict[str, tuple[int, str]] = {}
-        self.uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [rank, amax]
+        # what fired this step, in order: a parameter (its hook appends it) or (name, module) (a tied use)
+        self._fired: collections.deque[Any] = collections.deque(maxlen=FIRED_MAX)
+        self._raw_uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [entry, amax]
+        self._trace: _Trace | None = None  # this step's, once read
         self._handles: list[Any] = []
         weakref.finalize(self, _remove, self._handles)  # a dropped BackwardOrder unhooks the model
-        self._hooked: set[int] = set()
+        self._hooked: dict[int, tuple[str, str]] = {}  # id(parameter) -> (name, module)
         self._regions: dict[str, str] = {}  # parameter -> the compiled region it is in
-        self._region_rank: dict[str, int] = {}
         self._key: tuple = ()
         self._all: list[Tensor] = []  # the model's parameters, listed once at attach
+
+    @property
+    def positions(self) -> Mapping[str, tuple[int, str]]:
+        """``{name: (rank, module)}`` of the last backward (a later step's leaves it as it was)."""
+        return _View(self._current(), 0)
+
+    @property
+    def uses(self) -> Mapping[str, Mapping[str, list[Any]]]:
+        """``{tied parameter: {module: [rank, largest |output gradient|]}}`` of the last backward."""
+        return _View(self._current(), 1)
+
+    def _current(self) -> _Trace:
+        trace = self._trace
+        if trace is None or len(trace._fired) != len(self._fired):  # read again after more fired
+            trace = self._trace = _Trace(list(self._fired), self._hooked, self._regions, self._raw_uses)
+        return trace
 
     def attach(self, trainer: Any) -> None:
         """Hook ``trainer.model`` (or ``trainer`` itself, a module); attaching again unhooks the old one."""
@@ -156,11 +239,17 @@ class BackwardOrder(Hook):
     def detach(self) -> None:
         """Remove every hook (the records fall back to registration order)."""
         _remove(self._handles)  # the same list: the finalizer holds it
-        self._hooked, self.positions, self.uses = set(), {}, {}
+        self._hooked = {}
+        self._start()
+
+    def _start(self) -> None:
+        # a new list and dict: the last step's trace keeps its own
+        self._fired.clear()
+        self._raw_uses, self._trace = {}, None
 
     def pre_step(self, trainer: Any, step: int) -> None:
-        """Start a new step's order (the last step's ``positions`` dict is left as it was, for its record)."""
-        self.positions, self.uses, self._region_rank = {}, {}, {}
+        """Start a new step's order (the last step's ``positions`` are left as they were, for its record)."""
+        self._start()
         if trainer is not None and self.model is not None:
             key = self._optimizer_key(trainer)
             if key != self._key:  # progressive unfreezing: hook what trains now
@@ -178,27 +267,16 @@ class BackwardOrder(Hook):
     def _optimizer_key(self, trainer: Any) -> tuple:
         # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter
         groups = getattr(getattr(trainer, "optimizer", None), "param_groups", ())
-        training = sum(p.requires_grad for p in self._all)  # the list kept at attach: no walk of the modules
-        return (*((id(g["params"]), len(g["params"])) for g in groups), training)
+        training = sum(map(_REQUIRES_GRAD, self._all))  # the list kept at attach: no walk of the modules
+        return (*[(id(g["params"]), len(g["params"])) for g in groups], training)
 
     def _hook_param(self, name: str, p: Tensor) -> None:
         if id(p) in self._hooked or not p.requires_grad:
             return
-        self._hooked.add(id(p))
-        self._handles.append(p.register_post_accumulate_grad_hook(
-            lambda _, name=name, module=module_of(name), fired=_weak(self._fired):  # noqa: B008
-            fired(name, module)))
-
-    def _fired(self, name: str, module: str) -> None:
-        if name in self.positions:  # a later micro-batch, or a tied parameter's last use
-            return
-        region = self._regions.get(name)
-        if region is None:
-            self.positions[name] = (len(self.positions), module)
-            return
-        # one node to autograd: its gradients arrive together, ranked as one (ties: the parameters' order)
-        rank = self._region_rank.setdefault(region, len(self.positions))
-        self.positions[name] = (rank, module)
+        self._hooked[id(p)] = (name, module_of(name))
+        # the deque's own append: no Python frame per gradient, and no reference to this object (the hook
+        # lives on the model, which outlives a TrainStep; the finalizer above removes it)
+        self._handles.append(p.register_post_accumulate_grad_hook(self._fired.append))
 
     def _used(self, names: Sequence[str], path: str, out: Any) -> None:
         if isinstance(out, Tensor) and out.requires_grad:
@@ -218,12 +296,12 @@ class BackwardOrder(Hook):
         # inf-norm is NaN/inf exactly then (one reduction on the device, read only on a skipped step)
         amax = torch.linalg.vector_norm(g.detach(), math.inf)
         for name in names:
-            seen = self.uses.setdefault(name, {})
+            seen = self._raw_uses.setdefault(name, {})
             if path in seen:  # a later micro-batch: the order stays the first's, a NaN anywhere counts
                 seen[path][1] = torch.maximum(seen[path][1], amax)
             else:
-                seen[path] = [len(self.positions), amax]
-            self._fired(name, path)
+                seen[path] = [len(self._fired), amax]  # its entry: the trace turns it into a rank
+            self._fired.append((name, path))
 
 
 def placed(positions: Mapping[str, tuple[int, str]], uses: Mapping[str, Mapping[str, list[Any]]],

@@ -309,6 +309,20 @@ def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | No
     return total_norm(per_tensor_norms(grads, p, foreach), p)
 
 
+@functools.lru_cache(maxsize=64)
+def constant(value: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Return a 0-dim tensor holding ``value``, made once per device and dtype; nobody may write into it.
+
+    A Python number in an operation on a 0-dim tensor is wrapped in a new tensor at every call,
+    which costs more than the operation; the step's few constants are made once instead. In
+    float32 and float64 an operation rounds such a tensor's value as it rounds the number's.
+
+    >>> constant(0.5, torch.device("cpu"), torch.float32)
+    tensor(0.5000)
+    """
+    return torch.full((), value, dtype=dtype, device=device)
+
+
 def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     """Return ``min(1, max_norm / (norm + 1e-6))``, or exactly 1 when ``norm`` is not finite.
 
@@ -318,15 +332,18 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     >>> clip_coef(torch.tensor(5.0), 1.0), clip_coef(torch.tensor(float("inf")), torch.tensor(1.0))
     (tensor(0.2000), tensor(1.))
     """
-    # clamp and a mask, not `if`: a Python branch on a device tensor forces a host sync. A
-    # negative norm (no norm is) would flip the gradients' sign: it leaves them alone too.
-    # In place after the first op: no temporaries; every step pays this on its 0-dim norm.
     if isinstance(max_norm, Tensor):
         coef = torch.div(max_norm, norm + EPS)
     else:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
-        coef = (norm + EPS).reciprocal_().mul_(max_norm)
-    usable = (norm >= 0).logical_and_(norm < math.inf)  # NaN fails both comparisons
-    return coef.clamp_(max=1.0).masked_fill_(usable.logical_not_(), 1.0)
+        dev, dtype = norm.device, norm.dtype
+        exact = dtype in (torch.float32, torch.float64)  # fp16/bf16 take a Python number in float32
+        eps, m = (constant(EPS, dev, dtype), constant(max_norm, dev, dtype)) if exact else (EPS, max_norm)
+        coef = (norm + eps).reciprocal_().mul_(m)
+    # a select, not `if`: a Python branch on a device tensor forces a host sync. root - root is 0, or NaN
+    # for a NaN, infinite or negative norm (no norm is negative; torch would flip the gradients' sign),
+    # and fmin(NaN, 1) is 1: those gradients are left alone, and min(coef, 1) is torch's clamp
+    root = norm.sqrt()
+    return torch.fmin(coef + (root - root), constant(1.0, coef.device, coef.dtype))
 
 
 def round_to(x: float, dtype: torch.dtype) -> float:

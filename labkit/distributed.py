@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_reduce_", "is_distributed", "local_tensor", "mean_across", "rank", "reduce_sharded_norms_"]
+__all__ = ["all_reduce_", "is_distributed", "local_tensor", "mean_across", "rank", "reduce_sharded_norms_",
+           "reduce_sharded_sums_"]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, which a build without distributed lacks
 
@@ -42,7 +43,7 @@ def rank() -> int:
 
 
 def all_reduce_(tensor: Tensor, op: str, group: ProcessGroup | None = None) -> Tensor:
-    """Reduce ``tensor`` in place across ``group`` (default: the world) with ``"sum"``, ``"max"`` or ``"min"``.
+    """Reduce ``tensor`` in place across ``group`` (default: the world) by ``"sum"``, ``"max"`` or ``"min"``.
 
     Not distributed: return ``tensor`` untouched, with no collective.
 
@@ -97,7 +98,8 @@ def _shard_groups(t: Tensor) -> tuple:
         return ()
     if any(p.is_partial() for p in t.placements):
         raise ValueError(
-            f"a gradient is a DTensor with a Partial placement {t.placements}: its norm is not the norm of its "
+            f"a gradient is a DTensor with a Partial placement {t.placements}: its norm is not the norm of "
+            "its "
             "shards. Reduce it first (grad.redistribute(placements=[Replicate()]) or let FSDP2's backward "
             "reduce-scatter it into Shard) before asking for the norm."
         )
@@ -140,3 +142,29 @@ def reduce_sharded_norms_(norms: Tensor, grads: list[Tensor], norm_type: float) 
             values = values.pow(1.0 / norm_type)
         norms.index_copy_(0, index, values.to(norms.dtype))
     return norms
+
+
+def reduce_sharded_sums_(sums: Tensor, tensors: list[Tensor]) -> Tensor:
+    """Turn sums over the local shards of sharded ``DTensor``s into sums over the whole tensors, in place.
+
+    ``sums[i]`` is a sum over ``tensors[i]``'s local shard; one all-reduce (SUM) per group of ranks,
+    for every tensor sharded alike (as ``reduce_sharded_norms_``). Plain and replicated tensors
+    are left alone and cost no collective.
+
+    >>> reduce_sharded_sums_(torch.tensor([3.0, 4.0]), [torch.ones(1), torch.ones(1)])
+    tensor([3., 4.])
+    """
+    if _dtensor_type() is None:
+        return sums
+    buckets: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups = _shard_groups(t)
+        if groups:
+            buckets.setdefault(groups, []).append(i)
+    for groups, idx in buckets.items():
+        index = torch.tensor(idx, device=sums.device)
+        values = sums.index_select(0, index)
+        for group in groups:
+            all_reduce_(values, "sum", group)
+        sums.index_copy_(0, index, values)
+    return sums

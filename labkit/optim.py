@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .distributed import local_tensor, reduce_sharded_sums_
 from .validate import check_number
 
 __all__ = ["StableAdamW", "read_update_rms", "update_rms"]
@@ -98,7 +99,8 @@ def read_update_rms(optimizer: torch.optim.Optimizer, params: Iterable[Tensor] |
     parameter of every group). A parameter without a gradient or not yet stepped gives NaN.
     An optimizer with no second moment (SGD, Adagrad, Adafactor, Adamax) is refused, and so is
     Adam with L2 ``weight_decay`` (its ``v`` holds ``(g + wd * p)**2``, not ``g**2``). Returns
-    0-dim tensors, each on its parameter's device; no host sync.
+    0-dim tensors, each on its parameter's device; no host sync. The tensors of one device, dtype
+    and group go through torch's ``_foreach`` operations together, each value bitwise ``update_rms``'s.
 
     >>> w = torch.nn.Parameter(torch.zeros(2)); opt = torch.optim.Adam([w], betas=(0.9, 0.95))
     >>> w.grad = torch.tensor([1.0, -2.0]); opt.step(); read_update_rms(opt)
@@ -111,7 +113,8 @@ def read_update_rms(optimizer: torch.optim.Optimizer, params: Iterable[Tensor] |
     every = [p for group in optimizer.param_groups for p in group["params"]]
     wanted = every if params is None else list(params)
     name = type(optimizer).__name__
-    out: list[Tensor] = []
+    out: list[Tensor | None] = []
+    batches: dict[tuple, list[tuple[int, Tensor, Tensor, Tensor]]] = {}  # tensors that go together
     for i, p in enumerate(wanted):
         group = home.get(id(p))
         if group is None:
@@ -132,11 +135,58 @@ def read_update_rms(optimizer: torch.optim.Optimizer, params: Iterable[Tensor] |
         if p.grad is None or not state:
             out.append(torch.full((), float("nan"), device=p.device))
             continue
-        out.append(update_rms(p.grad, state["exp_avg_sq"], state["step"], group["betas"][1], group["eps"]))
+        grad, v, step = p.grad, state["exp_avg_sq"], state["step"]
+        beta2, eps = group["betas"][1], group["eps"]
+        sharded = type(grad) is not Tensor  # FSDP2's DTensor: the mean over the whole tensor, across ranks
+        if not isinstance(step, Tensor) or grad.is_complex() or isinstance(beta2, Tensor) or \
+                not sharded and grad.numel() == 0:  # the rule itself, one tensor at a time
+            out.append(update_rms(grad, v, step, beta2, eps))
+            continue
+        out.append(None)
+        key = (local_tensor(grad).device, torch.promote_types(grad.dtype, torch.float32), step.device, beta2,
+               eps, sharded)
+        batches.setdefault(key, []).append((i, grad, v, step))
+    for (_, dtype, step_device, beta2, eps, sharded), batch in batches.items():
+        check_number("beta2", beta2, 0, 1, high_open=True, hint="(Adam's second betas entry)")
+        check_number("eps", eps, 0, finite=True)
+        values = _update_rms_together(batch, dtype, step_device, beta2, eps, sharded)
+        for i, value in zip([i for i, *_ in batch], values):
+            out[i] = value
     if wanted and all(p.grad is None for p in wanted):
         raise RuntimeError("no parameter has a gradient: read the update RMS after optimizer.step() and "
                            "before optimizer.zero_grad().")
-    return out
+    return out  # type: ignore[return-value]
+
+
+def _update_rms_together(batch: list[tuple[int, Tensor, Tensor, Tensor]], dtype: torch.dtype,
+                         step_device: torch.device, beta2: float, eps: float, sharded: bool) -> list[Tensor]:
+    """``update_rms`` of tensors on one device, in one dtype and group, with ``_foreach`` operations.
+
+    ``sharded``: FSDP2's ``DTensor``s; each rank sums over its shards, one all-reduce adds the sums
+    up, and the mean is over the whole tensor (the same on every rank; not the bits of one process).
+    """
+    grads = [local_tensor(g.detach()) for _, g, _, _ in batch]
+    squares = [local_tensor(v.detach()) for _, _, v, _ in batch]
+    grads = [g if g.dtype is dtype else g.to(dtype) for g in grads]
+    squares = [v if v.dtype is dtype else v.to(dtype) for v in squares]
+    steps = torch.stack([s for *_, s in batch])
+    steps = steps.double() if step_device.type == "cpu" else steps  # as _bias_correction
+    # 1 - beta2**step of every tensor at once, in each one's own bits: a strided view goes through the
+    # kernel's element-by-element loop, as a 0-dim tensor does (a contiguous one may take a vectorized
+    # pow, which rounds some last bits otherwise)
+    corrections = 1 - torch.pow(beta2, torch.stack([steps, steps], 1)[:, 0])
+    corrections = corrections.to(dtype).unbind()
+    if corrections[0].device == grads[0].device:
+        v_hat = torch._foreach_div(squares, list(corrections))
+    else:  # torch's CPU step counts with parameters on a GPU: each 0-dim CPU number joins its own kernel
+        v_hat = [v / c for v, c in zip(squares, corrections)]
+    ratios = torch._foreach_div(torch._foreach_mul(grads, grads), torch._foreach_clamp_min(v_hat, eps * eps))
+    if sharded:  # the mean of the whole tensor: the shards' sums added up, over its number of elements
+        sums = reduce_sharded_sums_(torch.stack([r.sum() for r in ratios]), [g for _, g, _, _ in batch])
+        means = sums / torch.tensor([g.numel() for _, g, _, _ in batch], dtype=sums.dtype, device=sums.device)
+        return list(means.sqrt().unbind())
+    # one mean per tensor (torch has no foreach mean); sqrt is correctly rounded, vector or not
+    return list(torch.stack([r.mean() for r in ratios]).sqrt().unbind())
 
 
 class StableAdamW(torch.optim.AdamW):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .clip import constant
 from .distributed import ProcessGroup, all_reduce_, local_tensor
 from .grouping import group_by_device_and_dtype
 from .validate import check_int, real
@@ -62,6 +63,8 @@ F32 = torch.finfo(torch.float32)
 DEFAULT_MIN_SCALE = F32.tiny
 # int32 counters on the device: a growth_interval past them would wrap and grow every step.
 INT32_MAX = 2**31 - 1
+# The scaler's state, 0-dim device tensors, in this order
+STATE_KEYS = ("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak")
 # One back-off by more than 2**-24 (fp16's whole subnormal range) is a reset, not a back-off.
 MIN_BACKOFF = 2.0**-24
 
@@ -150,8 +153,9 @@ def update_scale(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return the next ``(scale, growth_tracker, hysteresis_left)`` after one iteration.
 
-    All arguments are 0-dim tensors (``scale`` float32, the counters int32, ``found_inf``
-    nonzero on overflow); the result is computed with ``torch.where``, so it never syncs::
+    All arguments are 0-dim tensors on one device (``scale`` float32, the counters int32,
+    ``hysteresis_left`` in ``[0, hysteresis]``, ``found_inf`` nonzero on overflow); the inputs
+    are left as they were and nothing is read to the host::
 
         if found_inf:
             growth_tracker = 0
@@ -160,47 +164,48 @@ def update_scale(
                 scale = max(scale * backoff_factor, min_scale or 2**-126)
         else:
             growth_tracker += 1
-            if growth_tracker == growth_interval:
+            if growth_tracker >= growth_interval:
                 growth_tracker = 0
                 hysteresis_left = hysteresis
                 grown = scale * growth_factor
                 if isfinite(grown):
-                    scale = min(grown, max_scale)
+                    scale = min(grown, max(scale, max_scale))   # a cap never lowers the scale
 
-    Products are taken in float64 and rounded to float32, exactly as torch's
-    ``_amp_update_scale_`` does, so with ``hysteresis=1`` and no bounds the trajectory is
-    torch's to the bit, until torch's scale would fall below float32's normal range (a dead
-    scale, see ``DEFAULT_MIN_SCALE``): there ``min_scale=None`` still floors it at 2**-126.
+    Defaults (torch's): ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``,
+    ``hysteresis=1``; ``min_scale=None`` floors at float32's smallest normal number (see
+    ``DEFAULT_MIN_SCALE``), ``max_scale=None`` caps nothing. Source: torch's
+    ``_amp_update_scale_`` (``aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp`` and its CUDA
+    twin), which this rule runs on copies of the state, so with ``hysteresis=1`` and no
+    bounds it is torch's rule to the bit (products taken in float64, rounded once to float32);
+    hysteresis is DeepSpeed's and Megatron-LM's ``DynamicLossScaler``'s. Torch's kernel grows
+    only at ``tracker + 1 == growth_interval``: the tracker is clamped below the interval first,
+    so one left past a lowered interval grows at the next clean step.
 
     >>> t = lambda v, d=torch.int32: torch.tensor(v, dtype=d)
     >>> s, g, h = update_scale(t(1024.0, torch.float32), t(0), t(1), t(1.0, torch.float32), ScalerConfig())
     >>> s.item(), g.item(), h.item()
     (512.0, 0, 0)
     """
-    overflow = found_inf != 0
-    zero = torch.zeros_like(growth_tracker)
-
-    hyst_after = torch.clamp(hysteresis_left - 1, min=0)
-    backed = (scale.double() * config.backoff_factor).float()
-    # bounds rounded inwards to float32, so 0.7 stays a floor; without one, the scale still never dies
+    dev = scale.device
+    overflow = found_inf.ne(constant(0.0, dev, found_inf.dtype))
+    # torch's kernel writes its arguments in place: it gets fresh ones (the clamp's result is one)
+    new_scale, new_tracker = scale.clone(), growth_tracker.clamp(max=config.growth_interval - 1)
+    torch._amp_update_scale_(new_scale, new_tracker, found_inf if found_inf.dtype == torch.float32 else
+                             found_inf.float(), config.growth_factor, config.backoff_factor,
+                             config.growth_interval)
+    if config.max_scale is not None:  # bounds rounded inwards to float32, so 0.7 stays a floor
+        # on a clean step the kernel's scale is the scale or its growth; a back-off is below both
+        new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
     floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
-    backed = torch.clamp(backed, min=floor)
-    on_overflow = torch.where(hyst_after == 0, backed, scale)
-
-    tracker_after = growth_tracker + 1
-    grows = tracker_after >= config.growth_interval
-    grown = (scale.double() * config.growth_factor).float()
-    grown = torch.where(torch.isfinite(grown), grown, scale)
-    if config.max_scale is not None:
-        # a cap never raises a scale that already sits above it (e.g. set by update(new_scale))
-        cap = torch.full_like(scale, _f32_inside(config.max_scale, upward=False))
-        grown = torch.minimum(grown, torch.maximum(scale, cap))
-    on_clean = torch.where(grows, grown, scale)
-
-    new_scale = torch.where(overflow, on_overflow, on_clean)
-    new_tracker = torch.where(overflow | grows, zero, tracker_after)
-    refill = torch.full_like(hysteresis_left, config.hysteresis)
-    new_hyst = torch.where(overflow, hyst_after, torch.where(grows, refill, hysteresis_left))
+    new_scale = torch.where(overflow, new_scale.clamp(min=floor), new_scale)  # without a floor it could die
+    if config.hysteresis == 1:  # every overflow backs off; hysteresis_left is 0 after one, 1 after a growth
+        after = ~overflow
+    else:  # fewer than H overflows since the last growth: the back-off waits
+        hyst_after = (hysteresis_left - 1).clamp_(min=0)
+        new_scale = torch.where(overflow & (hyst_after > 0), scale, new_scale)
+        after = torch.where(overflow, hyst_after, config.hysteresis)
+    # the tracker is 0 after an overflow and after a growth, which refills the hysteresis
+    new_hyst = torch.where(new_tracker.eq(constant(0, dev, torch.int32)), after, hysteresis_left)
     return new_scale, new_tracker, new_hyst
 
 
@@ -255,6 +260,7 @@ class GradScaler:
         self._init_skips = (0, 0)
         self._state: dict[str, Tensor] | None = None  # created lazily on the loss's device
         self._per_optimizer: dict[int, dict[str, Any]] = {}
+        self._flags: dict[tuple[torch.device, bool], Tensor] = {}  # see _flag
 
     # -- state ------------------------------------------------------------------------
 
@@ -364,11 +370,22 @@ class GradScaler:
         if isinstance(found_inf, bool):
             device = self._state["scale"].device if self._state is not None else torch.device("cpu")
             opt_state["host"] = found_inf
-            found = torch.full((), float(found_inf), dtype=torch.float32, device=device)  # update() moves the scale on the device
+            found = self._flag(device, found_inf)  # update() moves the scale on the device
         else:
             found = found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0 else found_inf.float().reshape(())
             all_reduce_(found, "max", self.process_group)
         opt_state.update(found_inf=found, has_grads=True, stage=Stage.UNSCALED if unscaled else Stage.CHECKED)
+
+    def _flag(self, device: torch.device, value: bool) -> Tensor:
+        """Return ``found_inf`` for a decision read to the host: one of two tensors made once per device.
+
+        Every reader of ``found_inf`` (``update``, a fused optimizer's kernel) only reads it.
+        """
+        key = (device, value)
+        flag = self._flags.get(key)
+        if flag is None:
+            flag = self._flags[key] = torch.full((), float(value), dtype=torch.float32, device=device)
+        return flag
 
     def will_skip(self, optimizer: torch.optim.Optimizer) -> bool:
         """Return whether ``step`` will skip ``optimizer`` (one host sync; ``step`` then reuses it).
@@ -497,12 +514,12 @@ class GradScaler:
         all_reduce_(found_inf, "max", self.process_group)
         opt_state.update(found_inf=found_inf, has_grads=bool(groups), stage=Stage.CHECKED)
 
-    def update(self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | None = None) -> None:
+    def update(self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | bool | None = None) -> None:
         """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``).
 
-        ``keep_if`` (labkit's): a 0-dim device bool; where true the state is left exactly as
-        it was, without a host sync (``TrainStep`` passes "the loss was NaN/inf": a bad
-        batch is no scaling problem). ``new_scale`` sets the scale instead; a deliberate
+        ``keep_if`` (labkit's): a 0-dim device bool, or a Python bool; where true the state is
+        left exactly as it was, without a host sync (``TrainStep`` passes "the loss was NaN/inf": a
+        bad batch is no scaling problem; ``True``: a hook's skip). ``new_scale`` sets the scale instead; a deliberate
         difference from torch, which takes any value: it must be a number > 0 that is finite in
         float32, else ``ScalerValueError`` (a scale <= 0 zeroes or flips the sign of every
         gradient, an inf or NaN one skips every step). Checking a tensor costs one host read.
@@ -515,6 +532,11 @@ class GradScaler:
             self._per_optimizer = {}
             return
         state = self._require_state("update")
+        if isinstance(keep_if, bool):  # known on the host: nothing to select
+            if keep_if and new_scale is None:
+                self._per_optimizer = {}
+                return
+            keep_if = None
         if new_scale is not None:
             value = torch.as_tensor(new_scale, dtype=torch.float32).to(state["scale"].device)
             if value.numel() != 1 or value.requires_grad:
@@ -526,7 +548,7 @@ class GradScaler:
                     "takes any value, but a scale <= 0 zeroes or flips every gradient and inf or NaN skips "
                     "every step). To restart the scale pass a power of two such as 2.0**16."
                 )
-            state["scale"].copy_(value.reshape(()))
+            state["scale"] = value.reshape(()).clone()  # a new tensor, as every update() gives
         else:
             found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None and s["has_grads"]]
             if not found:
@@ -538,11 +560,13 @@ class GradScaler:
             found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
             new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
                                self.config)
-            skipped = (found_inf != 0).long()
-            counters = (state["skip_count"] + skipped, state["skip_streak"] * skipped + skipped)
-            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"),
-                                  (*new, *counters)):
-                state[key].copy_(value if keep_if is None else torch.where(keep_if, state[key], value))
+            skipped = found_inf.ne(constant(0.0, device, found_inf.dtype))
+            one = constant(1, device, torch.int64)
+            counters = (state["skip_count"] + skipped, (state["skip_streak"] + one) * skipped)
+            # new tensors, not writes into the old ones: a scale read before (get_scale_async) stays this
+            # iteration's, as a record needs it, with no copy
+            for key, value in zip(STATE_KEYS, (*new, *counters)):
+                state[key] = value if keep_if is None else torch.where(keep_if, state[key], value)
         self._per_optimizer = {}
 
     # -- reading it ---------------------------------------------------------------------
@@ -554,6 +578,9 @@ class GradScaler:
 
     def get_scale_async(self) -> Tensor:
         """Return the current scale as a 0-dim float32 tensor on its device, without a sync (1.0 when disabled).
+
+        ``update()`` puts a new tensor in its place and never writes into this one: it stays the
+        scale this iteration ran with (torch's ``_scale`` is updated in place).
 
         >>> GradScaler("cpu", init_scale=8.0).get_scale_async()
         tensor(8.)
@@ -632,7 +659,7 @@ class GradScaler:
         self._init_scale, self._init_tracker, self._init_hysteresis = initial[:3]
         self._init_skips = initial[3:]
         if self._state is not None:
-            for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), initial):
+            for key, value in zip(STATE_KEYS, initial):
                 self._state[key].fill_(value)
 
     @staticmethod

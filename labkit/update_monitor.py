@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .alarms import LabkitWarning, warn
-from .distributed import rank
+from .distributed import local_tensor, rank, reduce_sharded_sums_
 from .hooks import Hook
 from .optim import read_update_rms
 from .records import Field, put
@@ -57,8 +57,9 @@ class UpdateMonitor(Hook):
     numbers on the host) to ``on_record``, which names the peak and warns. Cost per step:
     a copy of the parameters (for the applied update) and one pass over the gradients and ``v``;
     no host sync. Under DDP every rank holds the same gradients and states, so the same values;
-    under FSDP2 each rank holds a shard, and the means would need an all-reduce of the sums
-    (as the logit measures reduce theirs), not done here.
+    under FSDP2 each rank holds a shard: its sums over the shards are all-reduced (one SUM per
+    group of ranks, as ``labkit.distributed.reduce_sharded_norms_`` does for the norms), so every
+    rank records the whole tensors' values.
 
     >>> w = torch.nn.Parameter(torch.ones(4)); opt = torch.optim.AdamW([w], betas=(0.9, 0.99))
     >>> monitor = UpdateMonitor(opt)
@@ -81,6 +82,7 @@ class UpdateMonitor(Hook):
             self._check(optimizer)
         self._before: dict[int, Tensor] = {}  # theta_{t-1}, copied at pre_optim_step
         self._steps: dict[int, Tensor] = {}  # each parameter's optimizer step count, as last seen
+        self._last: tuple[tuple[int, ...], Tensor | None] = ((), None)  # whose counts, stacked
         self._pending: dict[str, Tensor] = {}
         self._alarmed = False  # in an episode (the peak above threshold) already warned about
 
@@ -108,31 +110,59 @@ class UpdateMonitor(Hook):
         if not params:
             return
         values = read_update_rms(opt, [p for _, p in params])
-        lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
-        measures: dict[str, Tensor] = {}
-        squares, count = [], 0
-        for (name, p), rms in zip(params, values):
-            count_now = opt.state[p].get("step") if opt.state.get(p) else None
-            if count_now is None:  # never stepped
-                continue
-            last = self._steps.get(id(p))
-            # the optimizer's own count moved, or the step was skipped (a scaler's overflow, a hook's
-            # skip): compared as tensors where they live, nothing read on the host; the mask (0 or NaN)
-            # is added, as a 0-dim tensor may join a kernel on another device (torch's CPU count with
-            # CUDA parameters) where torch.where would refuse it; + 0 keeps rms's bits
-            count_now = torch.as_tensor(count_now)
-            moved = count_now != last if last is not None else torch.ones((), dtype=torch.bool,
-                                                                         device=count_now.device)
-            self._steps[id(p)] = count_now.detach().clone()
-            mask = torch.where(moved, 0.0, math.nan)
-            measures[f"update_rms/{name}"] = rms + mask.to(rms.dtype)
-            if id(p) in before:
-                delta = (p.detach().double() - before[id(p)].double()) / lrs[id(p)]
-                squares.append(delta.square().sum() + mask.double())
-                count += p.numel()
-        if squares and count:
-            measures["applied_update_rms"] = (torch.stack(squares).sum() / count).sqrt().float()
+        states = [opt.state.get(p) for _, p in params]
+        stepped = [(n, p, rms, torch.as_tensor(state["step"]))
+                   for (n, p), rms, state in zip(params, values, states)
+                   if state and state.get("step") is not None]  # else never stepped
+        if not stepped:
+            self._pending = {}
+            return
+        # the optimizer's own count moved, or the step was skipped (a scaler's overflow, a hook's skip):
+        # compared as tensors where they live, nothing read on the host; a mask of 0 or NaN is added
+        # (+ 0 keeps rms's bits) to every tensor of one device at once
+        counts = torch.stack([c for *_, c in stepped])
+        ids = tuple(id(p) for _, p, _, _ in stepped)
+        last_ids, last = self._last
+        moved = counts != last if last_ids == ids else torch.stack(
+            [c != self._steps[i] if i in self._steps else torch.ones((), dtype=torch.bool, device=c.device)
+             for i, (*_, c) in zip(ids, stepped)])
+        self._last = (ids, counts)
+        self._steps = dict(zip(ids, counts.unbind()))
+        nan = torch.full_like(counts, math.nan, dtype=torch.float32)
+        mask = torch.where(moved, torch.zeros_like(nan), nan)
+        rms = [r for _, _, r, _ in stepped]
+        if all(r.device == mask.device and r.dtype == mask.dtype for r in rms):
+            rms = (torch.stack(rms) + mask).unbind()
+        else:  # a 0-dim mask joins a kernel on another device (torch's CPU count with CUDA parameters)
+            rms = [r + m.to(r.dtype) for r, m in zip(rms, mask.unbind())]
+        measures = {f"update_rms/{n}": r for (n, *_), r in zip(stepped, rms)}
+        moved_ = [(p, before[id(p)], m) for (_, p, _, _), m in zip(stepped, mask.unbind()) if id(p) in before]
+        count = sum(p.numel() for p, _, _ in moved_)
+        if count:
+            measures["applied_update_rms"] = self._applied_rms(opt, moved_, count)
         self._pending = measures
+
+    @staticmethod
+    def _applied_rms(opt: torch.optim.Optimizer, moved: list[tuple[Tensor, Tensor, Tensor]],
+                     count: int) -> Tensor:
+        """RMS over every coordinate of ``(theta_t - theta_{t-1}) / lr``, in float64 (masked as the RMS)."""
+        lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+        # a DTensor's (FSDP2) local shard; its sum is added up across the ranks below
+        deltas = [local_tensor(p.detach()).to(torch.float64, copy=True) for p, _, _ in moved]  # written next
+        torch._foreach_sub_(deltas, [local_tensor(b) for _, b, _ in moved])  # theta_{t-1}: exact in float64
+        rates = [lrs[id(p)] for p, _, _ in moved]
+        if all(isinstance(r, (int, float)) for r in rates):
+            torch._foreach_div_(deltas, rates)
+        else:  # a tensor learning rate
+            deltas = [d / r for d, r in zip(deltas, rates)]
+        torch._foreach_mul_(deltas, deltas)
+        squares = reduce_sharded_sums_(torch.stack([d.sum() for d in deltas]), [p for p, _, _ in moved])
+        masks = [m for *_, m in moved]
+        if masks[0].device == squares.device:
+            squares = squares + torch.stack(masks).to(squares.dtype)
+        else:  # a CPU count's mask with GPU parameters: 0-dim numbers join the kernels, no copy to wait for
+            squares = torch.stack([s + m.double() for s, m in zip(squares.unbind(), masks)])
+        return (squares.sum() / count).sqrt().float()
 
     def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor] | None:
         """Hand the previous optimizer step's measures to this step's one read."""

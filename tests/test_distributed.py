@@ -266,7 +266,29 @@ def scenario_gpt(rank, out):
     return [step(*shard(task.batch(i), rank)).to_dict() for i in range(3)]
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups,
+MONITOR_STEPS = 5
+
+
+def monitor_run(model, rank=None):
+    """AdamW with an UpdateMonitor for MONITOR_STEPS steps of ToyTask (this rank's half of each batch, or all
+    of it); return each record's monitor fields."""
+    from labkit.update_monitor import UpdateMonitor
+
+    task = ToyTask()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    step = TrainStep(model, opt, task.loss_fn, max_norm=None, skip_alarm=None, clip_alarm=None,
+                     hooks=[UpdateMonitor(threshold=None)])
+    return [{k: v for k, v in step(*batch).to_dict().items() if "update" in k}
+            for batch in (task.batch(i) if rank is None else shard(task.batch(i), rank)
+                          for i in range(MONITOR_STEPS))]
+
+
+def scenario_monitor(rank, out):
+    """UpdateMonitor under FSDP2: each rank holds shards of g, v and theta; the record holds whole tensors'."""
+    return monitor_run(fully_sharded(ToyTask().model()), rank)
+
+
+SCENARIOS = {"monitor": scenario_monitor, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups,
              "rewind": scenario_rewind, "diagnosis": scenario_diagnosis, "gpt": scenario_gpt}
 
 
@@ -560,3 +582,20 @@ def test_demo_under_torchrun_reports_rank_1s_nan_once(tmp_path):
     assert proc.stdout.count("step  120  SKIP  nonfinite_input") == 1  # rank 0 speaks for both
     assert "ranks       2 (ddp, gloo)" in proc.stdout
     assert (out / "log.csv").exists() and (out / "demo.png").exists()
+
+
+def test_the_update_monitor_under_fsdp_records_the_whole_tensors_values_on_every_rank(ranks):
+    """FSDP2 shards g, v and theta: the per-tensor RMS and the applied update's RMS, reduced across the ranks,
+    are a single process's on the whole batch (to rounding: the shards' sums are added in another order)."""
+    (r0, r1), _ = ranks
+    assert repr(r0["monitor"]) == repr(r1["monitor"])  # every rank records the same numbers
+    task = ToyTask()
+    oracle = monitor_run(task.model())
+    assert r0["monitor"][0] == oracle[0] == {}  # nothing measured before the first optimizer step
+    assert [set(r["update_rms"]) for r in r0["monitor"][1:]] == [set(r["update_rms"]) for r in oracle[1:]]
+    assert len(oracle[1]["update_rms"]) == 6 and any(v != 1.0 for v in oracle[-1]["update_rms"].values())
+    for mine, theirs in zip(r0["monitor"][1:], oracle[1:]):
+        for name, value in theirs["update_rms"].items():
+            assert math.isclose(mine["update_rms"][name], value, rel_tol=1e-4), (name, mine, theirs)
+        assert math.isclose(mine["applied_update_rms"], theirs["applied_update_rms"], rel_tol=1e-4)
+        assert mine["update_rms_peak"] == theirs["update_rms_peak"] and mine["update_step"] == theirs["update_step"]

@@ -132,8 +132,7 @@ def _is_batch(item: Any) -> bool:
     return isinstance(item, (Tensor, Mapping))
 
 
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, on: bool) -> contextlib.AbstractContextManager:
     """Run one micro-batch's forward and backward with the gradient reduction on (the last one) or off.
 
     Off is DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync(False)`` (switched back
@@ -143,8 +142,13 @@ def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
 
     >>> with gradient_sync(nn.Linear(1, 1), on=False): pass
     """
-    no_sync = None if on else getattr(model, "no_sync", None)
-    switch = None if on else getattr(model, "set_requires_gradient_sync", None)
+    return contextlib.nullcontext() if on else _sync_off(model)
+
+
+@contextlib.contextmanager
+def _sync_off(model: nn.Module) -> Iterator[None]:
+    no_sync = getattr(model, "no_sync", None)
+    switch = getattr(model, "set_requires_gradient_sync", None)
     if callable(no_sync):
         with no_sync():
             yield

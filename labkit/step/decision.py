@@ -91,7 +91,9 @@ def read(*tensors: Tensor) -> list[float]:
     first = tensors[0]
     if len(tensors) == 1:
         return [first.item()]
-    return torch.stack([first, *(t.to(first) for t in tensors[1:])]).tolist()
+    dtype, device = first.dtype, first.device
+    return torch.stack([first, *(t if t.dtype is dtype and t.device == device else t.to(first)
+                                 for t in tensors[1:])]).tolist()
 
 
 def unscaled_norms(
@@ -137,8 +139,10 @@ def decide(
     >>> d.skip, d.coef, d.factor()
     (tensor(0.), tensor(0.2000), tensor(0.2000))
     """
-    # inf - inf and NaN - NaN are NaN: isfinite's answer with fewer 0-dim operations
-    found_inf = torch.isnan(norm - norm).float()
+    # inf - inf and NaN - NaN are NaN, the one number unequal to itself: isfinite's answer, as a float
+    # (found_inf's dtype), in fewer 0-dim operations
+    found_inf = norm - norm
+    found_inf = found_inf.ne_(found_inf) if found_inf.dtype == torch.float32 else found_inf.isnan().float()
     if loss_bad is not None:
         found_inf = torch.maximum(found_inf, loss_bad.float().to(found_inf.device))
     if verdict.skip is not None:  # a spike is no scaling problem: skip, keep the scale

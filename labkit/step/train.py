@@ -206,19 +206,14 @@ class TrainStep:
                 [scaler.get_scale()]
             verdict = self._verdict(step, loss.value, math.nan, scale=scale, loss_bad=True, batch=batch)
             return skip_bad_loss(scale, verdict.measured(zip(measures, measured)))
-        named, grads = [], []
         self._params = self._named_params()  # this step's: the hooks and the clipper see the same list
-        for name, p in self._params:
-            g = p.grad
-            if g is not None:
-                if g.is_sparse:
-                    raise ValueError("sparse gradients are not supported by the global norm: use "
-                                     "sparse=False in the model.")
-                named.append((name, g))
-                grads.append(g)
+        named = [(name, p.grad) for name, p in self._params if p.grad is not None]
+        grads = [g for _, g in named]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("sparse gradients are not supported by the global norm: use sparse=False in the "
+                             "model.")
         self._named_grads = named
-        # update() writes the scaler's state in place: the record reads this step's scale after it
-        scale = scaler.get_scale_async().clone() if enabled else None
+        scale = scaler.get_scale_async() if enabled else None  # update() leaves this tensor as it is
         norms, norm, inv_scale = unscaled_norms(grads, scale, self.norm_type)
         if scale is None:  # a disabled scaler's: one 1 on the norm's device, made once
             if self._one is None or self._one.device != norm.device:
@@ -268,7 +263,7 @@ class TrainStep:
         if not d.keep_scale and loss.flag is None:
             self.scaler.update()
         elif d.keep_scale:
-            self.scaler.update(keep_if=torch.ones((), dtype=torch.bool, device=d.scale.device))
+            self.scaler.update(keep_if=True)
         else:  # a non-finite loss found on the device is no scaling problem either
             self.scaler.update(keep_if=loss.flag.to(d.scale.device))  # type: ignore[union-attr]
 
