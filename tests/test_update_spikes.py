@@ -1,4 +1,4 @@
-"""Lesson 08's runs: the fixed-batch task, the arms, the disk cache, the series, the spike finder, the figure."""
+"""Lesson 08's runs: the fixed-batch task, the arms, the disk cache, the series, the spike finder, figures."""
 
 import math
 import types
@@ -9,7 +9,13 @@ import torch
 from labkit.lab import update_spikes
 from labkit.lab.experiment import ExperimentConfig, make_optimizer
 from labkit.lab.update_spikes import (
-    ARMS, Beta2Panel, Memorise, loss_spikes, plot_update_spikes, run_monitored, update_series,
+    ARMS,
+    Beta2Panel,
+    Memorise,
+    loss_spikes,
+    plot_update_spikes,
+    run_monitored,
+    update_series,
 )
 from labkit.optim import StableAdamW, read_update_rms
 from labkit.tasks import FixedBatch, GPTTask
@@ -41,9 +47,11 @@ def test_each_arm_is_its_optimizer_and_clip_and_the_rest_is_shared():
     configs = {arm: Memorise().config(arm, seed=1) for arm in ARMS}
     params = [torch.nn.Parameter(torch.zeros(2))]
     kinds = {arm: type(make_optimizer(c, params)) for arm, c in configs.items()}
-    assert kinds == {"AdamW": torch.optim.AdamW, "AdamW+clip(1.0)": torch.optim.AdamW, "StableAdamW": StableAdamW}
+    assert kinds == {"AdamW": torch.optim.AdamW, "AdamW+clip(1.0)": torch.optim.AdamW,
+                     "StableAdamW": StableAdamW}
     assert [c.max_norm for c in configs.values()] == [None, 1.0, None]
-    shared = {(c.lr, c.betas, c.weight_decay, c.warmup, c.scheduler, c.steps, c.task) for c in configs.values()}
+    shared = {(c.lr, c.betas, c.weight_decay, c.warmup, c.scheduler, c.steps, c.task)
+              for c in configs.values()}
     assert shared == {(1e-2, (0.9, 0.99), 0.0, 10, None, 1000, FixedBatch(GPTTask(seed=1, measure=False)))}
     assert Memorise(fixed_batch=False).config("AdamW").task == GPTTask(seed=0, measure=False)
     with pytest.raises(ValueError, match="arm must be one of"):
@@ -140,6 +148,9 @@ def test_the_figure_draws_every_arm_on_the_same_steps_with_its_marks():
     assert labels == ["AdamW", "StableAdamW", "alarm 3", "bound 1/sqrt(1-beta2) = 10"]
     assert list(rms_ax.get_lines()[0].get_ydata()[:3]) == [1.0, 2.0, 9.0]
     assert [line.get_ydata()[0] for line in fig.axes[2].get_lines()[-1:]] == [1.0]  # the clip threshold
+    [key] = fig.legends  # one key under the figure: every arm and mark, each drawn
+    assert [t.get_text() for t in key.get_texts()] == ["AdamW", "StableAdamW", "clip threshold 1", "alarm 3",
+                                                       "bound 1/sqrt(1-beta2) = 10"]
     with pytest.raises(ValueError, match="at least one seed"):
         plot_update_spikes({"AdamW": {}})
 

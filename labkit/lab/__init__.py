@@ -58,7 +58,14 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .sweep import Recipe, Runs, SweepPanel, plot_runs, plot_sweep, run_point, summarize
     from .text import culprit, describe, describe_rewind, format_scale, title
     from .update_spikes import (
-        ARMS, Beta2Panel, LossSpike, Memorise, loss_spikes, plot_update_spikes, run_monitored, update_series,
+        ARMS,
+        Beta2Panel,
+        LossSpike,
+        Memorise,
+        loss_spikes,
+        plot_update_spikes,
+        run_monitored,
+        update_series,
     )
     from .widgets import ControlPanel, episode, event_rows
 

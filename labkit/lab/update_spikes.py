@@ -293,7 +293,8 @@ def plot_update_spikes(runs: Mapping[str, Mapping[int, StepLog]], *, max_norm: f
     ``runs`` maps an arm's name to ``{seed: monitored log}``. All four rows share the optimizer
     step on x (``update_series``), so a jump in RMS can be read against the loss one step later.
     The grad-norm row marks the clip threshold ``max_norm``; the RMS row the ``threshold`` and
-    the bound ``1 / sqrt(1 - beta2)``. Every y-axis is logarithmic.
+    the bound ``1 / sqrt(1 - beta2)``; one key below the figure names them all. Every y-axis is
+    logarithmic.
 
     >>> log = run_monitored(Memorise(steps=5, warmup=1), "AdamW", cache=False)
     >>> fig = plot_update_spikes({"AdamW": {0: log}})
@@ -334,12 +335,13 @@ def plot_update_spikes(runs: Mapping[str, Mapping[int, StepLog]], *, max_norm: f
             axes[row, col].set_yscale("log")
             if col == 0:
                 axes[row, col].set_ylabel(_YLABELS[name])
-    axes[0, 0].legend(fontsize=7, loc="upper right")
-    for row in (1, 2):
-        marks = ("clip", "alarm", "bound")
-        handles = [h for h in axes[row, 0].get_lines() if h.get_label().startswith(marks)]
-        if handles:
-            axes[row, 0].legend(handles=handles, fontsize=7, loc="lower left")
+    # one key for the whole figure: every arm and mark, drawn in every column
+    handles = {}
+    for ax in axes[:, 0]:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncols=min(len(handles), 2 * len(seeds)), fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
