@@ -28,9 +28,12 @@ from nbval.kernel import CURRENT_ENV_KERNEL_NAME, NbvalKernelspecManager
 
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 EVERY_NOTEBOOK = sorted(NOTEBOOKS.glob("0*.ipynb")) + sorted((NOTEBOOKS / "exercises").glob("*.ipynb"))
-# The notebooks that train the GPT cost about half of a pass (07 alone about 40%): they get a module
-# of their own, so that pytest-xdist's --dist loadfile (one module per worker) splits a pass in two.
+# The notebooks that train the GPT cost about half of a pass (07 alone about 40%; 08 trains twelve
+# 1000-step runs, kept on disk per setting by labkit.lab.update_spikes, so each pass trains its own): they
+# get a module of their own, so that pytest-xdist's --dist loadfile (one module per worker) splits a
+# pass in two.
 GPT = [NOTEBOOKS / "04_pretraining_gpt.ipynb", NOTEBOOKS / "07_small_scale_instabilities.ipynb",
+       NOTEBOOKS / "08_optimizer_spikes.ipynb",
        NOTEBOOKS / "exercises" / "ps2_instabilities_and_spikes.ipynb"]
 PASSES_ENV = "LABKIT_PORTABILITY"
 CI_PASSES = ["LABKIT_PERTURB=1"]

@@ -24,6 +24,8 @@ _LAZY = {
     ".sweep": ("Recipe", "Runs", "SweepPanel", "plot_runs", "plot_sweep", "run_point",
                "summarize"),
     ".text": ("culprit", "describe", "describe_rewind", "format_scale", "title"),
+    ".update_spikes": ("ARMS", "Beta2Panel", "LossSpike", "Memorise", "loss_spikes", "plot_update_spikes",
+                       "run_monitored", "update_series"),
     ".widgets": ("ControlPanel", "episode", "event_rows"),
 }
 _HOME = {name: module for module, names in _LAZY.items() for name in names}
@@ -55,6 +57,16 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .plots import LiveDashboard, plot_log, plot_scale_and_skips
     from .sweep import Recipe, Runs, SweepPanel, plot_runs, plot_sweep, run_point, summarize
     from .text import culprit, describe, describe_rewind, format_scale, title
+    from .update_spikes import (
+        ARMS,
+        Beta2Panel,
+        LossSpike,
+        Memorise,
+        loss_spikes,
+        plot_update_spikes,
+        run_monitored,
+        update_series,
+    )
     from .widgets import ControlPanel, episode, event_rows
 
 
@@ -71,12 +83,12 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "AdamWatch", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig", "GradHistogram",
-    "GradientProbe", "GranularityExplorer", "LiveDashboard", "Probed", "Recipe", "Runs", "SweepPanel",
-    "culprit", "default_device", "describe", "describe_rewind", "episode", "event_rows", "expect",
-    "format_scale", "granularity_rows",
-    "ledger", "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
+    "ARMS", "AdamWatch", "Beta2Panel", "ControlPanel", "DefenseExplorer", "Defenses", "ExperimentConfig",
+    "GradHistogram", "GradientProbe", "GranularityExplorer", "LiveDashboard", "LossSpike", "Memorise",
+    "Probed", "Recipe", "Runs", "SweepPanel", "culprit", "default_device", "describe", "describe_rewind",
+    "episode", "event_rows", "expect", "format_scale", "granularity_rows", "ledger", "loss_spikes",
+    "number_line", "plot_adam_moments", "plot_defenses", "plot_flushed_by_tensor", "plot_headroom",
     "plot_layer_heatmap", "plot_log", "plot_runs", "plot_sawtooth", "plot_scale_and_skips", "plot_sweep",
-    "plot_u_curve", "round_trip", "run_experiment", "run_point", "scaling_figure", "stagnation_figure",
-    "summarize", "title",
+    "plot_u_curve", "plot_update_spikes", "round_trip", "run_experiment", "run_monitored", "run_point",
+    "scaling_figure", "stagnation_figure", "summarize", "title", "update_series",
 ]

@@ -17,6 +17,7 @@ from ..clip import check_max_norm
 from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import Faults, FaultSchedule
+from ..optim import StableAdamW
 from ..records import StepRecord
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
@@ -29,7 +30,7 @@ from .defenses import Defenses, loss_fn_with_shift
 __all__ = ["ExperimentConfig", "default_device", "make_optimizer", "make_scheduler", "one_thread_on_cpu",
            "run_experiment"]
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "stableadamw")
 SCHEDULERS = (None, "cosine")
 PARALLEL = (None, "ddp", "fsdp2")
 
@@ -67,7 +68,8 @@ class ExperimentConfig:
     ``task`` names a built-in task (``"toy"``, ``"gpt"``: ``labkit.tasks.TASKS``, sized for the
     device) or is a task object (``model(device)``, ``batch(step, device)``, ``loss_fn``); one
     with ``monitor(model)`` (``GPTTask``) has that hook write its measurements on each record.
-    ``optimizer`` is ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"adamw"`` (torch's, with ``betas``);
+    ``optimizer`` is ``"sgd"`` (momentum 0.9), ``"adam"`` or ``"adamw"`` (torch's, with ``betas``), or
+    ``"stableadamw"`` (``labkit.optim.StableAdamW``: AdamW with update clipping, lesson 08);
     ``weight_decay`` is torch's (AdamW's is decoupled and multiplied by the lr: Wortsman et al.'s
     *independent* decay λ is ``weight_decay=λ / lr``). ``warmup`` steps raise the lr linearly
     to ``lr`` (nanoGPT's ``lr * (t + 1) / (warmup + 1)``), then ``scheduler="cosine"`` decays it to 0.
@@ -216,7 +218,7 @@ def make_optimizer(config: ExperimentConfig, params: Any) -> torch.optim.Optimiz
     """Return the optimizer ``config`` names over ``params``, with its lr, betas and weight decay."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
-    adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    adam = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "stableadamw": StableAdamW}[config.optimizer]
     return adam(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 

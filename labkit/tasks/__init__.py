@@ -16,11 +16,12 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from .fixed import FixedBatch
 from .gpt import GPTTask
 from .text import TextCorpus
 from .toy import ToyTask
 
-__all__ = ["TASKS", "GPTTask", "Task", "TextCorpus", "ToyTask", "make_task"]
+__all__ = ["TASKS", "FixedBatch", "GPTTask", "Task", "TextCorpus", "ToyTask", "make_task"]
 
 
 @runtime_checkable
