@@ -1,12 +1,12 @@
 """Autograder checks: run a student's function on visible and hidden cases against labkit's own.
 
-One module per problem set (``ps1``, ``ps2``, ``ps3``), each holding its checks' cases,
-student sides, judges and ``check_*`` functions, and ``core`` for what they share (calling
-student code, shipping its results as data, the host-sync and ban traps). Each check has two
-halves that meet only through data: ``run`` calls the student's function on a case and
-returns what it saw (tensors, numbers, strings: what ``torch.save``/
-``torch.load(weights_only=True)`` carries), and ``judge`` compares that with labkit's
-reference and returns the failure message, or None. The grader runs ``run`` in the
+One module per problem set (``ps1``, ``ps2``, ``ps3``; ``ps4`` a package, a module per part),
+each holding its checks' cases, student sides, judges and ``check_*`` functions, and ``core``
+for what they share (calling student code, shipping its results as data, the host-sync and ban
+traps). Each check has two halves that meet only through data: ``run`` calls the student's
+function on a case and returns what it saw (tensors, numbers, strings: what
+``torch.save``/``torch.load(weights_only=True)`` carries), and ``judge`` compares that with
+labkit's reference and returns the failure message, or None. The grader runs ``run`` in the
 student's sandboxed process and ``judge`` in its own (``labkit.grading.harness``), so a
 submission cannot reach the verdict; ``check_*`` runs both in one process, for the
 notebook's test cells. ``hidden=True`` runs a randomized battery built from ``seed``, quoted
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import core, ps1, ps2, ps3
+from . import core, ps1, ps2, ps3, ps4
 from .core import SYNCS
 # what the harness protects and installs, and the tests undo, reached from here
 from .core import _call as _call, _forbid as _forbid, _homes as _homes, _install as _install, _ship as _ship
@@ -27,15 +27,17 @@ from .ps2 import (
     check_clip_effect, check_fp16_range, check_read_run, check_spike_detector, check_zscore_clipper,
 )
 from .ps3 import check_delayed_scaling, check_fp8_tiles, check_kahan_update, check_stale_fraction
+from .ps4 import check_find_spike, check_update_clipping, check_update_rms
 
 __all__ = ["BANNED", "CHECKS", "SYNCS", "check_clip", "check_clip_effect", "check_delayed_scaling",
-           "check_fp16_range", "check_fp8_tiles", "check_grad_norm", "check_guarded_step",
+           "check_find_spike", "check_fp16_range", "check_fp8_tiles", "check_grad_norm", "check_guarded_step",
            "check_kahan_update", "check_read_run", "check_skip_decision", "check_spike_detector",
-           "check_stale_fraction", "check_update_scale", "check_zscore_clipper", "judge", "run"]
+           "check_stale_fraction", "check_update_clipping", "check_update_rms", "check_update_scale",
+           "check_zscore_clipper", "judge", "run"]
 
-CHECKS: dict[str, core.Check] = {**ps1.CHECKS, **ps2.CHECKS, **ps3.CHECKS}
+CHECKS: dict[str, core.Check] = {**ps1.CHECKS, **ps2.CHECKS, **ps3.CHECKS, **ps4.CHECKS}
 # the library functions each check's part asks the student to write (trapped while it runs)
-BANNED: dict[str, tuple[str, ...]] = {**ps1.BANNED, **ps2.BANNED, **ps3.BANNED}
+BANNED: dict[str, tuple[str, ...]] = {**ps1.BANNED, **ps2.BANNED, **ps3.BANNED, **ps4.BANNED}
 
 
 def run(check: str, fn: Callable, hidden: bool, seed: int, outs: list[dict[str, Any]] | None = None,
