@@ -9,6 +9,7 @@ and nbgrader's autograde of whole submissions: tests/test_grading_nbgrader.py.
 
 import functools
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -384,3 +385,33 @@ def test_the_release_scores_zero_and_every_part_says_it_is_not_implemented(path)
         else:
             assert part.message.endswith("is not implemented yet: replace `raise NotImplementedError()` "
                                          "with your code."), part.message
+
+
+def test_ps4s_oracle_is_trapped_however_it_is_reached():
+    from labkit.optim import StableAdamW, read_update_rms
+    from labkit.update_monitor import UpdateMonitor
+
+    def through_the_monitor(optimizer):  # labkit's own hook calls read_update_rms for the student
+        monitor = UpdateMonitor(optimizer, threshold=None)
+        named = [(str(i), p) for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+        monitor.post_step(None, named, None)
+        return list(monitor.post_backward(None, 0).values())
+
+    for fn in (read_update_rms, through_the_monitor):  # a reference taken before the first ban reaches the
+        message = fails(checks.check_update_rms, fn, hidden=False)  # function it calls, update_rms, itself
+        assert re.search(r"called labkit\.optim\.(read_)?update_rms: this part asks you to compute the RMS "
+                         r"yourself", message), message
+
+    def clipped_by_labkit(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay):
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        StableAdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return ps, exp_avgs, exp_avg_sqs
+
+    message = fails(checks.check_update_clipping, clipped_by_labkit, hidden=False)
+    assert "called labkit.optim.StableAdamW: this part asks you to write the update-clipped step" in message
+    # outside the parts, the library works as ever
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    opt = StableAdamW([w])
+    opt.step()
+    assert read_update_rms(opt)[0].item() == pytest.approx(1.0)
