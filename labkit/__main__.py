@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-
 COMMANDS = {  # name: (module whose main(argv) runs it, what it does); imported only when run
     "demo": ("labkit.lab.demo", "train the toy task through injected faults"),
     "show": ("labkit.lab.show", "a log.jsonl from any loop: its event lines, summary and figure (PNG)"),

@@ -4,18 +4,30 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from labkit.lab.gradients import (BF16_RANGE, FP16_RANGE, GradHistogram, GradientProbe, GradStat, flush_fractions,
-                                  plot_flushed_by_tensor, plot_headroom, plot_layer_heatmap, plot_sawtooth,
-                                  plot_u_curve, u_curve)
+from labkit.lab.gradients import (
+    BF16_RANGE,
+    FP16_RANGE,
+    GradHistogram,
+    GradientProbe,
+    GradStat,
+    flush_fractions,
+    plot_flushed_by_tensor,
+    plot_headroom,
+    plot_layer_heatmap,
+    plot_sawtooth,
+    plot_u_curve,
+    u_curve,
+)
 from labkit.records import StepRecord
 from labkit.steplog import StepLog
 
 
 def test_histogram_bands_sit_at_fp16_and_bf16_limits():
     f16 = torch.finfo(torch.float16)
-    assert FP16_RANGE == (math.log2(f16.smallest_normal * f16.eps), math.log2(f16.smallest_normal), math.log2(f16.max))
+    assert (math.log2(f16.smallest_normal * f16.eps), math.log2(f16.smallest_normal), math.log2(f16.max)) == FP16_RANGE
     assert FP16_RANGE[:2] == (-24.0, -14.0) and BF16_RANGE[1] == -126.0
     assert 2.0 ** FP16_RANGE[0] == torch.tensor(2.0**-24, dtype=torch.float16).item()  # the smallest subnormal
     h = GradHistogram(torch.tensor([1.0]))

@@ -9,7 +9,11 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit.grading import (
-    check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale,
+    check_clip,
+    check_grad_norm,
+    check_guarded_step,
+    check_skip_decision,
+    check_update_scale,
 )
 
 

@@ -13,6 +13,7 @@ student's output; the grader keeps the first part of it.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import os
 import select
@@ -151,8 +152,6 @@ if __name__ == "__main__":
     # torch's modules (and torch._dynamo's, once an optimizer pulled it in) is about a fifth of a
     # sandboxed run. The student's buffered output is flushed first (their own stream too).
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:
-            pass
     os._exit(code)

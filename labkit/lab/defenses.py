@@ -29,9 +29,9 @@ from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, 
 from ..faults import Fault
 from ..reasons import LOSS, Reason
 from ..records import StepRecord
-from ..steplog import StepLog
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
+from ..steplog import StepLog
 from .plots import _positive
 
 __all__ = ["KNOBS", "METHODS", "OUTCOMES", "Defenses", "ledger", "loss_fn_with_shift",

@@ -18,9 +18,9 @@ from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
 from ..records import StepRecord
-from ..steplog import StepLog
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
+from ..steplog import StepLog
 from ..tasks import TASKS, Task, make_task
 from ..validate import check_int, check_number
 from .defenses import Defenses, loss_fn_with_shift

@@ -14,8 +14,8 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..formats.fp8 import FORMATS, CastRecord, quantize
 from ..formats.bf16 import RemedyRun
+from ..formats.fp8 import FORMATS, CastRecord, quantize
 
 __all__ = [
     "GRANULARITY_LABELS", "NUMBER_LINE", "GranularityExplorer", "format_values", "granularity_rows", "number_line",

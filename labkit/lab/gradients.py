@@ -230,8 +230,8 @@ class GradientProbe:
             # a tied weight's .grad adds its uses; if one is not a Linear (an fp32 embedding), it is not fp16's
             only_linear = id(p) in linear and id(p) not in self._tied
             self._handles.append(p.register_post_accumulate_grad_hook(
-                lambda p, module=module_of(name), label=label, lin=only_linear: self._param_grad(module, label, p,
-                                                                                                  lin)))
+                lambda p, module=module_of(name), label=label, lin=only_linear:  # noqa: B008
+                self._param_grad(module, label, p, lin)))
         self.layers = list(groups)
         self._norms = {m: [] for m in self.layers}
         for name, module in model.named_modules():

@@ -20,11 +20,20 @@ from typing import Any
 
 from . import core, ps1, ps2, ps3, ps4
 from .core import SYNCS
+
 # what the harness protects and installs, and the tests undo, reached from here
-from .core import _call as _call, _forbid as _forbid, _homes as _homes, _install as _install, _ship as _ship
+from .core import _call as _call
+from .core import _forbid as _forbid
+from .core import _homes as _homes
+from .core import _install as _install
+from .core import _ship as _ship
 from .ps1 import check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale
 from .ps2 import (
-    check_clip_effect, check_fp16_range, check_read_run, check_spike_detector, check_zscore_clipper,
+    check_clip_effect,
+    check_fp16_range,
+    check_read_run,
+    check_spike_detector,
+    check_zscore_clipper,
 )
 from .ps3 import check_delayed_scaling, check_fp8_tiles, check_kahan_update, check_stale_fraction
 from .ps4 import check_find_spike, check_update_clipping, check_update_rms

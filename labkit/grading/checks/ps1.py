@@ -28,7 +28,19 @@ from labkit.scaler import GradScaler, ScalerConfig, update_scale
 from labkit.step import TrainStep
 
 from .core import (
-    Check, _by_name, _call, _close, _forbid, _grads, _no_host_sync, _number, _raised, _same, _ship, _where, check,
+    Check,
+    _by_name,
+    _call,
+    _close,
+    _forbid,
+    _grads,
+    _no_host_sync,
+    _number,
+    _raised,
+    _same,
+    _ship,
+    _where,
+    check,
 )
 
 __all__ = ["BANNED", "CHECKS", "check_clip", "check_grad_norm", "check_guarded_step", "check_skip_decision",

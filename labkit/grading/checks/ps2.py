@@ -42,7 +42,18 @@ from labkit.step import TrainStep
 from labkit.tasks.gpt import GPTTask
 
 from .core import (
-    Check, _call, _close, _forbid, _grads, _no_host_sync, _plain, _raised, _same, _ship, _where, check,
+    Check,
+    _call,
+    _close,
+    _forbid,
+    _grads,
+    _no_host_sync,
+    _plain,
+    _raised,
+    _same,
+    _ship,
+    _where,
+    check,
 )
 
 __all__ = ["BANNED", "CHECKS", "check_clip_effect", "check_fp16_range", "check_read_run",
@@ -492,18 +503,17 @@ def _drive(fn: Callable, case: _ZCase, traps: list[str], resume_at: int | None) 
     clipper, steps = made["value"], []
     for t in range(len(case.norms)):
         if t == resume_at:
-            saved = _call(lambda: _roundtrip(clipper.state_dict()))
+            saved = _call(lambda c=clipper: _roundtrip(c.state_dict()))
             if "raised" in saved:
                 return {**saved, "steps": steps, "message": f"at the resume (step {t}): {saved['message']}"}
             again = _call(fn, **case.config)
-            loaded = again if "raised" in again else \
-                _call(lambda: again["value"].load_state_dict(saved["value"]))
+            loaded = again if "raised" in again else _call(again["value"].load_state_dict, saved["value"])
             if "raised" in loaded:
                 return {**loaded, "steps": steps}
             clipper = again["value"]
         params = case.params(t)
         with _no_host_sync(traps, ZCLIP_ADVICE):
-            out = _call(lambda: clipper.clip_(params))
+            out = _call(clipper.clip_, params)
         out.update(value=_ship(out.get("value")), grads=_grads(params))
         steps.append(out)
         if "raised" in out or traps:
@@ -702,9 +712,7 @@ def _decisions(case: _DetCase, mistake: str | None = None) -> list[tuple[str, fl
         finite = math.isfinite(loss) and math.isfinite(norm)
         zl, zg = z(losses, loss), z(norms, norm)
         action, limit = "log", None
-        if not finite:
-            action = "skip"
-        elif case.skip_z is not None and (zl > case.skip_z or zg > case.skip_z):
+        if not finite or case.skip_z is not None and (zl > case.skip_z or zg > case.skip_z):
             action = "skip"
         elif case.clip_z is not None and zg > case.clip_z:
             recent = norms[-case.window:]
@@ -798,7 +806,7 @@ def _run_detector(fn: Callable, case: _DetCase) -> dict[str, Any]:
         steps = []
         if "raised" not in made:
             for loss, norm in case.series:
-                out = _call(lambda: made["value"].decide(loss, norm))
+                out = _call(made["value"].decide, loss, norm)
                 out["value"] = _ship(out.get("value"))
                 steps.append(out)
                 if "raised" in out or traps:

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from labkit.formats.fp8 import check_amax, quantize, update_amax_history
 from labkit.formats.bf16 import kahan_add, stale_fraction
+from labkit.formats.fp8 import check_amax, quantize, update_amax_history
 
 from .core import Check, _call, _close, _forbid, _plain, _raised, _ship, _where, check
 
