@@ -1,12 +1,12 @@
 """Autograder checks: run a student's function on visible and hidden cases against labkit's own.
 
-One module per problem set (``ps1``, ``ps2``, ``ps3``; ``ps4`` a package, a module per part),
-each holding its checks' cases, student sides, judges and ``check_*`` functions, and ``core``
-for what they share (calling student code, shipping its results as data, the host-sync and ban
-traps). Each check has two halves that meet only through data: ``run`` calls the student's
-function on a case and returns what it saw (tensors, numbers, strings: what
-``torch.save``/``torch.load(weights_only=True)`` carries), and ``judge`` compares that with
-labkit's reference and returns the failure message, or None. The grader runs ``run`` in the
+One module per problem set (``ps1``, ``ps2``, ``ps3``, ``ps4``), each holding its checks' cases,
+student sides, judges and ``check_*`` functions, and ``core`` for what they share (calling
+student code, shipping its results as data, the host-sync and ban traps). Each check has two
+halves that meet only through data: ``run`` calls the student's function on a case and
+returns what it saw (tensors, numbers, strings: what ``torch.save``/
+``torch.load(weights_only=True)`` carries), and ``judge`` compares that with labkit's
+reference and returns the failure message, or None. The grader runs ``run`` in the
 student's sandboxed process and ``judge`` in its own (``labkit.grading.harness``), so a
 submission cannot reach the verdict; ``check_*`` runs both in one process, for the
 notebook's test cells. ``hidden=True`` runs a randomized battery built from ``seed``, quoted
