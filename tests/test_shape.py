@@ -4,6 +4,7 @@ that never reach back into ``TrainStep``, and an AMP order short enough to read 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,33 @@ def test_no_part_reaches_into_anothers_privates():
         "self.scaler._abandon_iteration (line 1)", "clipper._to (line 2)"]
     for path in [*STEP.glob("*.py"), LABKIT / "hooks.py", LABKIT / "rewind.py", LABKIT / "spikes.py"]:
         assert private_reaches(path.read_text()) == [], path.name
+
+
+def private_imports(source: str) -> list[str]:
+    """``from module import _name``: a private name taken from another module (the name, not its alias)."""
+    return [f"{a.name} (line {node.lineno})" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_the_lab_packages_split_by_job_take_no_private_name_from_another_module():
+    """A helper that another module uses is public where it lives (``sweep.analysis.peak``)."""
+    source = "from .a import b, _c\nfrom x import _d as d\nfrom __future__ import annotations\n"
+    assert private_imports(source) == ["_c (line 1)", "_d (line 2)"]
+    for package in ("sweep", "gradients"):
+        for path in sorted((LABKIT / "lab" / package).glob("*.py")):
+            assert private_imports(path.read_text()) == [], f"{package}/{path.name}"
+
+
+@pytest.mark.parametrize("package, order", [
+    ("labkit.lab.sweep", ["recipe", "analysis", "store", "runner", "plots", "panel", "cli"]),
+    ("labkit.lab.gradients", ["ranges", "probe", "histogram", "plots"]),
+], ids=["sweep", "gradients"])
+def test_a_package_split_by_job_imports_only_down_the_order_its_docstring_gives(package, order):
+    """Each module imports only the modules before it, never its package's face (which imports them all)."""
+    assert sorted(m for m in GRAPH if m.startswith(package + ".")) == sorted(f"{package}.{m}" for m in order)
+    said = ast.get_docstring(ast.parse(MODULES[package].read_text())).split("One module per job")[1]
+    assert [m for m in re.findall(r"``(\w+)``", said) if m in order] == order  # the order the docstring gives
+    for i, name in enumerate(order):
+        inside = {m for m in GRAPH[f"{package}.{name}"] if m == package or m.startswith(package + ".")}
+        assert inside <= {f"{package}.{m}" for m in order[:i]}, (name, inside)

@@ -35,9 +35,9 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _e2m1():  # type: ignore[no-untyped-def]
-    from ..formats.fp8 import _torchao_mx
+    from ..formats.fp8 import import_torchao_mx
 
-    _torchao_mx()  # torchao imported quietly
+    import_torchao_mx()  # torchao imported quietly
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
 
     return f32_to_f4_unpacked, f4_unpacked_to_f32
