@@ -186,3 +186,40 @@ def test_a_package_split_by_job_imports_only_down_the_order_its_docstring_gives(
     for i, name in enumerate(order):
         inside = {m for m in GRAPH[f"{package}.{name}"] if m == package or m.startswith(package + ".")}
         assert inside <= {f"{package}.{m}" for m in order[:i]}, (name, inside)
+
+
+GRADING = LABKIT / "grading"
+SETS = sorted(p.parent for p in (GRADING / "checks").glob("*/__init__.py"))
+
+
+def test_grading_takes_no_private_name_from_another_module():
+    """What a module of the grader uses from another is public there (``core.call_student``, not _call)."""
+    source = "from .core import ship, _call\nfrom x import _d as d\n"
+    assert private_imports(source) == ["_call (line 1)", "_d (line 2)"]
+    for path in sorted(GRADING.rglob("*.py")):
+        assert private_imports(path.read_text()) == [], path.relative_to(LABKIT)
+
+
+def parts_of(package: Path) -> list[str]:
+    """The modules of a problem set's package that define a part's ``CHECK``; the others are shared."""
+    def defines_check(path: Path) -> bool:
+        return any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "CHECK" for t in n.targets)
+                   for n in ast.parse(path.read_text()).body)
+    modules = [p for p in package.glob("*.py") if p.name != "__init__.py"]
+    return sorted(module_name(p) for p in modules if defines_check(p))
+
+
+@pytest.mark.parametrize("package", SETS, ids=lambda p: p.name)
+def test_a_problem_sets_parts_stand_alone(package):
+    """One module per part: a part imports the set's shared modules (bans, cases), never another part
+    or the set's face (which imports every part)."""
+    face, parts = module_name(package / "__init__.py"), parts_of(package)
+    assert len(parts) >= 2 and all(m.startswith(face + ".") for m in parts), parts
+    for part in parts:
+        assert not GRAPH[part] & {face, *parts}, (part, GRAPH[part] & {face, *parts})
+
+
+@pytest.mark.parametrize("path", sorted((GRADING / "checks").rglob("*.py")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_grading_check_modules_are_small(path):
+    assert len(path.read_text().splitlines()) <= 400, f"{path.name} has grown past 400 lines: split it"

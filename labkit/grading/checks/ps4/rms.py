@@ -1,4 +1,4 @@
-"""Part 1: RMS(g/sqrt(v_hat)) per parameter tensor, read from an AdamW's state after its step.
+"""Set 4, part 1: RMS(g/sqrt(v_hat)) per parameter tensor, read from an AdamW's state after its step.
 
 Graded against ``labkit.optim.read_update_rms`` on optimizers built here from the seed: param
 groups with their own betas and eps, a tensor frozen for the first steps (its own, smaller step
@@ -19,13 +19,10 @@ import torch
 
 from labkit.optim import read_update_rms
 
-from ..core import Check, _call, _close, _forbid, _plain, _raised, _ship, _where
+from ..core import Check, as_plain, call_student, check, close, forbid, on_case, raised_problem, ship
+from .bans import RMS_FUNCS
 
-__all__ = ["RMS_FUNCS", "rms_check"]
-
-# what the part asks for, and what computes it for the student (UpdateMonitor reads read_update_rms)
-RMS_FUNCS = ("labkit.optim.update_rms", "labkit.optim.read_update_rms", "labkit.optim._bias_correction",
-             "labkit.optim.StableAdamW")
+__all__ = ["CHECK", "check_update_rms"]
 
 
 @dataclass
@@ -150,20 +147,20 @@ RMS_MISTAKES = {
 def _run_rms(fn: Callable, case: _RmsCase) -> dict[str, Any]:
     opt = _optimizer(case)
     traps: list[str] = []
-    with _forbid(RMS_FUNCS, "compute the RMS", traps):
-        out = _call(fn, opt)
-    out.update(traps=traps, value=_ship(out.get("value"), items=64))
+    with forbid(RMS_FUNCS, "compute the RMS", traps):
+        out = call_student(fn, opt)
+    out.update(traps=traps, value=ship(out.get("value"), items=64))
     return out
 
 
 def _judge_rms(name: str, case: _RmsCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
-    where = _where(case.name, hidden, seed)
-    raised = _raised(name, out, where)
+    where = on_case(case.name, hidden, seed)
+    raised = raised_problem(name, out, where)
     if raised:
         return raised
     labels = _labels(case)
     try:
-        got = [float(v) for v in _plain(out["value"])]
+        got = [float(v) for v in as_plain(out["value"])]
     except (TypeError, ValueError):
         return (f"{name} returned a {out['value']['type']} {where}; return a list with one number (or 0-dim "
                 "tensor) per parameter, in the order of optimizer.param_groups.")
@@ -171,15 +168,41 @@ def _judge_rms(name: str, case: _RmsCase, out: dict[str, Any], hidden: bool, see
     if len(got) != len(want):
         return (f"{name} returned {len(got)} values {where}, expected {len(want)}: one per parameter of "
                 "every param group, in order (a parameter with no gradient this step gives NaN).")
-    wrong = [i for i, (a, b) in enumerate(zip(got, want)) if not _close(a, b)]
+    wrong = [i for i, (a, b) in enumerate(zip(got, want)) if not close(a, b)]
     if not wrong:
         return None
     i = wrong[0]
     hint = next((h for m, h in RMS_MISTAKES.items()
-                 if all(_close(a, b) for a, b in zip(got, _by_hand(case, m)))), None)
+                 if all(close(a, b) for a, b in zip(got, _by_hand(case, m)))), None)
     hint = hint or ("RMS = sqrt(mean(g**2 / max(v_hat, eps**2))), v_hat = exp_avg_sq / (1 - beta2**step), "
                     "with the tensor's own step count and its group's betas and eps")
     return f"{name} gave {got[i]:.6g} for {labels[i]} {where}, expected {want[i]:.6g}: {hint}."
 
 
-rms_check = Check(_rms_cases, _run_rms, _judge_rms)
+CHECK = Check(_rms_cases, _run_rms, _judge_rms)
+
+
+def check_update_rms(fn: Callable[[Any], list], hidden: bool = False, seed: int | None = None) -> None:
+    """Check ``fn(optimizer) -> [RMS per parameter]`` against ``labkit.optim.read_update_rms``.
+
+    Called after ``optimizer.step()``, gradients still there: per parameter, in the order of
+    ``optimizer.param_groups``, ``sqrt(mean(g**2 / max(v_hat, eps**2)))`` with ``v_hat =
+    exp_avg_sq / (1 - beta2**step)``, its own step count and its group's betas and eps; NaN
+    for a parameter with no gradient.
+
+    >>> import math, torch
+    >>> def update_rms_per_tensor(optimizer):
+    ...     out = []
+    ...     for group in optimizer.param_groups:
+    ...         beta2, eps = group["betas"][1], group["eps"]
+    ...         for p in group["params"]:
+    ...             if p.grad is None:
+    ...                 out.append(math.nan)
+    ...                 continue
+    ...             state = optimizer.state[p]
+    ...             v_hat = state["exp_avg_sq"] / (1 - beta2 ** state["step"].item())
+    ...             out.append((p.grad**2 / v_hat.clamp(min=eps**2)).mean().sqrt().item())
+    ...     return out
+    >>> check_update_rms(update_rms_per_tensor, hidden=True, seed=0)
+    """
+    check(CHECK, fn, hidden, seed, RMS_FUNCS)

@@ -1,4 +1,4 @@
-"""Part 3: from a monitored run's records, which tensor's RMS spiked, when, and whether before the loss.
+"""Set 4, part 3: from a monitored run's records, which tensor's RMS spiked, when, and if before the loss.
 
 The records are a real run's, produced here from the seed: a small MLP memorising one batch
 with AdamW (beta2 0.99) under ``TrainStep`` with an ``UpdateMonitor`` (a fifth of a second). In
@@ -14,12 +14,10 @@ first crossing is not the run's largest RMS and each classic mistake changes the
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import random
 import statistics
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,31 +29,17 @@ from labkit.records import StepRecord
 from labkit.step import TrainStep
 from labkit.update_monitor import UpdateMonitor
 
-from ..core import Check, _call, _forbid, _plain, _raised, _ship, _where
+from ..core import Check, as_plain, call_student, check, forbid, on_case, raised_problem, ship
+from ..ps2.tiny_gpt import one_thread
+from .bans import SPIKE_FUNCS
 
-__all__ = ["SPIKE_FUNCS", "spike_check"]
+__all__ = ["CHECK", "check_find_spike"]
 
 FEATURE = 10.0  # the feature's size once on: its weights' first Adam steps overshoot
-SPIKE_FUNCS: tuple[str, ...] = ()  # nothing in labkit answers it: the part is reading records
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run on one thread, as the sandbox does: the same bits on both sides of the grader."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @functools.lru_cache(maxsize=8)
 def _run(seed: int, kind: str, event: int, steps: int, lr: float = 0.05) -> tuple[StepRecord, ...]:
     """Return the records of a run: a feature switching on (``"feature"``) or bad targets, at ``event``."""
-    with _one_thread():
+    with one_thread():
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -176,19 +160,19 @@ def _spike_cases(hidden: bool, seed: int) -> Iterator[_SpikeCase]:
 
 def _run_spike(fn: Callable, case: _SpikeCase) -> dict[str, Any]:
     traps: list[str] = []
-    with _forbid(SPIKE_FUNCS, "read the records", traps):
-        out = _call(fn, list(copy.deepcopy(case.records)), case.threshold, case.factor, case.window)
-    out.update(traps=traps, value=_ship(out.get("value")))
+    with forbid(SPIKE_FUNCS, "read the records", traps):
+        out = call_student(fn, list(copy.deepcopy(case.records)), case.threshold, case.factor, case.window)
+    out.update(traps=traps, value=ship(out.get("value")))
     return out
 
 
 def _judge_spike(name: str, case: _SpikeCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
-    where = _where(case.name, hidden, seed)
-    raised = _raised(name, out, where)
+    where = on_case(case.name, hidden, seed)
+    raised = raised_problem(name, out, where)
     if raised:
         return raised
     try:
-        tensor, rms_step, loss_step, first = _plain(out["value"])
+        tensor, rms_step, loss_step, first = as_plain(out["value"])
         rms_step = None if rms_step is None else int(rms_step)
         loss_step = None if loss_step is None else int(loss_step)
     except (TypeError, ValueError):
@@ -213,4 +197,26 @@ def _judge_spike(name: str, case: _SpikeCase, out: dict[str, Any], hidden: bool,
     return f"{name} returned {shown(got)} {where} {told}; expected {shown(want)}: {hint}."
 
 
-spike_check = Check(_spike_cases, _run_spike, _judge_spike)
+CHECK = Check(_spike_cases, _run_spike, _judge_spike)
+
+
+def check_find_spike(fn: Callable[..., tuple], hidden: bool = False, seed: int | None = None) -> None:
+    """Check ``fn(records, threshold, factor, window) -> (tensor, rms_step, loss_step, rms_first)``.
+
+    ``rms_step``: the first optimizer step whose largest RMS passed ``threshold`` (its record's
+    ``update_step``: the monitor is one record late), ``tensor`` its ``update_rms_peak``;
+    ``loss_step``: the first step whose loss exceeds ``factor`` times the median of the
+    ``window`` losses before it; ``rms_first``: ``rms_step < loss_step``. Graded on real monitored runs.
+
+    >>> import statistics
+    >>> def find_spike(records, threshold, factor, window):
+    ...     first = next((r for r in records if r.update_rms_max > threshold), None)
+    ...     tensor, rms_step = (first.update_rms_peak, first.update_step) if first else (None, None)
+    ...     losses = [r.loss for r in records]
+    ...     loss_step = next((records[i].step for i in range(window, len(records))
+    ...                       if losses[i] > factor * statistics.median(losses[i - window:i])), None)
+    ...     both = rms_step is not None and loss_step is not None
+    ...     return tensor, rms_step, loss_step, both and rms_step < loss_step
+    >>> check_find_spike(find_spike, hidden=True, seed=0)
+    """
+    check(CHECK, fn, hidden, seed, SPIKE_FUNCS)

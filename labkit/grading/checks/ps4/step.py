@@ -1,4 +1,4 @@
-"""Part 2: one update-clipped AdamW step (StableAdamW, Algorithm 2 of arXiv 2304.13013), tensor by tensor.
+"""Set 4, part 2: one update-clipped AdamW step (StableAdamW, Algorithm 2 of arXiv 2304.13013).
 
 The grader walks ``labkit.optim.StableAdamW``'s own trajectory on float64 tensors and hands the
 student its state before each step: a tensor whose gradient jumps (its ``RMS_t`` passes 1, so
@@ -19,12 +19,10 @@ from torch import Tensor
 
 from labkit.optim import StableAdamW
 
-from ..core import Check, _call, _forbid, _raised, _ship, _where
-from .rms import RMS_FUNCS
+from ..core import Check, call_student, check, forbid, on_case, raised_problem, ship
+from .bans import RMS_FUNCS
 
-__all__ = ["STEP_FUNCS", "step_check"]
-
-STEP_FUNCS = RMS_FUNCS
+__all__ = ["CHECK", "check_update_clipping"]
 
 
 @dataclass
@@ -154,12 +152,12 @@ STEP_MISTAKES = {
 def _run_step(fn: Callable, case: _StepCase) -> dict[str, Any]:
     traps: list[str] = []
     outs = []
-    with _forbid(STEP_FUNCS, "write the update-clipped step", traps):
+    with forbid(RMS_FUNCS, "write the update-clipped step", traps):
         for s in case.steps:
-            out = _call(fn, [p.clone() for p in s.params], [g.clone() for g in s.grads],
+            out = call_student(fn, [p.clone() for p in s.params], [g.clone() for g in s.grads],
                         [m.clone() for m in s.exp_avgs], [v.clone() for v in s.exp_avg_sqs], s.t, case.lr,
                         case.betas, case.eps, case.weight_decay)
-            out["value"] = _ship(out.get("value"))
+            out["value"] = ship(out.get("value"))
             outs.append(out)
             if "raised" in out or traps:
                 break
@@ -188,13 +186,13 @@ def _tensors(shipped: dict[str, Any], n: int) -> list[Tensor] | None:
 
 
 def _judge_step(name: str, case: _StepCase, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
-    where = _where(case.name, hidden, seed)
+    where = on_case(case.name, hidden, seed)
     steps = out.get("steps", [])
     if out.get("traps") or not steps:
-        return _raised(name, out, where)
+        return raised_problem(name, out, where)
     for s, step in zip(case.steps, steps):
         at = f"{where}, step {s.t}"
-        raised = _raised(name, step, at)
+        raised = raised_problem(name, step, at)
         if raised:
             return raised
         items = step["value"].get("items", [])
@@ -226,4 +224,30 @@ def _judge_step(name: str, case: _StepCase, out: dict[str, Any], hidden: bool, s
     return None
 
 
-step_check = Check(_step_cases, _run_step, _judge_step)
+CHECK = Check(_step_cases, _run_step, _judge_step)
+
+
+def check_update_clipping(fn: Callable[..., tuple], hidden: bool = False, seed: int | None = None) -> None:
+    """Check ``fn(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay)`` (StableAdamW).
+
+    Returns ``(params, exp_avgs, exp_avg_sqs)`` after step ``step`` (1 on the first): AdamW's
+    moments, and per tensor ``eta = lr / max(1, RMS_t)`` for the decay and the step
+    (``labkit.optim.StableAdamW``, float64, to a tolerance).
+
+    >>> import torch
+    >>> def stable_adamw_step(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay):
+    ...     beta1, beta2 = betas
+    ...     out = ([], [], [])
+    ...     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+    ...         m = beta1 * m + (1 - beta1) * g
+    ...         v = beta2 * v + (1 - beta2) * g * g
+    ...         m_hat, v_hat = m / (1 - beta1**step), v / (1 - beta2**step)
+    ...         rms = (g * g / v_hat.clamp(min=eps**2)).mean().sqrt()
+    ...         eta = lr / rms.clamp(min=1.0)
+    ...         p = p - eta * weight_decay * p - eta * m_hat / (v_hat.sqrt() + eps)
+    ...         for kept, t in zip(out, (p, m, v)):
+    ...             kept.append(t)
+    ...     return out
+    >>> check_update_clipping(stable_adamw_step, hidden=True, seed=0)
+    """
+    check(CHECK, fn, hidden, seed, RMS_FUNCS)
