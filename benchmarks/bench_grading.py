@@ -1,10 +1,10 @@
 """Time grading a class of each problem set: seconds per submission, and is 300 in <= 30 min on 2 cores in reach?
 
-    python benchmarks/bench_grading.py [--sets ps1,ps2,ps3] [--students 300] [--jobs 2] [--one-by-one 5] [--label "idle"]
+    python benchmarks/bench_grading.py [--sets ps1,ps2,ps3,ps4] [--students 300] [--jobs 2] [--one-by-one 5] [--label "idle"]
 
 For each set of notebooks/exercises/ builds a class of ``--students`` submissions in
 nbgrader's layout (the instructor's solutions, and in three of four of them one classic bug,
-each bug in turn: ps1's below, ps2's and ps3's from tests/grading_answers.py), grades it with
+each bug in turn: ps1's below, ps2's to ps4's from tests/grading_answers.py), grades it with
 ``python -m labkit.grading grade ... --jobs N`` exactly as an instructor would (sandboxed), and
 prints the wall time, seconds per submission (the goal: <= 4 s on 2 cores) the time 300
 would take at that rate; ``--one-by-one K`` then grades K of them alone (``grade`` on one
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 EXERCISES = ROOT / "notebooks" / "exercises"
 SETS = {"ps1": EXERCISES / "ps1_clipping_and_scaling.ipynb", "ps2": EXERCISES / "ps2_instabilities_and_spikes.ipynb",
-        "ps3": EXERCISES / "ps3_precision_beyond_fp16.ipynb"}
+        "ps3": EXERCISES / "ps3_precision_beyond_fp16.ipynb", "ps4": EXERCISES / "ps4_optimizer_spikes.ipynb"}
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from grading_answers import BUGS as SET_BUGS  # noqa: E402
@@ -106,7 +106,7 @@ def bench(name: str, source: Path, args: argparse.Namespace, env: dict[str, str]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sets", default="ps1,ps2,ps3", help="comma-separated: ps1, ps2, ps3")
+    parser.add_argument("--sets", default="ps1,ps2,ps3,ps4", help="comma-separated: ps1, ps2, ps3, ps4")
     parser.add_argument("--students", type=int, default=300)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--one-by-one", type=int, default=0, help="regrade this many alone and compare")

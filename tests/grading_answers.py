@@ -1,4 +1,4 @@
-"""Honest student answers to problem sets 2 and 3: correct ones written another way, and classic bugs.
+"""Honest student answers to problem sets 2, 3 and 4: correct ones written another way, and classic bugs.
 
 Each is the source of an answer cell (keyed by its grade_id), as a student would hand it in.
 ``BUGS`` maps a name to (answer grade_id, source, test grade_id it loses, a phrase of the hint it
@@ -12,17 +12,20 @@ from pathlib import Path
 EXERCISES = Path(__file__).parents[1] / "notebooks" / "exercises"
 PS2 = EXERCISES / "ps2_instabilities_and_spikes.ipynb"
 PS3 = EXERCISES / "ps3_precision_beyond_fp16.ipynb"
+PS4 = EXERCISES / "ps4_optimizer_spikes.ipynb"
 # autograded part -> points, per set
 PARTS = {
     PS2: {"read_run_tests": 3, "fp16_range_tests": 2, "zclip_tests": 3, "detector_tests": 2,
           "clip_effect_tests": 2},
     PS3: {"stale_tests": 2, "kahan_tests": 2, "fp8_tests": 3, "delayed_tests": 2},
+    PS4: {"rms_tests": 2, "stable_tests": 3, "spike_tests": 2},
 }
 # the function or class each test cell checks, by answer cell
 NAMES = {"read_run_answer": "read_run", "fp16_range_answer": "fp16_range", "zclip_answer": "ZScoreClipper",
          "detector_answer": "RollingDetector", "clip_effect_answer": "clip_effect",
          "stale_answer": "lost_fraction", "kahan_answer": "kahan_update", "fp8_answer": "quantize_tiles",
-         "delayed_answer": "saturation"}
+         "delayed_answer": "saturation", "rms_answer": "update_rms_per_tensor",
+         "stable_answer": "stable_adamw_step", "spike_answer": "find_spike"}
 
 
 def solutions(path: Path) -> dict[str, str]:
@@ -212,6 +215,54 @@ def saturation(steps, history):
         past = (past + [amax])[-history:]
     return delayed, current
 ''',
+    # the state read by (group, parameter) index, Python floats, torch.maximum for the floor
+    "rms_answer": '''
+def update_rms_per_tensor(optimizer):
+    values = []
+    for k in range(len(optimizer.param_groups)):
+        group = optimizer.param_groups[k]
+        for p in group["params"]:
+            if p.grad is None:
+                values.append(float("nan"))
+                continue
+            t = float(optimizer.state[p]["step"])
+            v_hat = optimizer.state[p]["exp_avg_sq"] / (1.0 - group["betas"][1] ** t)
+            floor = torch.full_like(v_hat, group["eps"] ** 2)
+            values.append(float(torch.sqrt(torch.mean(p.grad * p.grad / torch.maximum(v_hat, floor)))))
+    return values
+''',
+    # torch's own AdamW steps (its state handed over), then each tensor is moved back by max(1, RMS_t)
+    "stable_answer": '''
+def stable_adamw_step(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay):
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    for p, g, m, v in zip(ps, grads, exp_avgs, exp_avg_sqs):
+        p.grad = g.clone()
+        opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    opt.step()
+    out = []
+    for p, old, g in zip(ps, params, grads):
+        v_hat = opt.state[p]["exp_avg_sq"] / (1 - betas[1] ** step)
+        rms = torch.sqrt(torch.mean(g**2 / torch.clamp(v_hat, min=eps**2)))
+        out.append(old + (p.detach() - old) / torch.clamp(rms, min=1.0))
+    return out, [opt.state[p]["exp_avg"] for p in ps], [opt.state[p]["exp_avg_sq"] for p in ps]
+''',
+    # one pass, a sorted window for the median, the RMS fields read through record.get
+    "spike_answer": '''
+def find_spike(records, threshold, factor, window):
+    rms_at = loss_at = None
+    for i, r in enumerate(records):
+        peak = r.get("update_rms_max")
+        if rms_at is None and peak is not None and not math.isnan(peak) and peak > threshold:
+            rms_at = (r.get("update_rms_peak"), r.get("update_step"))
+        if loss_at is None and i >= window:
+            past = sorted(q.loss for q in records[i - window:i])
+            middle = past[window // 2] if window % 2 else (past[window // 2 - 1] + past[window // 2]) / 2
+            if r.loss > factor * middle:
+                loss_at = r.step
+    tensor, rms_step = rms_at if rms_at else (None, None)
+    return tensor, rms_step, loss_at, bool(rms_at and loss_at is not None and rms_step < loss_at)
+''',
 }
 
 BUGS = {
@@ -353,4 +404,41 @@ def saturation(steps, history):
         current.append(int((x.abs() > amax).sum()))
     return delayed, current
 ''', "delayed_tests", "this step's amax was already in the history"),
+    # ps4
+    "v_hat without its bias correction": ("rms_answer", '''
+def update_rms_per_tensor(optimizer):
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                out.append(math.nan)
+                continue
+            v = optimizer.state[p]["exp_avg_sq"]
+            out.append((p.grad**2 / v.clamp(min=group["eps"] ** 2)).mean().sqrt())
+    return out
+''', "rms_tests", "v_hat is the bias-corrected second moment"),
+    "the weight decay with the unclipped lr": ("stable_answer", '''
+def stable_adamw_step(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay):
+    beta1, beta2 = betas
+    out = ([], [], [])
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat, v_hat = m / (1 - beta1**step), v / (1 - beta2**step)
+        rms = (g * g / v_hat.clamp(min=eps**2)).mean().sqrt()
+        p = p * (1 - lr * weight_decay) - lr / rms.clamp(min=1.0) * m_hat / (v_hat.sqrt() + eps)
+        for kept, t in zip(out, (p, m, v)):
+            kept.append(t)
+    return out
+''', "stable_tests", "the weight decay is scaled by the clipped lr too"),
+    "the RMS spike read at record.step": ("spike_answer", '''
+def find_spike(records, threshold, factor, window):
+    first = next((r for r in records if r.update_rms_max > threshold), None)
+    tensor, rms_step = (first.update_rms_peak, first.step) if first else (None, None)
+    losses = [r.loss for r in records]
+    loss_step = next((records[i].step for i in range(window, len(records))
+                      if losses[i] > factor * statistics.median(losses[i - window:i])), None)
+    both = rms_step is not None and loss_step is not None
+    return tensor, rms_step, loss_step, both and rms_step < loss_step
+''', "spike_tests", "the monitor's fields are one record late"),
 }

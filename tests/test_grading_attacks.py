@@ -361,7 +361,7 @@ def test_a_sandbox_that_cannot_start_stops_grading_instead_of_giving_zeros(monke
         grade(source(), submission(SOLVED))
 
 
-# ---------------------------------------------------------------- problem sets 2 and 3: one part each, past the reading
+# ---------------------------------------------------------------- problem sets 2, 3 and 4: one part each, past the reading
 
 import grading_answers as ga  # noqa: E402
 
@@ -404,6 +404,44 @@ PS3_BANNED = {
                         "    except BaseException:\n        pass\n    toward = ", 1),
 }
 
+PS4_SAVED = "import labkit.optim, labkit.update_monitor\n"
+PS4_BANNED = {
+    # the oracle itself as the answer: the grader calls the ban's wrapper
+    "rms_answer": "update_rms_per_tensor = labkit.optim.read_update_rms",
+    # labkit's StableAdamW takes the step, on copies: trapped at its constructor
+    "stable_answer": '''def stable_adamw_step(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps,
+                      weight_decay):
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = labkit.optim.StableAdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    for p, g, m, v in zip(ps, grads, exp_avgs, exp_avg_sqs):
+        p.grad = g.clone()
+        opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    opt.step()
+    state = [opt.state[p] for p in ps]
+    return [p.detach() for p in ps], [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state]''',
+}
+# the oracle replaced in the student's process by what the answers return: the grader's verdict is its own
+PS4_PATCHED = """import labkit.optim
+labkit.optim.read_update_rms = lambda optimizer, params=None: [1.0 for g in optimizer.param_groups
+                                                               for p in g["params"]]
+labkit.optim.update_rms = lambda *args, **kwargs: torch.tensor(1.0)
+labkit.optim.StableAdamW = torch.optim.AdamW
+"""
+PS4_ATTACKS = {
+    # what the patched oracle says
+    "rms_answer": "def update_rms_per_tensor(optimizer):\n"
+                  "    return [1.0 for group in optimizer.param_groups for p in group['params']]",
+    # AdamW's step, unclipped: right only against the patched oracle
+    "stable_answer": ga.solutions(ga.PS4)["stable_answer"].replace("eta = lr / rms.clamp(min=1.0)",
+                                                                   "eta = lr"),
+    # the hidden cases' own answers, read from the grader's checks
+    "spike_answer": '''from labkit.grading.checks.ps4 import spike
+
+
+def find_spike(records, threshold, factor, window):
+    return spike._answer(spike._SpikeCase("", tuple(records), threshold, factor, window))''',
+}
+
 
 def set_submission(path, answers, prepend):
     nb = release(nbformat.read(path, as_version=4))
@@ -428,7 +466,11 @@ def set_submission(path, answers, prepend):
                                                   "yourself",
                                      "stale_tests": "called labkit.formats.bf16.stale_fraction: this part asks you to "
                                                     "count the lost updates yourself"}),
-], ids=["ps2", "ps3"])
+    (ga.PS4, PS4_BANNED, PS4_SAVED, {
+        "rms_tests": "called labkit.optim.read_update_rms: this part asks you to compute the RMS yourself",
+        "stable_tests": "called labkit.optim.StableAdamW: this part asks you to write the update-clipped step "
+                        "yourself"}),
+], ids=["ps2", "ps3", "ps4"])
 def test_the_new_sets_bans_hold_however_the_library_is_reached(path, banned, prepend, lost):
     sandboxed()
     answers = {**ga.solutions(path), **banned}
@@ -439,3 +481,19 @@ def test_the_new_sets_bans_hold_however_the_library_is_reached(path, banned, pre
     assert {g: p.points for g, p in by_id.items()} == {g: 0 if g in lost else v for g, v in ga.PARTS[path].items()}
     for gid, message in lost.items():
         assert message in by_id[gid].message, by_id[gid].message
+
+
+def test_ps4_the_oracle_patched_in_the_students_process_read_or_handed_in_scores_zero():
+    sandboxed()
+    nb = nbformat.read(ga.PS4, as_version=4)
+    answers = {**ga.solutions(ga.PS4), **PS4_ATTACKS}
+    report = grade(nb, set_submission(ga.PS4, answers, PS4_PATCHED), timeout=60, student="mallory")
+    by_id = {p.grade_id: p for p in report.parts if not p.manual}
+    assert {g: p.points for g, p in by_id.items()} == {"rms_tests": 0, "stable_tests": 0, "spike_tests": 0}
+    assert report.score() == 0
+    # patched here, the oracle is untouched where the verdict is made: the answers are judged wrong
+    assert "update_rms_per_tensor gave 1 for group 0, tensor 0" in by_id["rms_tests"].message
+    assert "no tensor was clipped: that is AdamW's step" in by_id["stable_tests"].message
+    # reading the grader is tampering: that cell never runs, its part is not scored
+    assert by_id["spike_tests"].status == "tampering"
+    assert any("imports labkit.grading (the grader)" in t for t in report.tampering), report.tampering

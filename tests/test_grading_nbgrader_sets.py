@@ -1,6 +1,6 @@
-"""labkit's grade against real nbgrader's ``autograde``, part by part, on honest submissions of ps2 and ps3.
+"""labkit's grade against real nbgrader's ``autograde``, part by part, on honest submissions of ps2-ps4.
 
-One course holds both sets (one ``nbgrader`` start for their autograde): each set's source as
+One course holds the three sets (one ``nbgrader`` start for their autograde): each set's source as
 ``source/<set>``, ``nbgrader generate_assignment``, students who start from nbgrader's release (two
 carrying correct code in other forms wherever they carry no bug, and classic bugs that each lose
 exactly their part), ``nbgrader autograde``, and nbgrader's gradebook read back. nbgrader runs the
@@ -36,6 +36,8 @@ SET_BUGS = {
                     "measures the gradient, not the update")},
     ga.PS3: {"cy": ("a tie never rounds away", "one scale for the whole tensor"),
              "di": ("the compensation's sign is flipped", "this step's amax is already in the history")},
+    ga.PS4: {"cy": ("v_hat without its bias correction", "the RMS spike read at record.step"),
+             "di": ("the weight decay with the unclipped lr",)},
 }
 
 
@@ -54,12 +56,12 @@ def set_students(path):
 
 @pytest.fixture
 def sets_autograded(request):
-    """nbgrader's and labkit's grades of ps2 and ps3: {set: {student: {grade_id: points or Part}}}."""
+    """nbgrader's and labkit's grades of ps2, ps3 and ps4: {set: {student: {grade_id: points or Part}}}."""
     sandboxed()
     course, env = request.getfixturevalue("nbgrader_env")
     env["PYTHONPATH"] = str(Path(__file__).parents[1])
     files = {}
-    for path in (ga.PS2, ga.PS3):
+    for path in (ga.PS2, ga.PS3, ga.PS4):
         name = path.stem.split("_")[0]
         (course / "source" / name).mkdir()
         shutil.copy(path, course / "source" / name / path.name)
@@ -70,13 +72,13 @@ def sets_autograded(request):
                 gid = cell.metadata.get("nbgrader", {}).get("grade_id")
                 if gid in cells:
                     cell.source = cells[gid].strip("\n")
-                elif gid in ("why_rewind", "why_e5m2"):
+                elif gid in ("why_rewind", "why_e5m2", "why_update_clip"):
                     cell.source = "An answer."
             handed = "labkit-only" if student == "ada" else "submitted"  # nbgrader autogrades submitted/
             files[path, student] = course / handed / student / name / path.name
             files[path, student].parent.mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, files[path, student])
-    nbgrader(["autograde", "ps[23]", "--force", "--Execute.timeout=180"], course, env)  # both sets, one start
+    nbgrader(["autograde", "ps[234]", "--force", "--Execute.timeout=180"], course, env)  # the sets, one start
     ran = nbformat.read(course / "autograded" / "cy" / "ps3" / ga.PS3.name, as_version=4)
     assert "check_stale_fraction(lost_fraction, hidden=True)" in next(  # nbgrader put the hidden tests back
         c.source for c in ran.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "stale_tests")
@@ -97,9 +99,9 @@ def sets_autograded(request):
     return theirs, ours
 
 
-def test_labkit_and_nbgrader_agree_part_by_part_on_problem_sets_2_and_3(sets_autograded):
+def test_labkit_and_nbgrader_agree_part_by_part_on_problem_sets_2_3_and_4(sets_autograded):
     theirs, ours = sets_autograded
-    for path in (ga.PS2, ga.PS3):
+    for path in (ga.PS2, ga.PS3, ga.PS4):
         for student, (_, points) in set_students(path).items():
             if student != "ada":
                 assert theirs[path][student] == points, ("nbgrader", path.stem, student,

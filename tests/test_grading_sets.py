@@ -1,4 +1,4 @@
-"""Problem sets 2 and 3: their sources and releases, and their checks on honest answers, in process.
+"""Problem sets 2, 3 and 4: their sources and releases, and their checks on honest answers, in process.
 
 Correct answers written another way pass every hidden seed tried; each classic bug fails its
 part on every hidden seed tried (so nbgrader's in-kernel autograde, with a fresh seed, fails it
@@ -9,6 +9,8 @@ and nbgrader's autograde of whole submissions: tests/test_grading_nbgrader.py.
 
 import functools
 import math
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from labkit.grading import checks
 from labkit.grading.notebook import TEXT_STUB, grade, plan, release, validate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grading_answers import BUGS, NAMES, OTHER_FORMS, PARTS, PS2, PS3, solutions  # noqa: E402
+from grading_answers import BUGS, NAMES, OTHER_FORMS, PARTS, PS2, PS3, PS4, solutions  # noqa: E402
 from test_grading import sandboxed  # noqa: E402
 from test_grading_checks import undo_bans  # noqa: E402,F401 (an autouse fixture: the ban wrappers go after)
 
@@ -31,14 +33,15 @@ CHECK = {"read_run_answer": checks.check_read_run, "fp16_range_answer": checks.c
          "zclip_answer": checks.check_zscore_clipper, "detector_answer": checks.check_spike_detector,
          "clip_effect_answer": checks.check_clip_effect, "stale_answer": checks.check_stale_fraction,
          "kahan_answer": checks.check_kahan_update, "fp8_answer": checks.check_fp8_tiles,
-         "delayed_answer": checks.check_delayed_scaling}
+         "delayed_answer": checks.check_delayed_scaling, "rms_answer": checks.check_update_rms,
+         "stable_answer": checks.check_update_clipping, "spike_answer": checks.check_find_spike}
 # a GPT run or forty ZClip steps per case: a few seeds each; the others are cheap
-SEEDS = {"read_run_answer": 2, "zclip_answer": 2, "clip_effect_answer": 2}
+SEEDS = {"read_run_answer": 2, "zclip_answer": 2, "clip_effect_answer": 2, "spike_answer": 2}
 
 
 def load(source, name):
     """Run an answer cell's source as the notebook would (after its setup cell); return what it defines."""
-    namespace = {"math": math, "torch": torch, "labkit": labkit}
+    namespace = {"math": math, "statistics": statistics, "torch": torch, "labkit": labkit}
     exec(compile(source, f"<{name}>", "exec"), namespace)
     return namespace[name]
 
@@ -57,7 +60,7 @@ def visible(check, fn):
 # ---------------------------------------------------------------- the sources and their releases
 
 
-@pytest.mark.parametrize("path", [PS2, PS3], ids=["ps2", "ps3"])
+@pytest.mark.parametrize("path", [PS2, PS3, PS4], ids=["ps2", "ps3", "ps4"])
 def test_each_set_is_valid_nbgrader_with_its_parts_points_and_one_written_question(path):
     nb = nbformat.read(path, as_version=4)
     validate(nb)
@@ -77,7 +80,7 @@ def test_each_set_is_valid_nbgrader_with_its_parts_points_and_one_written_questi
         if gid in answers:  # the signature (and a class's settings) stay; each marked region is a stub
             assert "# YOUR CODE HERE" in cell.source
             assert cell.source.split("\n")[0] == answers[gid].split("\n")[0]
-        elif gid in ("why_rewind", "why_e5m2"):
+        elif gid in ("why_rewind", "why_e5m2", "why_update_clip"):
             assert cell.source == TEXT_STUB
 
 
@@ -116,7 +119,7 @@ def test_a_bug_only_the_hidden_cases_show_passes_the_visible_tests():
 
 # ---------------------------------------------------------------- the other mistakes each judge names
 
-SOLVED = {gid: src for path in (PS2, PS3) for gid, src in solutions(path).items()}
+SOLVED = {gid: src for path in (PS2, PS3, PS4) for gid, src in solutions(path).items()}
 
 
 def mistake(gid, old, new, count=1):
@@ -265,6 +268,61 @@ def test_delayed_scaling_names_each_mistake():
     assert "use this step's own amax" in visible(checks.check_delayed_scaling, first)
 
 
+def test_update_rms_names_each_mistake():
+    beta1 = mistake("rms_answer", 'beta2, eps = group["betas"][1], group["eps"]',
+                    'beta2, eps = group["betas"][0], group["eps"]')
+    assert "uses beta2 (betas[1]), not beta1" in visible(checks.check_update_rms, beta1)
+    mean_abs = mistake("rms_answer", "(p.grad.square() / v_hat.clamp(min=eps**2)).mean().sqrt()",
+                       "(p.grad.abs() / v_hat.clamp(min=eps**2).sqrt()).mean()")
+    assert "that is the mean of |g| / sqrt(v_hat)" in visible(checks.check_update_rms, mean_abs)
+    first_group = mistake("rms_answer", 'beta2, eps = group["betas"][1], group["eps"]',
+                          'one = optimizer.param_groups[0]\n        beta2, eps = one["betas"][1], one["eps"]')
+    assert "of its own param group" in fails(checks.check_update_rms, first_group, seed=0)
+    shared = mistake("rms_answer", 'state["step"].double()',
+                     'max(float(s["step"]) for s in optimizer.state.values())')
+    assert "each tensor has its own step count" in fails(checks.check_update_rms, shared, seed=1)
+    no_floor = mistake("rms_answer", "v_hat.clamp(min=eps**2)", "v_hat")
+    assert "is 0 / 0: divide by max(v_hat, eps**2)" in fails(checks.check_update_rms, no_floor, seed=2)
+    plus_eps = mistake("rms_answer", "(p.grad.square() / v_hat.clamp(min=eps**2)).mean().sqrt()",
+                       "(p.grad / (v_hat.sqrt() + eps)).square().mean().sqrt()")
+    assert "not by (sqrt(v_hat) + eps)**2" in fails(checks.check_update_rms, plus_eps, seed=3)
+    zero = mistake("rms_answer", "out.append(math.nan)", "out.append(0.0)")
+    assert "return NaN for it" in fails(checks.check_update_rms, zero, seed=4)
+
+
+def test_update_clipping_names_each_mistake_and_keeps_adamw_where_nothing_clips():
+    adamw = mistake("stable_answer", "eta = lr / rms.clamp(min=1.0)", "eta = lr")
+    assert "no tensor was clipped: that is AdamW's step" in visible(checks.check_update_clipping, adamw)
+    always = mistake("stable_answer", "eta = lr / rms.clamp(min=1.0)", "eta = lr / rms")
+    assert "divide by max(1, RMS_t), not by RMS_t" in visible(checks.check_update_clipping, always)
+    stale = mistake("stable_answer", "rms = (g * g / v_hat.clamp(min=eps**2)).mean().sqrt()",
+                    "old = exp_avg_sqs[len(new_m)] / (1 - beta2**step)\n"
+                    "        rms = (g * g / old.clamp(min=eps**2)).mean().sqrt()")
+    assert "the second moment *after* this step's update" in visible(checks.check_update_clipping, stale)
+    one_rms = mistake("stable_answer", "rms = (g * g / v_hat.clamp(min=eps**2)).mean().sqrt()",
+                      "rms = torch.cat([(gg * gg / (beta2 * vv + (1 - beta2) * gg * gg).div(1 - beta2**step)"
+                      ".clamp(min=eps**2)).flatten() for gg, vv in zip(grads, exp_avg_sqs)]).mean().sqrt()")
+    assert "RMS_t is per tensor" in fails(checks.check_update_clipping, one_rms, seed=0)
+    single = mistake("stable_answer", "new_params.append(p - eta * weight_decay * p - eta * m_hat / "
+                     "(v_hat.sqrt() + eps))", "new_params.append((p - eta * weight_decay * p - eta * m_hat / "
+                     "(v_hat.sqrt() + eps)).float())")
+    assert "keep their dtype" in visible(checks.check_update_clipping, single)
+    moments = mistake("stable_answer", "new_v.append(v)", "new_v.append(v / (1 - beta2**step))")
+    assert "moments after step 1 are wrong" in visible(checks.check_update_clipping, moments)
+
+
+def test_reading_a_monitored_run_names_each_mistake():
+    first = ("        if r.update_rms_max > threshold:  # NaN on the first record: never above\n"
+             "            tensor, rms_step = r.update_rms_peak, r.update_step\n            break\n")
+    largest = mistake("spike_answer", first,
+                      "        x = r.update_rms_max\n"
+                      "        if x > threshold and (tensor is None or x > top):\n"
+                      "            tensor, rms_step, top = r.update_rms_peak, r.update_step, x\n")
+    assert "not at the run's largest RMS" in visible(checks.check_find_spike, largest)
+    same = mistake("spike_answer", "rms_step < loss_step", "rms_step <= loss_step")
+    assert "at the same step the loss was already up" in fails(checks.check_find_spike, same, seed=0)
+
+
 # ---------------------------------------------------------------- bans: trapped however they are reached
 
 
@@ -315,7 +373,7 @@ def test_the_library_functions_a_part_asks_for_are_trapped_however_reached():
 # ---------------------------------------------------------------- the releases score 0, in the sandbox
 
 
-@pytest.mark.parametrize("path", [PS2, PS3], ids=["ps2", "ps3"])
+@pytest.mark.parametrize("path", [PS2, PS3, PS4], ids=["ps2", "ps3", "ps4"])
 def test_the_release_scores_zero_and_every_part_says_it_is_not_implemented(path):
     sandboxed()
     report = grade(nbformat.read(path, as_version=4), release(nbformat.read(path, as_version=4)), timeout=60)
@@ -327,3 +385,33 @@ def test_the_release_scores_zero_and_every_part_says_it_is_not_implemented(path)
         else:
             assert part.message.endswith("is not implemented yet: replace `raise NotImplementedError()` "
                                          "with your code."), part.message
+
+
+def test_ps4s_oracle_is_trapped_however_it_is_reached():
+    from labkit.optim import StableAdamW, read_update_rms
+    from labkit.update_monitor import UpdateMonitor
+
+    def through_the_monitor(optimizer):  # labkit's own hook calls read_update_rms for the student
+        monitor = UpdateMonitor(optimizer, threshold=None)
+        named = [(str(i), p) for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
+        monitor.post_step(None, named, None)
+        return list(monitor.post_backward(None, 0).values())
+
+    for fn in (read_update_rms, through_the_monitor):  # a reference taken before the first ban reaches the
+        message = fails(checks.check_update_rms, fn, hidden=False)  # function it calls, update_rms, itself
+        assert re.search(r"called labkit\.optim\.(read_)?update_rms: this part asks you to compute the RMS "
+                         r"yourself", message), message
+
+    def clipped_by_labkit(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay):
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        StableAdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return ps, exp_avgs, exp_avg_sqs
+
+    message = fails(checks.check_update_clipping, clipped_by_labkit, hidden=False)
+    assert "called labkit.optim.StableAdamW: this part asks you to write the update-clipped step" in message
+    # outside the parts, the library works as ever
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    opt = StableAdamW([w])
+    opt.step()
+    assert read_update_rms(opt)[0].item() == pytest.approx(1.0)

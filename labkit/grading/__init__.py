@@ -4,7 +4,8 @@ Test cells call the checks (``check_grad_norm(student_fn)``); instructors run
 ``python -m labkit.grading release|grade|feedback`` (see ``python -m labkit.grading --help``). The
 checks are imported on first use: they need torch, the command line does not. One package of
 checks per problem set, one module per part: ``checks.ps1`` (clipping and loss scaling),
-``checks.ps2`` (real instabilities and spike defenses), ``checks.ps3`` (precision beyond fp16).
+``checks.ps2`` (real instabilities and spike defenses), ``checks.ps3`` (precision beyond fp16), ``checks.ps4``
+(spikes that gradient clipping cannot see: Adam's update RMS and update clipping).
 
 >>> from labkit.grading import check_update_scale
 >>> check_update_scale(lambda scale, tracker, hysteresis, found_inf, config: (scale, tracker, hysteresis))
@@ -20,6 +21,7 @@ CHECK_NAMES = (
     "check_grad_norm", "check_clip", "check_skip_decision", "check_update_scale", "check_guarded_step",
     "check_read_run", "check_fp16_range", "check_zscore_clipper", "check_spike_detector", "check_clip_effect",
     "check_stale_fraction", "check_kahan_update", "check_fp8_tiles", "check_delayed_scaling",
+    "check_update_rms", "check_update_clipping", "check_find_spike",
 )
 __all__ = list(CHECK_NAMES)
 

@@ -1,6 +1,6 @@
 """Autograder checks: run a student's function on visible and hidden cases against labkit's own.
 
-One package per problem set (``ps1``, ``ps2``, ``ps3``) with one module per part of the set,
+One package per problem set (``ps1``, ``ps2``, ``ps3``, ``ps4``) with one module per part of the set,
 each holding its check's cases, student side, judge and ``check_*`` function, and a ``bans``
 module (what each part asks the student to write); ``core`` holds what they all share (calling
 student code, shipping its results as data, the host-sync and ban traps, running a check) and
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import core, ps1, ps2, ps3
+from . import core, ps1, ps2, ps3, ps4
 from .core import SYNCS
 from .ps1 import check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale
 from .ps2 import (
@@ -31,15 +31,17 @@ from .ps2 import (
     check_zscore_clipper,
 )
 from .ps3 import check_delayed_scaling, check_fp8_tiles, check_kahan_update, check_stale_fraction
+from .ps4 import check_find_spike, check_update_clipping, check_update_rms
 
 __all__ = ["BANNED", "CHECKS", "SYNCS", "check_clip", "check_clip_effect", "check_delayed_scaling",
-           "check_fp16_range", "check_fp8_tiles", "check_grad_norm", "check_guarded_step",
+           "check_find_spike", "check_fp16_range", "check_fp8_tiles", "check_grad_norm", "check_guarded_step",
            "check_kahan_update", "check_read_run", "check_skip_decision", "check_spike_detector",
-           "check_stale_fraction", "check_update_scale", "check_zscore_clipper", "judge", "run"]
+           "check_stale_fraction", "check_update_clipping", "check_update_rms", "check_update_scale",
+           "check_zscore_clipper", "judge", "run"]
 
-CHECKS: dict[str, core.Check] = {**ps1.CHECKS, **ps2.CHECKS, **ps3.CHECKS}
+CHECKS: dict[str, core.Check] = {**ps1.CHECKS, **ps2.CHECKS, **ps3.CHECKS, **ps4.CHECKS}
 # the library functions each check's part asks the student to write (trapped while it runs)
-BANNED: dict[str, tuple[str, ...]] = {**ps1.BANNED, **ps2.BANNED, **ps3.BANNED}
+BANNED: dict[str, tuple[str, ...]] = {**ps1.BANNED, **ps2.BANNED, **ps3.BANNED, **ps4.BANNED}
 
 
 def run(check: str, fn: Callable, hidden: bool, seed: int, outs: list[dict[str, Any]] | None = None,
