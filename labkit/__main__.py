@@ -12,6 +12,7 @@ COMMANDS = {  # name: (module whose main(argv) runs it, what it does); imported 
     "grading": ("labkit.grading.__main__", "release and grade the exercises"),
     "export": ("labkit.export.replay", "replay a log.jsonl into TensorBoard, trackio, MLflow or W&B"),
     "sweep": ("labkit.lab.sweep", "final loss against learning rate on the GPT task, per mitigation"),
+    "docs": ("labkit.lab.docs", "build the documentation site (lessons, problem sets, API reference)"),
 }
 
 
