@@ -85,7 +85,9 @@ def for_page(nb: dict[str, Any]) -> dict[str, Any]:
     page["metadata"].pop("widgets", None)
     for cell in page["cells"]:
         shown = cell.get("metadata", {}).get("jupyter", {})
-        tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+        # nbval's tags tell the suite what to compare; JupyterLab does not show them, nor does the page
+        tags = [t for t in cell.setdefault("metadata", {}).get("tags", []) if not t.startswith("nbval-")]
+        cell["metadata"]["tags"] = tags
         if shown.get("source_hidden"):
             tags.append(HIDDEN_TAG)
         if shown.get("outputs_hidden"):
@@ -158,6 +160,17 @@ def reference_page(module: str, title: str) -> str:
     return "\n".join(lines)
 
 
+# MathJax's fonts: the wheel ships STIX-Web only (MathJax looks for its TeX fonts first, a 404), and
+# HTML-CSS output measures with a blank web font at url('about:blank'), a request Chromium refuses
+# (a console error on every page with a formula); local() asks for no file.
+MATHJAX_CONFIG = """MathJax.Hub.Config({"HTML-CSS": {
+  availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
+  styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}
+}});
+MathJax.Ajax.loadComplete("[MathJax]/config/local/labkit.js");
+"""
+
+
 def _mathjax() -> Path:
     # MathJax 2.7 as the Jupyter server ships it: the lessons' $...$ typeset with no CDN.
     import jupyter_server_mathjax
@@ -207,7 +220,7 @@ def config(docs_dir: Path, site_dir: Path, nav_lessons: list[Any], nav_sets: lis
                 "remove_tag_config": {"remove_input_tags": [HIDDEN_TAG],
                                       "remove_all_outputs_tags": [NO_OUTPUT_TAG]},
                 # every notebook page is one folder down (lessons/, exercises/)
-                "custom_mathjax_url": "../assets/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe",
+                "custom_mathjax_url": "../assets/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe,local/labkit",
             }},
             {"mkdocstrings": {"default_handler": "python", "handlers": {"python": {
                 "paths": [str(root)],
@@ -243,6 +256,8 @@ def stage(docs_dir: Path, root: Path = ROOT, reference: dict[str, str] = REFEREN
     for module, title in reference.items():
         (docs_dir / "reference" / f"{module}.md").write_text(reference_page(module, title), encoding="utf-8")
     shutil.copytree(_mathjax(), docs_dir / "assets" / "mathjax")
+    (docs_dir / "assets" / "mathjax" / "config" / "local").mkdir(parents=True, exist_ok=True)
+    (docs_dir / "assets" / "mathjax" / "config" / "local" / "labkit.js").write_text(MATHJAX_CONFIG, encoding="utf-8")
     return nav_lessons, nav_sets
 
 
