@@ -1,4 +1,4 @@
-"""``python -m labkit demo|show|grading|export|sweep ...``: demo, a log shown, grader, trackers, LR sweep."""
+"""``python -m labkit demo|show|grading|export|sweep|docs ...``: each command loaded when run."""
 
 from __future__ import annotations
 

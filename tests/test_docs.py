@@ -62,7 +62,8 @@ def small_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, module: str =
     (root / "notebooks" / "exercises").mkdir(parents=True)
     lesson = notebook(
         {"cell_type": "markdown", "id": "title", "metadata": {}, "source": "# 00 · Small\n\n## 1. A check"},
-        {"cell_type": "code", "id": "check", "metadata": {"jupyter": {"source_hidden": True}}, "execution_count": 1,
+        {"cell_type": "code", "id": "check", "metadata": {"jupyter": {"source_hidden": True}},
+         "execution_count": 1,
          "source": "assert SECRET_CHECK == 1", "outputs": [
              {"output_type": "stream", "name": "stdout", "text": "the check passed\n"}]},
     )
@@ -75,7 +76,7 @@ def build(tmp_path: Path, root: Path, reference: dict[str, str]) -> Path:
     return docs.build(tmp_path / "site", root=root, reference=reference)
 
 
-def test_the_small_site_builds_with_its_lesson_its_reference_and_the_hidden_check_hidden(tmp_path, monkeypatch):
+def test_a_small_site_builds_with_its_lesson_its_reference_and_the_hidden_check_hidden(tmp_path, monkeypatch):
     root, reference = small_site(tmp_path, monkeypatch)
     index = build(tmp_path, root, reference)
     site = index.parent
@@ -85,13 +86,15 @@ def test_the_small_site_builds_with_its_lesson_its_reference_and_the_hidden_chec
     api = (site / "reference" / f"{pkg}.html").read_text(encoding="utf-8")
     assert "Return <code>x</code> times <code>factor</code>" in api
     assert '<span class="gp">&gt;&gt;&gt; </span>' in api  # the doctest as a highlighted session, not prose
-    assert 'href="lessons/00_small.html"' in index.read_text(encoding="utf-8")  # the README's link, made the site's
+    # the README's link to a notebook, made the site's
+    assert 'href="lessons/00_small.html"' in index.read_text(encoding="utf-8")
     assert (site / "assets" / "mathjax" / "MathJax.js").is_file()
 
 
 @pytest.mark.parametrize("fault, change, says", [
     ("a broken link", {"guide": "# Guide\n\nSee [the missing page](missing.md).\n"}, "missing.md"),
-    ("a missing page", {"nav": [{"Home": "index.md"}, {"Guide": "guide.md"}, {"Gone": "gone.md"}]}, "gone.md"),
+    ("a missing page",
+     {"nav": [{"Home": "index.md"}, {"Guide": "guide.md"}, {"Gone": "gone.md"}]}, "gone.md"),
     ("a docstring that does not render",
      {"module": GOOD_MODULE.replace("factor: what it is", "fator: what it is")}, "fator"),
     ("a cross-reference to a name that does not exist",
@@ -121,7 +124,8 @@ def test_the_command_line_says_how_a_failed_build_failed(tmp_path, monkeypatch, 
 
 def test_every_lesson_and_problem_set_on_disk_is_found_by_glob():
     root = Path(docs.__file__).resolve().parents[2]
-    assert [p.name for p in docs.lessons()] == sorted(p.name for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name for p in docs.lessons()] == sorted(
+        p.name for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert [p.name for p in docs.problem_sets()] == sorted(
         p.name for p in (root / "notebooks" / "exercises").glob("ps*.ipynb"))
     assert len(docs.lessons()) >= 8 and len(docs.problem_sets()) >= 3

@@ -118,7 +118,8 @@ def public_names(module: str) -> list[str]:
     if hasattr(mod, "__all__"):
         names = [f"{module}.{name}" for name in mod.__all__]
     else:  # a package of modules (labkit.formats: bf16, fp8), each with its own __all__
-        subs = sorted(info.name for info in pkgutil.iter_modules(mod.__path__) if not info.name.startswith("_"))
+        subs = sorted(info.name for info in pkgutil.iter_modules(mod.__path__)
+                      if not info.name.startswith("_"))
         names = [name for sub in subs for name in public_names(f"{module}.{sub}")]
     if not names:
         raise ValueError(f"{module} exports nothing (__all__ empty, no submodule with one): "
@@ -160,15 +161,23 @@ def reference_page(module: str, title: str) -> str:
     return "\n".join(lines)
 
 
-# MathJax's fonts: the wheel ships STIX-Web only (MathJax looks for its TeX fonts first, a 404), and
-# HTML-CSS output measures with a blank web font at url('about:blank'), a request Chromium refuses
-# (a console error on every page with a formula); local() asks for no file.
-MATHJAX_CONFIG = """MathJax.Hub.Config({"HTML-CSS": {
-  availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
-  styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}
-}});
+# MathJax's fonts: the wheel ships STIX-Web only (MathJax looks for its TeX fonts first: a 404 on every
+# page with a formula), and HTML-CSS output measures with a blank web font at url('about:blank'), a
+# request Chromium refuses (a console error); local() asks for no file. No menu or zoom: MathJax would
+# load them a second or two after the page, from a timer. No hidden MathML copy for screen readers
+# (AssistiveMML): its \\mathbb asks the browser for MathJax's AMS web font, which is absent.
+MATHJAX_CONFIG = """MathJax.Hub.Config({
+  showMathMenu: false,
+  menuSettings: {assistiveMML: false},
+  "HTML-CSS": {availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
+               styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}}
+});
 MathJax.Ajax.loadComplete("[MathJax]/config/local/labkit.js");
 """
+
+
+# every notebook page is one folder down (lessons/, exercises/); local/labkit is MATHJAX_CONFIG
+MATHJAX_URL = "../assets/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe,local/labkit"
 
 
 def _mathjax() -> Path:
@@ -181,10 +190,11 @@ def _mathjax() -> Path:
 def front_page(readme: str) -> str:
     """Return the README as the site's home page: its links into ``docs/`` and ``notebooks/`` made the site's.
 
-    >>> front_page("[guide](docs/library.md), [01](notebooks/01_x.ipynb), [ps1](notebooks/exercises/ps1.ipynb)")
-    '[guide](library.md), [01](lessons/01_x.ipynb), [ps1](exercises/ps1.ipynb)'
+    >>> front_page("[guide](docs/lab.md), [01](notebooks/01_x.ipynb), [ps1](notebooks/exercises/ps1.ipynb)")
+    '[guide](lab.md), [01](lessons/01_x.ipynb), [ps1](exercises/ps1.ipynb)'
     """
-    for source, page in (("](docs/", "]("), ("](notebooks/exercises/", "](exercises/"), ("](notebooks/", "](lessons/")):
+    for source, page in (("](docs/", "]("), ("](notebooks/exercises/", "](exercises/"),
+                         ("](notebooks/", "](lessons/")):
         readme = readme.replace(source, page)
     return readme
 
@@ -219,8 +229,7 @@ def config(docs_dir: Path, site_dir: Path, nav_lessons: list[Any], nav_sets: lis
                 "ignore_h1_titles": False, "include_requirejs": False,
                 "remove_tag_config": {"remove_input_tags": [HIDDEN_TAG],
                                       "remove_all_outputs_tags": [NO_OUTPUT_TAG]},
-                # every notebook page is one folder down (lessons/, exercises/)
-                "custom_mathjax_url": "../assets/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe,local/labkit",
+                "custom_mathjax_url": MATHJAX_URL,
             }},
             {"mkdocstrings": {"default_handler": "python", "handlers": {"python": {
                 "paths": [str(root)],
@@ -234,7 +243,8 @@ def config(docs_dir: Path, site_dir: Path, nav_lessons: list[Any], nav_sets: lis
     }
 
 
-def stage(docs_dir: Path, root: Path = ROOT, reference: dict[str, str] = REFERENCE) -> tuple[list[Any], list[Any]]:
+def stage(docs_dir: Path, root: Path = ROOT,
+          reference: dict[str, str] = REFERENCE) -> tuple[list[Any], list[Any]]:
     """Copy the pages, the notebooks as the site shows them and the reference into ``docs_dir``."""
     import nbformat
 
@@ -256,8 +266,9 @@ def stage(docs_dir: Path, root: Path = ROOT, reference: dict[str, str] = REFEREN
     for module, title in reference.items():
         (docs_dir / "reference" / f"{module}.md").write_text(reference_page(module, title), encoding="utf-8")
     shutil.copytree(_mathjax(), docs_dir / "assets" / "mathjax")
-    (docs_dir / "assets" / "mathjax" / "config" / "local").mkdir(parents=True, exist_ok=True)
-    (docs_dir / "assets" / "mathjax" / "config" / "local" / "labkit.js").write_text(MATHJAX_CONFIG, encoding="utf-8")
+    local = docs_dir / "assets" / "mathjax" / "config" / "local"
+    local.mkdir(parents=True, exist_ok=True)
+    (local / "labkit.js").write_text(MATHJAX_CONFIG, encoding="utf-8")
     return nav_lessons, nav_sets
 
 
@@ -279,7 +290,8 @@ def build(out: Path, root: Path = ROOT, reference: dict[str, str] = REFERENCE) -
         nav_lessons, nav_sets = stage(docs_dir, root, reference)
         shutil.copy(root / "docs" / "nav.json", Path(tmp) / "nav.json")
         cfg_file = Path(tmp) / "mkdocs.yml"
-        cfg_file.write_text(json.dumps(config(docs_dir, out, nav_lessons, nav_sets, root, reference)), encoding="utf-8")
+        settings = config(docs_dir, out, nav_lessons, nav_sets, root, reference)
+        cfg_file.write_text(json.dumps(settings), encoding="utf-8")
         cfg = load_config(str(cfg_file))  # JSON is YAML
         cfg.plugins.on_startup(command="build", dirty=False)
         try:
@@ -291,7 +303,8 @@ def build(out: Path, root: Path = ROOT, reference: dict[str, str] = REFERENCE) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit docs", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder to write the site to (DIR/index.html)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder to write the site to (DIR/index.html)")
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out: {args.out} is a file, not a folder")
