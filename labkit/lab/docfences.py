@@ -13,7 +13,7 @@ import griffe
 
 
 def fence_doctests(text: str) -> str:
-    """Return ``text`` with each run of doctest lines (``>>>``, ``...`` and their output) fenced as pycon.
+    r"""Return ``text`` with each run of doctest lines (``>>>``, ``...`` and their output) fenced as pycon.
 
     >>> fence_doctests("Add.\n\n>>> 1 + 1\n2\n\nDone.").split("\n")
     ['Add.', '', '```pycon', '>>> 1 + 1', '2', '```', '', 'Done.']
