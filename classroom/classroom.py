@@ -16,6 +16,7 @@ is kept. Only Python's standard library: it runs before the class's venv exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -235,10 +236,8 @@ def owned_by(uids: set[int]) -> list[int]:
 def kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to each of ``pids`` that still runs."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
@@ -274,7 +273,7 @@ def up(args: argparse.Namespace) -> list[str]:
         raise ClassError(f"--root {root} holds ':' or ',': pick a plain path (it goes in /etc/passwd).")
     if args.authenticator == "dummy" and args.ip != "127.0.0.1":
         raise ClassError("the dummy authenticator lets anyone in as anyone: only with --ip 127.0.0.1. For a "
-                         "class use pam (the default) or an OAuth authenticator (README: Run your class).")
+                         "class use pam (the default) or an OAuth authenticator (docs/classroom.md).")
     if args.roster:
         students = [line.strip() for line in Path(args.roster).read_text(encoding="utf-8").splitlines()
                     if line.strip() and not line.startswith("#")]
