@@ -134,7 +134,7 @@ def home(dotted: str) -> str:
     (a module ``__getattr__``, as ``labkit.grading``'s checks) are beyond griffe's static reading.
 
     >>> home("labkit.grading.check_clip")
-    'labkit.grading.checks.ps1.check_clip'
+    'labkit.grading.checks.ps1.clip.check_clip'
     """
     module, _, name = dotted.rpartition(".")
     try:
