@@ -273,7 +273,7 @@ def up(args: argparse.Namespace) -> list[str]:
         raise ClassError(f"--root {root} holds ':' or ',': pick a plain path (it goes in /etc/passwd).")
     if args.authenticator == "dummy" and args.ip != "127.0.0.1":
         raise ClassError("the dummy authenticator lets anyone in as anyone: only with --ip 127.0.0.1. For a "
-                         "class use pam (the default) or an OAuth authenticator (README: Run your class).")
+                         "class use pam (the default) or an OAuth authenticator (docs/classroom.md).")
     if args.roster:
         students = [line.strip() for line in Path(args.roster).read_text(encoding="utf-8").splitlines()
                     if line.strip() and not line.startswith("#")]

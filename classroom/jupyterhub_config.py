@@ -2,7 +2,7 @@
 
 ``classroom.py up`` writes ROOT/class.json (who, where, which ports) and starts the hub with this
 file and LABKIT_CLASS=ROOT in its environment. Edit here what a course changes: the
-authenticator (see the README's "Run your class" for OAuth), timeouts, limits.
+authenticator (see docs/classroom.md for OAuth), timeouts, limits.
 """
 
 import json
@@ -30,7 +30,7 @@ c.JupyterHub.cookie_secret_file = str(root / "hub" / "jupyterhub_cookie_secret")
 
 # Who: "pam" checks the OS users' passwords (classroom.py up sets them, ROOT/hub/passwords.csv);
 # "dummy" takes any password (loopback only). For your institution's logins use an OAuthenticator
-# whose user names are the OS users' (README: Run your class).
+# whose user names are the OS users' (docs/classroom.md).
 c.JupyterHub.authenticator_class = settings["authenticator"]
 c.Authenticator.allowed_users = set(settings["students"])
 c.Authenticator.admin_users = {settings["instructor"]}

@@ -1,4 +1,4 @@
-"""``python -m labkit demo|show|grading|export|sweep ...``: demo, a log shown, grader, trackers, LR sweep."""
+"""``python -m labkit demo|show|grading|export|sweep|docs ...``: each command loaded when run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {  # name: (module whose main(argv) runs it, what it does); imported 
     "grading": ("labkit.grading.__main__", "release and grade the exercises"),
     "export": ("labkit.export.replay", "replay a log.jsonl into TensorBoard, trackio, MLflow or W&B"),
     "sweep": ("labkit.lab.sweep.cli", "final loss against learning rate on the GPT task, per mitigation"),
+    "docs": ("labkit.lab.docs", "build the documentation site (lessons, problem sets, API reference)"),
 }
 
 

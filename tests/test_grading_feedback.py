@@ -181,7 +181,7 @@ def test_nbgrader_release_feedback_returns_each_page_under_its_secrets_hash(cour
     home, env = nbgrader_env
     shutil.copytree(root / "feedback", home / "feedback")
     exchange = home / "exchange"
-    exchange.mkdir(mode=0o777)  # an instructor makes it once, for all (README: Run your class)
+    exchange.mkdir(mode=0o777)  # an instructor makes it once, for all (docs/classroom.md)
     done = subprocess.run([sys.executable, "-m", "nbgrader", "release_feedback", "ps0", "--course", "labkit",
                            f"--Exchange.root={exchange}"], cwd=home, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -17,7 +17,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the checks are of file
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 FILES = ["requirements.txt", "requirements-nbgrader.txt", "requirements-trackers.txt",
-         "classroom/requirements.txt"]
+         "classroom/requirements.txt", "requirements-docs.txt"]
 
 
 def requirement_lines(name: str) -> list[str]:
@@ -65,7 +65,7 @@ def test_no_requirement_file_depends_on_the_folder_pip_runs_in():
             assert not re.match(r"^(-e|--editable|-r|-c|\.|/|file:)", line), f"{name}: {line!r}"
 
 
-@pytest.mark.parametrize("name", ["lab", "grading", "trackers", "test"])
+@pytest.mark.parametrize("name", ["lab", "grading", "trackers", "docs", "test"])
 def test_each_extra_is_pinned_where_ci_installs_it_at_a_version_the_extra_admits(name):
     pinned = pins()
     for req in extra(name):

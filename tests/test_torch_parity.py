@@ -20,7 +20,7 @@ the public API. Sizes are torch's (8x8 models, 4 batches). Sources (pytorch/pyto
   ``test_clip_grad_norm_error_if_nonfinite``.
 * ``torch/amp/grad_scaler.py``: the misuse errors (``AssertionError`` in torch).
 
-Deliberate deviations (README, "Where labkit differs from torch on purpose"), each asserted
+Deliberate deviations (docs/defenses.md, "Where labkit differs from torch on purpose"), each asserted
 here for labkit and, for contrast, for torch: a non-finite norm leaves the gradients
 unchanged (torch scales them into NaN/zeros); fp16/bf16 norms are float32.
 """

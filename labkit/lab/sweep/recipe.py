@@ -83,7 +83,7 @@ class Recipe:
     ``tie_head=False`` and many steps). ``attention="explicit"`` forms the attention logits as a
     tensor (in fp16, where they can overflow). ``triage=True`` tells a non-finite loss apart
     (``forward_overflow`` or ``nonfinite_input``, ``labkit.triage``); off by default, as the
-    README's grid was run.
+    grid in docs/instabilities.md was run.
 
     >>> Recipe().config("qk_norm", lr=0.1, seed=1).task.qk_norm, Recipe().config("baseline", 0.1).weight_decay
     (True, 0.001)
