@@ -123,3 +123,16 @@ def test_decide_skips_on_a_nonfinite_norm_and_clips_nothing():
         n = torch.tensor(bad)
         d = decide(n, n.reshape(1), torch.ones(()), None, NormClip(1.0), Verdict(clip_to=0.5))
         assert float(d.skip) == 1.0 and float(d.coef) == 1.0
+
+
+def test_a_hook_class_defined_now_declares_its_record_fields():
+    """Declared at class definition (``Hook.__init_subclass__``): a record reads the default at once."""
+    from labkit.records import Field, StepRecord, put
+
+    class LateMeasure(Hook):
+        record_fields = {"late_measure": Field(-1.0)}
+
+    assert StepRecord(0, 1.0).late_measure == -1.0
+    fields = {}
+    put(fields, "late_measure", 2.0)
+    assert fields == {"late_measure": 2.0}
