@@ -69,7 +69,7 @@ def bench_options(task: GPTTask, steps: int, repeats: int, device: str) -> None:
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 best[name] = min(best[name], (cpu, wall))
         base = best["baseline (measured)"][0]
-        for name, (cpu, wall) in best.items():
+        for name, (cpu, _wall) in best.items():
             print(f"{name:28s} {precision:9s} {cpu:7.2f} {steps / cpu:8.1f} {cpu / base:10.3f}x")
 
 

@@ -75,7 +75,7 @@ def main() -> None:
 
     plain = best_of(lambda: run(None))
     for every in (1, 10):
-        watched = best_of(lambda: run(StaleMonitor(every=every)))
+        watched = best_of(lambda every=every: run(StaleMonitor(every=every)))
         print(f"   every={every:2d}: {1e3 * watched / 50:.2f} ms/step against {1e3 * plain / 50:.2f} ms/step "
               f"without ({watched / plain:.2f}x)")
 
@@ -102,7 +102,7 @@ def main() -> None:
     x = torch.randn(256, 1024)
     quantize(x, granularity="mx32")  # torchao's import, once
     for granularity in GRANULARITIES:
-        print(f"   {granularity:9s} {1e3 * best_of(lambda: quantize(x, granularity=granularity)):.2f} ms")
+        print(f"   {granularity:9s} {1e3 * best_of(lambda g=granularity: quantize(x, granularity=g)):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the nanoGPT-shaped model
 
-import labkit  # noqa: E402
 from nanogpt import G, NanoGPT, get_batch, textbook_step  # noqa: E402
+
+import labkit  # noqa: E402
 
 
 def cpu_name() -> str:

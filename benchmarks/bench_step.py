@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -219,10 +220,11 @@ def syncs_per_step(fused, precision, device, sync_every, steps=8):
 
 def cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        for line in lines:
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
-                flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+                flags = next(line for line in lines if line.startswith("flags")).split()
                 isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
                 fp16 = "native fp16" if "avx512_fp16" in flags else "no native fp16"
                 return f"{name} ({isa}, {fp16})"

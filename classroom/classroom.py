@@ -16,6 +16,7 @@ is kept. Only Python's standard library: it runs before the class's venv exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -235,10 +236,8 @@ def owned_by(uids: set[int]) -> list[int]:
 def kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to each of ``pids`` that still runs."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import importlib
 import sys
 
-
 COMMANDS = {  # name: (module whose main(argv) runs it, what it does); imported only when run
     "demo": ("labkit.lab.demo", "train the toy task through injected faults"),
     "show": ("labkit.lab.show", "a log.jsonl from any loop: its event lines, summary and figure (PNG)"),
     "grading": ("labkit.grading.__main__", "release and grade the exercises"),
     "export": ("labkit.export.replay", "replay a log.jsonl into TensorBoard, trackio, MLflow or W&B"),
-    "sweep": ("labkit.lab.sweep", "final loss against learning rate on the GPT task, per mitigation"),
+    "sweep": ("labkit.lab.sweep.cli", "final loss against learning rate on the GPT task, per mitigation"),
 }
 
 

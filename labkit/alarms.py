@@ -17,8 +17,8 @@ from collections import deque
 from typing import Any
 
 from .hooks import Hook
-from .records import Field, put
 from .reasons import Reason
+from .records import Field, put
 from .validate import check_int, check_number
 
 __all__ = ["DeadScaleWarning", "LabkitWarning", "RepeatedClippingWarning", "SkipStreakWarning"]

@@ -149,7 +149,7 @@ class BackwardOrder(Hook):
                     if len(owners.get(id(p), ())) > 1 and id(p) in first_name]
             if tied and not any(n in self._regions for n in tied):  # no hooks inside a compiled graph
                 self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, names=tuple(tied), path=path, used=_weak(self._used):
+                    lambda mod, args, out, names=tuple(tied), path=path, used=_weak(self._used):  # noqa: B008
                     used(names, path, out)))
 
     def detach(self) -> None:
@@ -178,7 +178,8 @@ class BackwardOrder(Hook):
             return
         self._hooked.add(id(p))
         self._handles.append(p.register_post_accumulate_grad_hook(
-            lambda _, name=name, module=module_of(name), fired=_weak(self._fired): fired(name, module)))
+            lambda _, name=name, module=module_of(name), fired=_weak(self._fired):  # noqa: B008
+            fired(name, module)))
 
     def _fired(self, name: str, module: str) -> None:
         if name in self.positions:  # a later micro-batch, or a tied parameter's last use

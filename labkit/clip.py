@@ -21,7 +21,7 @@ import struct
 import types
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from .distributed import is_distributed, local_tensor, reduce_sharded_norms_
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norm"]
 
-Parameters = Union[Tensor, Iterable[Tensor], Iterable[tuple[str, Tensor]]]
+Parameters = Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -200,7 +200,7 @@ SPLIT_NUMEL = 1 << 22
 OMP_THREADS_SLEEP = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive" or os.environ.get("GOMP_SPINCOUNT") == "0"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="labkit-norm")
 

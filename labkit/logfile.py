@@ -17,6 +17,7 @@ and this run starts ``<path>`` afresh.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -245,10 +246,9 @@ def _open_stream(path: str) -> tuple[int, str]:
 
 
 def _flush_quietly(stream: Any) -> None:
-    try:
+    # replaced, closed or gone: nothing to order against
+    with contextlib.suppress(AttributeError, OSError, ValueError):
         stream.flush()
-    except (AttributeError, OSError, ValueError):  # replaced, closed or gone: nothing to order against
-        pass
 
 
 def _step_of(line: bytes) -> int | None:
@@ -298,7 +298,7 @@ def cut_torn_tail(path: str | os.PathLike, complete: Callable[[bytes], bool] = _
     A table whose rows may parse when cut short (a CSV) passes ``complete=lambda tail: False``.
     """
     try:
-        f = open(path, "rb+")
+        f = open(path, "rb+")  # noqa: SIM115 (the with below; the try catches only the open's error)
     except FileNotFoundError:
         return
     with f:

@@ -20,6 +20,7 @@ gradients that are still scaled and not yet clipped, and a skip not yet decided.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -86,10 +87,8 @@ class UpdateMonitor(Hook):
     @staticmethod
     def _check(optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer without a second moment now, as ``read_update_rms`` would at the first step."""
-        try:
+        with contextlib.suppress(RuntimeError):  # no gradient yet: the optimizer itself is fine
             read_update_rms(optimizer)
-        except RuntimeError:  # no gradient yet: the optimizer itself is fine
-            pass
 
     def attach(self, trainer: Any) -> None:
         if self.optimizer is None:

@@ -40,11 +40,12 @@ import pytest
 
 HERE = Path(__file__).parent
 sys.path[:0] = [str(HERE), str(HERE / "browser"), str(HERE.parent / "classroom")]
-import classroom  # noqa: E402
 from lab_driver import CHROMIUM, CHROMIUM_ARGS, free_port  # noqa: E402
 from test_grading import AUTOGRADED, solution  # noqa: E402
 from test_grading_feedback import Parts  # noqa: E402
 from test_grading_nbgrader import ANSWERS, SKIP_NAN_ONLY  # noqa: E402
+
+import classroom  # noqa: E402
 
 pytestmark = [pytest.mark.classroom, pytest.mark.timeout(600)]
 WORK = "labkit-class-"  # + "<pid>.<start time>-": the class folder of one run of this module

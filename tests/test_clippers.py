@@ -111,10 +111,7 @@ def test_update_norm_rule_matches_the_reference(series, window, k):
 
 def agc_reference(w: np.ndarray, g: np.ndarray, clipping: float, eps: float) -> np.ndarray:
     """timm/utils/agc.py, unit by unit, in float64 loops."""
-    if w.ndim <= 1:
-        units = [(slice(None),)]
-    else:
-        units = [(i,) for i in range(w.shape[0])]
+    units = [(slice(None),)] if w.ndim <= 1 else [(i,) for i in range(w.shape[0])]
     out = g.astype(np.float64).copy()
     for u in units:
         bound = max(np.linalg.norm(w[u]), eps) * clipping

@@ -11,10 +11,9 @@ import torch
 
 import labkit
 from labkit.lab.defenses import KNOBS, Defenses, ledger, plot_defenses
-from labkit.lab.explorer import DefenseExplorer
-from labkit.lab.text import describe
 from labkit.lab.experiment import ExperimentConfig, run_experiment
-from labkit.lab.text import describe_rewind
+from labkit.lab.explorer import DefenseExplorer
+from labkit.lab.text import describe, describe_rewind
 
 
 def test_clip_grad_value_has_torchs_signature():

@@ -216,8 +216,8 @@ def test_scales_print_as_powers_of_two_once_they_are_long():
 
 
 def test_a_fault_on_another_rank_keeps_its_tag_and_the_title_says_how_many_ranks():
-    from labkit.lab.text import describe, title
     from labkit.lab.experiment import ExperimentConfig
+    from labkit.lab.text import describe, title
     from labkit.records import StepRecord
 
     skipped = StepRecord(120, math.nan, skipped=True, reason="nonfinite_loss")  # rank 0's record: no fault of its own

@@ -317,7 +317,7 @@ def single_process(precision, accumulation_steps=1):
 def assert_params_close(a, b, rtol):
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol * 1e-2, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol * 1e-2, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def assert_rank_agreement(run0, run1, skipped, reasons):

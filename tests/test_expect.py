@@ -21,7 +21,7 @@ def fail_with(kind):
     if kind == "key":
         {}["nonfinite_grad"]
     if kind == "zero":
-        1 / 0
+        _ = 1 / 0
     if kind == "multiline":
         raise RuntimeError("first line\n  second line\n")
 
@@ -34,9 +34,8 @@ KINDS = {"assert": "first skip at step 39", "index": "39 is not in list", "key":
 @pytest.mark.parametrize("kind", KINDS)
 def test_strict_raises_an_assertion_error_naming_what_and_why(kind, strict, monkeypatch):
     monkeypatch.setenv(STRICT_ENV, strict)
-    with pytest.raises(AssertionError, match=f"^lesson check failed: {WHAT} ") as failure:
-        with expect(WHAT):
-            fail_with(kind)
+    with pytest.raises(AssertionError, match=f"^lesson check failed: {WHAT} ") as failure, expect(WHAT):
+        fail_with(kind)
     original = failure.value.__cause__
     assert original is not None and type(original).__name__ in str(failure.value)
 
@@ -61,7 +60,7 @@ def test_a_students_kernel_prints_one_line_and_goes_on(kind, off, monkeypatch, c
 def test_a_bare_assert_names_its_type(monkeypatch, capsys):
     monkeypatch.delenv(STRICT_ENV, raising=False)
     with expect(WHAT):
-        assert False
+        assert False  # noqa: B011 (the bare assert is what is tested)
     assert capsys.readouterr().out == f"check not met on this machine: {WHAT} (AssertionError); " \
                                       "the text may not match this run.\n"
 
@@ -76,6 +75,6 @@ def test_a_check_that_holds_is_silent_either_way(strict, monkeypatch, capsys):
 
 def test_an_interrupt_is_not_a_failed_check(monkeypatch):
     monkeypatch.delenv(STRICT_ENV, raising=False)
-    with pytest.raises(KeyboardInterrupt):  # the student stopped the kernel: the lesson stops
-        with expect(WHAT):
-            raise KeyboardInterrupt
+    # the student stopped the kernel: the lesson stops
+    with pytest.raises(KeyboardInterrupt), expect(WHAT):
+        raise KeyboardInterrupt

@@ -9,6 +9,7 @@ import math
 import os
 import struct
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,7 +166,7 @@ def read_mlflow(out, run_name):
     files = {}
     for name in ("events.txt", "alerts.txt"):
         try:
-            files[name] = open(client.download_artifacts(run.info.run_id, name)).read()
+            files[name] = Path(client.download_artifacts(run.info.run_id, name)).read_text()
         except Exception:  # noqa: BLE001 (no alerts: no alerts.txt)
             files[name] = ""
     return scalars, files, run.data.tags
@@ -179,7 +180,7 @@ def wandb_records(path):
     """
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     assert data[:4] == b":W&B", data[:7]
     pos, block, pending = 7, 32768, b""
     while pos + 7 <= len(data):

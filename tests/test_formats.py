@@ -5,11 +5,17 @@ import math
 import pytest
 import torch
 
+from labkit.formats.bf16 import compare_remedies
 from labkit.formats.fp8 import Fp8Fault, Fp8Guard
 from labkit.lab.formats import (
-    NUMBER_LINE, GranularityExplorer, format_values, number_line, round_trip, scaling_figure, stagnation_figure,
+    NUMBER_LINE,
+    GranularityExplorer,
+    format_values,
+    number_line,
+    round_trip,
+    scaling_figure,
+    stagnation_figure,
 )
-from labkit.formats.bf16 import compare_remedies
 
 
 def test_format_values_are_every_bit_pattern_and_agree_with_finfo():

@@ -8,7 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.formats.fp8 import (
-    FORMATS, GRANULARITIES, REASONS, Fp8Fault, Fp8Guard, check_amax, linear, quantize, update_amax_history,
+    FORMATS,
+    GRANULARITIES,
+    REASONS,
+    Fp8Fault,
+    Fp8Guard,
+    check_amax,
+    linear,
+    quantize,
+    update_amax_history,
 )
 
 

@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from host_reads import SyncCounter
 
 import labkit
-from host_reads import SyncCounter
 
 STEPS = 6
 

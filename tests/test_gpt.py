@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def run(task=SMALL, **kw):
 
 def test_corpus_is_the_selected_stdlib_files_in_order_with_their_sha256():
     c = TextCorpus(modules=("bisect", "colorsys"))
-    files = [open(importlib.util.find_spec(m).origin, "rb").read() for m in ("bisect", "colorsys")]
+    files = [Path(importlib.util.find_spec(m).origin).read_bytes() for m in ("bisect", "colorsys")]
     assert c.data == files[0] + files[1]
     assert c.sha256 == hashlib.sha256(files[0] + files[1]).hexdigest()
     assert TextCorpus(modules=("colorsys", "bisect")).sha256 != c.sha256  # the order is part of the data
@@ -53,7 +54,7 @@ def test_corpus_split_is_one_cut_and_tokens_round_trip():
 ])
 def test_bad_corpus_settings_say_how_to_fix_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        TextCorpus(**kwargs).data
+        _ = TextCorpus(**kwargs).data
 
 
 # --- the task ---------------------------------------------------------------------------------

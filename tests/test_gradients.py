@@ -4,18 +4,30 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from labkit.lab.gradients import (BF16_RANGE, FP16_RANGE, GradHistogram, GradientProbe, GradStat, flush_fractions,
-                                  plot_flushed_by_tensor, plot_headroom, plot_layer_heatmap, plot_sawtooth,
-                                  plot_u_curve, u_curve)
+from labkit.lab.gradients import (
+    BF16_RANGE,
+    FP16_RANGE,
+    GradHistogram,
+    GradientProbe,
+    GradStat,
+    flush_fractions,
+    plot_flushed_by_tensor,
+    plot_headroom,
+    plot_layer_heatmap,
+    plot_sawtooth,
+    plot_u_curve,
+    u_curve,
+)
 from labkit.records import StepRecord
 from labkit.steplog import StepLog
 
 
 def test_histogram_bands_sit_at_fp16_and_bf16_limits():
     f16 = torch.finfo(torch.float16)
-    assert FP16_RANGE == (math.log2(f16.smallest_normal * f16.eps), math.log2(f16.smallest_normal), math.log2(f16.max))
+    assert (math.log2(f16.smallest_normal * f16.eps), math.log2(f16.smallest_normal), math.log2(f16.max)) == FP16_RANGE
     assert FP16_RANGE[:2] == (-24.0, -14.0) and BF16_RANGE[1] == -126.0
     assert 2.0 ** FP16_RANGE[0] == torch.tensor(2.0**-24, dtype=torch.float16).item()  # the smallest subnormal
     h = GradHistogram(torch.tensor([1.0]))
@@ -71,8 +83,7 @@ def test_u_curve_sawtooth_and_heatmap_show_what_the_run_did():
     u = plot_u_curve(torch.tensor([1.0, 2.0**-40]), trajectory=log.column("scale"), backoffs=[2.0**11]).axes[0]
     assert [line.get_label() for line in u.get_lines()] == ["flushed to 0", "overflow (inf)", "lost"]
     assert u.collections[0].get_offsets()[:, 0].tolist() == [10.0, 11.0]
-    p = GradientProbe()
-    p.layers, p._norms, p._steps = ["wte", "h.0.attn.c_attn"], {"wte": [1.0, 1000.0], "h.0.attn.c_attn": [0.1, 0.1]}, [0, 1]
+    p = GradientProbe.holding([0, 1], layer_norms={"wte": [1.0, 1000.0], "h.0.attn.c_attn": [0.1, 0.1]})
     image = plot_layer_heatmap(p).axes[0].images[0].get_array()
     assert image.tolist() == [[0.0, 3.0], [-1.0, -1.0]]
 
@@ -169,18 +180,18 @@ def test_the_histogram_by_kind_gives_each_kind_its_own_fractions():
 
 
 def test_flushed_bars_follow_backward_order_and_heatmaps_share_one_colour_range():
-    a, b = GradientProbe(), GradientProbe()
-    for p, zeros in ((a, (0.1, 0.9)), (b, (0.0, 0.0))):
-        p._steps, p._scale = [0, 1], [1.0, 1.0]
-        p._trace = [[GradStat("head (output)", "activation", 1.0, zeros[0]), GradStat("w", "weight", 1.0, 0.0),
-                     GradStat("body (input)", "activation", 1.0, zeros[1])]] * 2
+    def trace(zeros):
+        return [[GradStat("head (output)", "activation", 1.0, zeros[0]), GradStat("w", "weight", 1.0, 0.0),
+                 GradStat("body (input)", "activation", 1.0, zeros[1])]] * 2
+
+    a = GradientProbe.holding([0, 1], trace=trace((0.1, 0.9)), layer_norms={"x": [10.0, 1000.0]})
+    b = GradientProbe.holding([0, 1], trace=trace((0.0, 0.0)))
     ax = plot_flushed_by_tensor({"a": a, "b": b}).axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["head (output)", "body (input)"]
     assert [bar.get_width() for bar in ax.patches] == [0.1, 0.9, 0.0, 0.0]
     lo, hi = sorted(ax.get_ylim())  # every bar inside the axes
     assert all(lo <= bar.get_y() and bar.get_y() + bar.get_height() <= hi for bar in ax.patches)
-    a.layers, a._norms = ["x"], {"x": [10.0, 1000.0]}
-    b.layers, b._norms, b._steps = ["x"], {"x": [0.1]}, [0]  # b stopped after step 0
+    b = GradientProbe.holding([0], layer_norms={"x": [0.1]})  # b stopped after step 0
     fig = plot_layer_heatmap({"a": a, "b": b}, steps=4)
     top, bottom = fig.axes[:2]
     assert top.images[0].get_clim() == bottom.images[0].get_clim() == (-1.0, 3.0)
@@ -189,8 +200,19 @@ def test_flushed_bars_follow_backward_order_and_heatmaps_share_one_colour_range(
     note = "grey: norm not finite (inf/NaN) or no backward, first at step {}"
     assert [t.get_text() for t in bottom.texts] == [note.format(1)]
     assert [t.get_text() for t in top.texts] == [note.format(2)]
-    a._norms["x"][1] = math.inf  # an overflowed layer is grey too
-    assert [t.get_text() for t in plot_layer_heatmap(a, steps=2).axes[0].texts] == [note.format(1)]
+    overflowed = GradientProbe.holding([0, 1], layer_norms={"x": [10.0, math.inf]})  # grey too
+    assert [t.get_text() for t in plot_layer_heatmap(overflowed, steps=2).axes[0].texts] == [note.format(1)]
+
+
+def test_a_held_probe_reads_back_what_it_was_given_and_refuses_a_step_count_that_disagrees():
+    stats = [[GradStat("w", "weight", 0.5, 0.0)], [GradStat("w", "weight", math.inf, 0.0)]]
+    p = GradientProbe.holding([3, 4], layer_norms={"w": [1.0, 2.0]}, loss_scale=[8.0, 4.0], trace=stats,
+                              zero_fraction=[0.25, 0.5])
+    assert (p.steps, p.layers, p.layer_norms, p.loss_scale, p.zero_fraction) == (
+        [3, 4], ["w"], {"w": [1.0, 2.0]}, [8.0, 4.0], [0.25, 0.5])
+    assert p.trace == stats and p.first_nonfinite == [None, "w"]
+    with pytest.raises(ValueError, match=r"one value per step \(2 steps\), got \{\"layer_norms\['w'\]\": 1\}"):
+        GradientProbe.holding([0, 1], layer_norms={"w": [1.0]})
 
 
 def test_a_tied_weights_linear_use_is_measured_apart_and_equals_the_untied_heads_gradient():

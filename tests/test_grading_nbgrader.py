@@ -18,8 +18,15 @@ import pytest
 from labkit.grading.notebook import grade, read
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_grading import AUTOGRADED, NORM_IN_FP16, SOURCE, STALE_SCALE, nbgrader, nbgrader_env, \
-    sandboxed, solution  # noqa: E402,F401 (nbgrader_env is a fixture)
+from test_grading import (
+    AUTOGRADED,
+    NORM_IN_FP16,
+    SOURCE,
+    STALE_SCALE,
+    nbgrader,
+    sandboxed,  # noqa: E402,F401 (nbgrader_env is a fixture)
+    solution,
+)
 
 pytestmark = [pytest.mark.nbgrader, pytest.mark.timeout(600)]
 ANSWERS = ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")

@@ -15,14 +15,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt_before_options import GPTTask as GPTTaskBefore
 
 import labkit
-from labkit.reasons import LOSS
-from gpt_before_options import GPTTask as GPTTaskBefore
 from labkit.export.schema import row
 from labkit.lab import describe
 from labkit.lab.experiment import ExperimentConfig, make_optimizer, make_scheduler, run_experiment
 from labkit.lab.sweep import Recipe, lr_grid, lr_sensitivity, main, run_point, stable_lrs, summarize, sweep
+from labkit.reasons import LOSS
 from labkit.records import StepRecord
 from labkit.steplog import StepLog
 from labkit.tasks import GPTTask
@@ -148,7 +148,7 @@ def test_the_measurements_ride_the_records_one_read(monkeypatch, sync_every):
         records, reads = [step(*task.batch(0))], [0]  # the first step does one-time work: not counted
         with monkeypatch.context() as m:
             for name in HOST_READS:
-                def counted(self, *args, _read=getattr(torch.Tensor, name), **kwargs):
+                def counted(self, *args, _read=getattr(torch.Tensor, name), **kwargs):  # noqa: B008 (binds this name's)
                     reads[0] += 1
                     return _read(self, *args, **kwargs)
                 m.setattr(torch.Tensor, name, counted)
@@ -451,7 +451,7 @@ def test_the_measurements_round_trip_through_jsonl_and_csv_and_reach_the_tracker
     first = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert first["attn_logit_max"]["h.0"] == "Infinity"
     log.to_csv(tmp_path / "log.csv")
-    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    rows = list(csv.DictReader((tmp_path / "log.csv").read_text().splitlines()))
     assert rows[0]["attn_logit_max"] == "h.0=inf;h.1=80.5" and rows[1]["log_z"] == "-0.25"
     metrics = row(r)
     assert metrics.scalars["attn/logit_max/h.0"] == math.inf
@@ -508,7 +508,7 @@ def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_g
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("final loss") == 4 and "LR sensitivity" in out
-    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    rows = list(csv.DictReader((tmp_path / "sweep.csv").read_text().splitlines()))
     assert [(r["variant"], float(r["lr"])) for r in rows] == [("baseline", 0.01), ("baseline", 0.1),
                                                               ("qk_norm", 0.01), ("qk_norm", 0.1)]
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
@@ -519,7 +519,7 @@ def test_the_sweep_command_writes_csv_png_and_logs_and_resumes_a_half_finished_g
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "resuming: 2 of 4 points" in out and out.count("final loss") == 2
-    again = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    again = list(csv.DictReader((tmp_path / "sweep.csv").read_text().splitlines()))
     point = lambda r: (r["variant"], r["lr"], r["final_loss"], r["attn_logit_max"])  # noqa: E731
     assert [point(r) for r in again] == [point(r) for r in rows]  # the same numbers as the first time
     # another recipe in the same folder is refused, with the way out

@@ -173,22 +173,22 @@ def test_a_full_disk_loses_no_record_and_no_step_number(task, tmp_path, monkeypa
 
 
 FAULTS = ["3:nan", "7:spike:10", "12-13:overflow"]
-WRITER = textwrap.dedent("""
+WRITER = textwrap.dedent(f"""
     import os, sys, torch, labkit
     path, checkpoint = sys.argv[1], sys.argv[2]
     task = labkit.ToyTask()
     model = task.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = labkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, faults=%r,
+    step = labkit.TrainStep(model, opt, task.loss_fn, precision="fp16", scaler=scaler, faults={FAULTS!r},
                             log_path=path)
     while True:
         record = step(*task.batch(step.step_count))
         print(record.step, flush=True)  # after this line, the record is in the file
-        state = {"model": model.state_dict(), "opt": opt.state_dict(), "train": step.state_dict()}
+        state = {{"model": model.state_dict(), "opt": opt.state_dict(), "train": step.state_dict()}}
         torch.save(state, checkpoint + ".tmp")
         os.replace(checkpoint + ".tmp", checkpoint)
-""" % FAULTS)
+""")
 
 
 def fresh(task, path, state=None):

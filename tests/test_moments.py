@@ -44,7 +44,7 @@ def test_an_unclipped_spike_lingers_in_v_and_a_skipped_one_never_enters():
     watches = {name: AdamWatch() for name in ("unclipped", "skipped")}
     logs = {"unclipped": run(watches["unclipped"], method="none"),
             "skipped": run(watches["skipped"], method="none", skip_z=6.0)}
-    for name, watch in watches.items():
+    for watch in watches.values():
         assert watch.steps == list(range(24))
     up, skip = watches["unclipped"], watches["skipped"]
     assert logs["skipped"][16].skipped and skip.update[16] == 0.0 and skip.v_hat[16] == skip.v_hat[15]

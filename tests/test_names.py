@@ -12,12 +12,12 @@ from labkit.step import PRECISIONS as DTYPES
 
 
 def test_fp16_max_is_torchs():
-    assert names.FP16_MAX == torch.finfo(torch.float16).max
+    assert torch.finfo(torch.float16).max == names.FP16_MAX
 
 
 def test_the_steps_dtype_map_is_keyed_by_the_names():
     assert tuple(DTYPES) == names.PRECISIONS
-    assert DTYPES == {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    assert {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16} == DTYPES
 
 
 def test_the_sweep_cli_offers_the_names_precisions():

@@ -9,12 +9,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from host_reads import READS, SyncCounter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import labkit
 from labkit.optim import StableAdamW, read_update_rms, update_rms
-from host_reads import READS, SyncCounter
 
 PROPERTY = settings(max_examples=100, deadline=None, database=None)
 SLOW_PROPERTY = settings(max_examples=25, deadline=None, database=None)
@@ -33,7 +33,8 @@ def feed(history, beta2):
     return history[-1], v
 
 
-def histories(values=entries, n=st.integers(1, 8), steps=st.integers(1, 30)):
+def histories(values=entries, n=None, steps=None):
+    n, steps = n or st.integers(1, 8), steps or st.integers(1, 30)
     return st.tuples(n, steps).flatmap(lambda ns: st.lists(
         st.lists(values, min_size=ns[0], max_size=ns[0]), min_size=ns[1], max_size=ns[1])).map(
         lambda rows: torch.tensor(rows, dtype=torch.float64))
@@ -423,7 +424,7 @@ def test_a_closure_is_evaluated_once_and_clipped_like_a_plain_step():
     opt, opt2 = StableAdamW([w], lr=0.1), StableAdamW([w2], lr=0.1)
     calls = []
     for k in (1e-3, 1e-3, 1e-3, 10.0):
-        def closure():
+        def closure(k=k):
             calls.append(1)
             opt.zero_grad()
             loss = (w * k).sum()

@@ -10,10 +10,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from labkit import TrainStep
-from labkit.lab.text import describe
 from labkit.formats.bf16 import (
-    StaleMonitor, StaleUpdateWarning, accumulate, compare_remedies, kahan_add, stale_fraction, stochastic_round_bf16,
+    StaleMonitor,
+    StaleUpdateWarning,
+    accumulate,
+    compare_remedies,
+    kahan_add,
+    stale_fraction,
+    stochastic_round_bf16,
 )
+from labkit.lab.text import describe
 from labkit.tasks import ToyTask
 
 

@@ -4,6 +4,7 @@ that never reach back into ``TrainStep``, and an AMP order short enough to read 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,63 @@ def test_no_part_reaches_into_anothers_privates():
         "self.scaler._abandon_iteration (line 1)", "clipper._to (line 2)"]
     for path in [*STEP.glob("*.py"), LABKIT / "hooks.py", LABKIT / "rewind.py", LABKIT / "spikes.py"]:
         assert private_reaches(path.read_text()) == [], path.name
+
+
+def private_imports(source: str) -> list[str]:
+    """``from module import _name``: a private name taken from another module (the name, not its alias)."""
+    return [f"{a.name} (line {node.lineno})" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_module_takes_a_private_name_from_another():
+    """A helper that another module uses is public where it lives (``sweep.analysis.peak``,
+    ``grading.checks.core.call_student``), documented and in its ``__all__``."""
+    source = "from .a import b, _c\nfrom x import _d as d\nfrom __future__ import annotations\n"
+    assert private_imports(source) == ["_c (line 1)", "_d (line 2)"]
+    found = {str(path.relative_to(LABKIT)): private_imports(path.read_text())
+             for path in sorted(LABKIT.rglob("*.py"))}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+@pytest.mark.parametrize("package, order", [
+    ("labkit.lab.sweep", ["recipe", "analysis", "store", "runner", "plots", "panel", "cli"]),
+    ("labkit.lab.gradients", ["ranges", "probe", "histogram", "plots"]),
+], ids=["sweep", "gradients"])
+def test_a_package_split_by_job_imports_only_down_the_order_its_docstring_gives(package, order):
+    """Each module imports only the modules before it, never its package's face (which imports them all)."""
+    assert sorted(m for m in GRAPH if m.startswith(package + ".")) == sorted(f"{package}.{m}" for m in order)
+    said = ast.get_docstring(ast.parse(MODULES[package].read_text())).split("One module per job")[1]
+    assert [m for m in re.findall(r"``(\w+)``", said) if m in order] == order  # the order the docstring gives
+    for i, name in enumerate(order):
+        inside = {m for m in GRAPH[f"{package}.{name}"] if m == package or m.startswith(package + ".")}
+        assert inside <= {f"{package}.{m}" for m in order[:i]}, (name, inside)
+
+
+GRADING = LABKIT / "grading"
+SETS = sorted(p.parent for p in (GRADING / "checks").glob("*/__init__.py"))
+
+
+def parts_of(package: Path) -> list[str]:
+    """The modules of a problem set's package that define a part's ``CHECK``; the others are shared."""
+    def defines_check(path: Path) -> bool:
+        return any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "CHECK" for t in n.targets)
+                   for n in ast.parse(path.read_text()).body)
+    modules = [p for p in package.glob("*.py") if p.name != "__init__.py"]
+    return sorted(module_name(p) for p in modules if defines_check(p))
+
+
+@pytest.mark.parametrize("package", SETS, ids=lambda p: p.name)
+def test_a_problem_sets_parts_stand_alone(package):
+    """One module per part: a part imports the set's shared modules (bans, cases), never another part
+    or the set's face (which imports every part)."""
+    face, parts = module_name(package / "__init__.py"), parts_of(package)
+    assert len(parts) >= 2 and all(m.startswith(face + ".") for m in parts), parts
+    for part in parts:
+        assert not GRAPH[part] & {face, *parts}, (part, GRAPH[part] & {face, *parts})
+
+
+@pytest.mark.parametrize("path", sorted((GRADING / "checks").rglob("*.py")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_grading_check_modules_are_small(path):
+    assert len(path.read_text().splitlines()) <= 400, f"{path.name} has grown past 400 lines: split it"

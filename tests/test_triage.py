@@ -259,9 +259,9 @@ def test_describe_says_why_the_loss_was_not_finite(reason, line):
 
 
 def test_summary_counts_the_new_reasons_and_the_trackers_take_them(tmp_path):
-    from labkit.export import replay
-
     from test_export import read_tensorboard
+
+    from labkit.export import replay
 
     task = ToyTask()
     step = step_for(task.model(), task, triage=True, faults={1: "nan"}, log_path=tmp_path / "run.jsonl")

@@ -90,7 +90,7 @@ def test_the_monitor_adds_no_host_sync(monkeypatch):
             for name in ("item", "__bool__", "tolist", "__float__", "__int__", "cpu", "numpy"):
                 real = getattr(torch.Tensor, name)
 
-                def trapped(t, *args, _real=real, **kwargs):
+                def trapped(t, *args, _real=real, count=count, **kwargs):
                     if sys._getframe(1).f_globals.get("__name__", "").startswith("labkit"):
                         count[0] += 1
                     return _real(t, *args, **kwargs)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..clip import scale_grads_
 from ..validate import check_int, check_number
-from .base import FEEDS, Clipper, _check_bound, lockin_guard
+from .base import FEEDS, Clipper, check_max_consecutive_clips, lockin_guard
 
 __all__ = ["AdaGC", "adagc_update"]
 
@@ -79,7 +79,7 @@ class AdaGC(Clipper):
         if feed not in FEEDS:
             raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}.")
         self.beta, self.lambda_rel, self.lambda_abs, self.warmup, self.eps = beta, lambda_rel, lambda_abs, warmup, eps
-        self.feed, self.max_consecutive_clips = feed, _check_bound(max_consecutive_clips)
+        self.feed, self.max_consecutive_clips = feed, check_max_consecutive_clips(max_consecutive_clips)
         self.state: dict[str, Tensor] = {}
         self._warned = 0
 

@@ -27,7 +27,8 @@ from ..distributed import rank
 from ..records import Field, declare
 from ..validate import check_int
 
-__all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "feed_value", "lockin_guard"]
+__all__ = ["FEEDS", "Clipper", "GlobalClipper", "LockInWarning", "check_max_consecutive_clips", "feed_value",
+           "lockin_guard"]
 
 FEEDS = ("clipped", "raw", "exclude")
 
@@ -98,7 +99,12 @@ def effective_coef(post: list[Tensor], norm: Tensor, finite: Tensor) -> Tensor:
 declare("Clipper", {"threshold": Field(math.nan), "clip_reason": Field(None), "lockin": Field(False)})
 
 
-def _check_bound(bound: int | None) -> int | None:
+def check_max_consecutive_clips(bound: int | None) -> int | None:
+    """Return a clipper's lock-in bound if it is an int >= 1 or None (the guard off); raise otherwise.
+
+    >>> check_max_consecutive_clips(50), check_max_consecutive_clips(None)
+    (50, None)
+    """
     return check_int("max_consecutive_clips", bound, 1, none="guard off")
 
 
@@ -235,7 +241,7 @@ class GlobalClipper(Clipper):
             raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}: 'clipped' can lock in, 'raw' can inflate, "
                              "'exclude' can go blind (research note §1.3b).")
         self.feed = feed
-        self.max_consecutive_clips = _check_bound(max_consecutive_clips)
+        self.max_consecutive_clips = check_max_consecutive_clips(max_consecutive_clips)
         self.state = self.initial()
         self.state["streak"] = torch.zeros((), dtype=torch.int64)
         self.state["releases"] = torch.zeros((), dtype=torch.int64)

@@ -45,7 +45,7 @@ from ..validate import check_int, check_number
 
 __all__ = [
     "FAULT_KINDS", "FORMATS", "GRANULARITIES", "REASONS", "CastRecord", "Fp8Fault", "Fp8Guard", "Quantized",
-    "check_amax", "linear", "quantize", "update_amax_history",
+    "check_amax", "import_torchao_mx", "linear", "quantize", "update_amax_history",
 ]
 
 FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -215,16 +215,19 @@ def quantize(
 def _mx(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Return torchao's MX data and e8m0 scales for ``x`` (blocks of 32 along the last dim)."""
     _check_mx(x)
-    mx_tensor, mode = _torchao_mx()
+    mx_tensor, mode = import_torchao_mx()
     mx = mx_tensor.to_mx(x, dtype, block_size=32, scaling_mode=mode.RCEIL)
     return mx.qdata, mx.scale
 
 
-def _torchao_mx():  # type: ignore[no-untyped-def]
+def import_torchao_mx():  # type: ignore[no-untyped-def]
     """Import torchao's MX pieces with its import-time noise quieted.
 
     On a CPU build torchao logs a warning for each CUDA extension it cannot load, and torch
     one for each enum it registers: harmless, and not the student's business.
+
+    >>> MXTensor, mode = import_torchao_mx(); mode.RCEIL.name
+    'RCEIL'
     """
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in loggers]

@@ -2,9 +2,9 @@
 
 Test cells call the checks (``check_grad_norm(student_fn)``); instructors run
 ``python -m labkit.grading release|grade|feedback`` (see ``python -m labkit.grading --help``). The
-checks are imported on first use: they need torch, the command line does not. One module of
-checks per problem set: ``checks.ps1`` (clipping and loss scaling), ``checks.ps2`` (real
-instabilities and spike defenses), ``checks.ps3`` (precision beyond fp16).
+checks are imported on first use: they need torch, the command line does not. One package of
+checks per problem set, one module per part: ``checks.ps1`` (clipping and loss scaling),
+``checks.ps2`` (real instabilities and spike defenses), ``checks.ps3`` (precision beyond fp16).
 
 >>> from labkit.grading import check_update_scale
 >>> check_update_scale(lambda scale, tracker, hysteresis, found_inf, config: (scale, tracker, hysteresis))

@@ -24,7 +24,7 @@ from typing import Any
 
 from .notebook import grade, plan, read
 
-__all__ = ["Submission", "find", "grade_class", "read_manual", "summary"]
+__all__ = ["Submission", "file_sha256", "find", "grade_class", "read_manual", "summary", "write_atomically"]
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,13 @@ def read_manual(path: Path, parts: dict[str, float], students: set[str]) -> dict
     return out
 
 
-def _sha(path: Path | None) -> str:
+def file_sha256(path: Path | None) -> str:
+    """Return the SHA-256 of a file's bytes, hex; "" for no file (what a cached grade is keyed by)."""
     return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else ""
 
 
-def _write(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader never sees half of it."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -107,8 +109,8 @@ def _grade_one(source: dict[str, Any], sub: Submission, key: dict[str, Any], opt
             submission, reason = None, f"the submission is not a readable notebook: {e}"
     report = grade(source, submission, student=sub.student, reason=reason, **options)
     entry = {"student": sub.student, "key": key, **report.to_dict(include_manual=True)}
-    _write(logs / f"{sub.student}.txt", report.output)
-    _write(results / f"{sub.student}.json", json.dumps(entry, indent=1) + "\n")
+    write_atomically(logs / f"{sub.student}.txt", report.output)
+    write_atomically(results / f"{sub.student}.json", json.dumps(entry, indent=1) + "\n")
     return entry
 
 
@@ -126,10 +128,10 @@ def grade_class(source_path: Path, folder: Path, out: Path, *, jobs: int = 1, ma
     results, logs = out / "results", out / "logs"
     results.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
-    source_sha = _sha(source_path)
+    source_sha = file_sha256(source_path)
     done, todo = {}, []
     for sub in subs:
-        key = {"submission": _sha(sub.path), "source": source_sha, "options": {k: options[k] for k in sorted(options)}}
+        key = {"submission": file_sha256(sub.path), "source": source_sha, "options": {k: options[k] for k in sorted(options)}}
         path = results / f"{sub.student}.json"
         if path.exists():
             try:
@@ -152,7 +154,7 @@ def grade_class(source_path: Path, folder: Path, out: Path, *, jobs: int = 1, ma
             bar.update()
     bar.close()
     book = _gradebook([done[s.student] for s in subs], hand)
-    _write(out / "gradebook.json", json.dumps(book, indent=1) + "\n")
+    write_atomically(out / "gradebook.json", json.dumps(book, indent=1) + "\n")
     with open(out / "gradebook.csv.tmp", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["student", "grade_id", "points", "max_points", "status", "seed", "message"])
@@ -161,7 +163,7 @@ def grade_class(source_path: Path, folder: Path, out: Path, *, jobs: int = 1, ma
                 writer.writerow([student["student"], part["grade_id"], f"{part['points']:g}",
                                  f"{part['max_points']:g}", part["status"], part["seed"], part["message"]])
     os.replace(out / "gradebook.csv.tmp", out / "gradebook.csv")
-    _write(out / "summary.txt", summary(book) + "\n")
+    write_atomically(out / "summary.txt", summary(book) + "\n")
     return book
 
 

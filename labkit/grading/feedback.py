@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .batch import Submission, _sha, _write, find
-from .notebook import _grade_id, _is_manual, _is_test, _meta, plan, read
+from .batch import Submission, file_sha256, find, write_atomically
+from .notebook import grade_id_of, is_manual_cell, is_test_cell, nbgrader_meta, plan, read
 
 __all__ = ["Feedback", "part_label", "render", "write_feedback"]
 
@@ -144,15 +144,16 @@ def render(source: dict[str, Any], submission: dict[str, Any] | None, entry: dic
             _code(text) if cell.get("cell_type") == "code" else f"<pre>{esc(text)}</pre>"
         if cell.get("cell_type") == "markdown":
             body = f'<div class="markdown">{body}</div>'
-        gid = _grade_id(cell)
+        gid = grade_id_of(cell)
         if gid in parts:
             p = parts[gid]
-            kind = "Your written answer" if _is_manual(cell) else "Tests" if _is_test(cell) else "Graded cell"
+            kind = ("Your written answer" if is_manual_cell(cell) else "Tests" if is_test_cell(cell)
+                    else "Graded cell")
             out.append(f'<div class="cell graded" id="cell-{esc(gid)}"><div class="heading"><span>{kind}: '
                        f'<code>{esc(gid)}</code></span><span>Score: {_fmt(p["points"])} / '
                        f'{_fmt(p["max_points"])}</span></div>{body}<div class="verdict">'
                        f"{esc(part_label(p))}</div></div>")
-        elif _meta(cell).get("solution"):
+        elif nbgrader_meta(cell).get("solution"):
             out.append(f'<div class="cell answer"><b>Your answer</b> <code>{esc(gid or "")}</code>'
                        f"{body}</div>")
         else:
@@ -182,7 +183,8 @@ def write_feedback(source_path: Path, folder: Path, grades: Path, out: Path,
         raise ValueError(f"{folder} is a flat folder of notebooks: feedback needs nbgrader's submitted/"
                          "<student>/<assignment>/ layout, whose submission_secret.txt names the file "
                          "release_feedback returns.")
-    stale = [s.student for s in subs if s.student not in entries or _graded_sha(grades, s) != _sha(s.path)]
+    stale = [s.student for s in subs
+             if s.student not in entries or _graded_sha(grades, s) != file_sha256(s.path)]
     if stale:
         raise ValueError(f"the gradebook in {grades} was not made from these submissions of "
                          f"{', '.join(stale)} (graded another version, or not at all): run the same grade "
@@ -203,8 +205,9 @@ def write_feedback(source_path: Path, folder: Path, grades: Path, out: Path,
         target.mkdir(parents=True, exist_ok=True)
         page = target / f"{sub.path.stem}.html"
         timestamp = (sub.path.parent / "timestamp.txt").read_text(encoding="utf-8").strip()
-        _write(page, render(source, submission, entry, student=sub.student, assignment=sub.path.parent.name,
-                            notebook=sub.path.stem, timestamp=timestamp))
+        write_atomically(page, render(source, submission, entry, student=sub.student,
+                                      assignment=sub.path.parent.name, notebook=sub.path.stem,
+                                      timestamp=timestamp))
         for name in COPIED:
             shutil.copyfile(sub.path.parent / name, target / name)
         done.written.append(page)

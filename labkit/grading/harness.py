@@ -13,6 +13,7 @@ student's output; the grader keeps the first part of it.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import os
 import select
@@ -71,11 +72,12 @@ def main(job_path: str, out_dir: str) -> int:
         from .checks import core
 
         for names in checks.BANNED.values():  # before any student code: a saved reference is the wrapper too
-            checks._install(names)
+            core.install_bans(names)
         # what the student's code must leave alone; checked after it ran (a changed one is tampering)
         watched.update({"torch.save": (torch, "save"), "checks.run": (checks, "run"),
                         "checks.CHECKS": (checks, "CHECKS")})
-        watched.update({f"checks.{n}": (core, n) for n in ("run_cases", "_call", "_ship", "_forbid", "_install")})
+        guarded = ("run_cases", "call_student", "ship", "forbid", "install_bans")
+        watched.update({f"checks.{n}": (core, n) for n in guarded})
         watched.update({f"Tensor.{n}": (Tensor, n) for n in checks.SYNCS})
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
@@ -151,8 +153,6 @@ if __name__ == "__main__":
     # torch's modules (and torch._dynamo's, once an optimizer pulled it in) is about a fifth of a
     # sandboxed run. The student's buffered output is flushed first (their own stream too).
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:
-            pass
     os._exit(code)

@@ -29,7 +29,8 @@ from typing import Any
 
 from . import CHECK_NAMES
 
-__all__ = ["Part", "Report", "grade", "plan", "read", "release", "sweep", "validate"]
+__all__ = ["Part", "Report", "grade", "grade_id_of", "is_manual_cell", "is_test_cell", "nbgrader_meta", "plan",
+           "read", "release", "sweep", "validate"]
 
 # judging builds reference models under torch's global RNG (seeded, then restored): one thread at a time,
 # or two graded at once (--jobs) would draw each other's weights
@@ -65,24 +66,27 @@ def _text(source: str | list[str]) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def _meta(cell: Cell) -> dict[str, Any]:
+def nbgrader_meta(cell: Cell) -> dict[str, Any]:
+    """Return a cell's nbgrader metadata (empty when it has none, or none that is a dict)."""
     meta = cell.get("metadata", {}).get("nbgrader", {})
     return meta if isinstance(meta, dict) else {}
 
 
-def _grade_id(cell: Cell) -> str | None:
-    meta = _meta(cell)
+def grade_id_of(cell: Cell) -> str | None:
+    """Return a graded, answer or locked cell's grade_id; None for any other cell."""
+    meta = nbgrader_meta(cell)
     return meta.get("grade_id") if meta.get("grade") or meta.get("solution") or meta.get("locked") else None
 
 
-def _is_test(cell: Cell) -> bool:
-    """An autograder test cell: graded code that is not the student's to write."""
-    meta = _meta(cell)
+def is_test_cell(cell: Cell) -> bool:
+    """Return whether ``cell`` is an autograder test cell: graded code that is not the student's to write."""
+    meta = nbgrader_meta(cell)
     return bool(meta.get("grade")) and not meta.get("solution") and cell["cell_type"] == "code"
 
 
-def _is_manual(cell: Cell) -> bool:
-    meta = _meta(cell)
+def is_manual_cell(cell: Cell) -> bool:
+    """Return whether ``cell`` is a hand-graded answer: graded, and the student's to write."""
+    meta = nbgrader_meta(cell)
     return bool(meta.get("grade")) and bool(meta.get("solution"))
 
 
@@ -120,7 +124,7 @@ def validate(nb: dict[str, Any]) -> None:
     """
     seen: set[str] = set()
     for i, cell in enumerate(nb["cells"]):
-        meta = _meta(cell)
+        meta = nbgrader_meta(cell)
         flagged = meta.get("grade") or meta.get("solution") or meta.get("locked")
         if flagged:
             gid = meta.get("grade_id")
@@ -135,7 +139,7 @@ def validate(nb: dict[str, Any]) -> None:
         if meta.get("grade") and not isinstance(meta.get("points"), (int, float)):
             raise ValueError(f"graded cell {meta.get('grade_id')!r} needs a number of points (metadata.nbgrader.points).")
         for begin, end, allowed, kind in (("BEGIN SOLUTION", "END SOLUTION", meta.get("solution"), "a solution"),
-                                          ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", _is_test(cell), "an autograder test")):
+                                          ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", is_test_cell(cell), "an autograder test")):
             _, found = _strip_region(cell["source"], begin, end, None)
             if found and not allowed:
                 raise ValueError(f"cell {i} holds a {begin!r} region but is not {kind} cell; mark it in "
@@ -156,7 +160,7 @@ def release(nb: dict[str, Any]) -> dict[str, Any]:
     validate(nb)
     student = copy.deepcopy(nb)
     for cell in student["cells"]:
-        meta = _meta(cell)
+        meta = nbgrader_meta(cell)
         stub = CODE_STUB if cell["cell_type"] == "code" else TEXT_STUB
         cell["source"], replaced = _strip_region(cell["source"], "BEGIN SOLUTION", "END SOLUTION", stub)
         if meta.get("solution") and not replaced:
@@ -165,7 +169,7 @@ def release(nb: dict[str, Any]) -> dict[str, Any]:
         if cell["cell_type"] == "code":
             cell["outputs"], cell["execution_count"] = [], None
         # JupyterLab honours these, as for nbgrader's LockCells; grading restores the cells anyway
-        if meta.get("locked") or _is_test(cell):
+        if meta.get("locked") or is_test_cell(cell):
             cell["metadata"].update(editable=False, deletable=False)
         elif meta.get("solution"):
             cell["metadata"]["deletable"] = False
@@ -204,7 +208,7 @@ def _calls(cell: Cell) -> tuple[Call, ...]:
     Only imports, ``print(...)`` and ``check_*(name)`` / ``check_*(name, hidden=True)`` are
     allowed: the grader makes these calls itself, outside the student's process.
     """
-    gid = _grade_id(cell)
+    gid = grade_id_of(cell)
     calls = []
     for node in ast.parse(cell["source"]).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -240,10 +244,10 @@ def plan(source: dict[str, Any]) -> list[Planned]:
     validate(source)
     out = []
     for cell in source["cells"]:
-        meta = _meta(cell)
+        meta = nbgrader_meta(cell)
         if meta.get("grade"):
-            manual = _is_manual(cell)
-            out.append(Planned(_grade_id(cell), float(meta["points"]), manual, () if manual else _calls(cell)))
+            manual = is_manual_cell(cell)
+            out.append(Planned(grade_id_of(cell), float(meta["points"]), manual, () if manual else _calls(cell)))
     return out
 
 
@@ -344,15 +348,15 @@ def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dic
     student's own cells run as written, every copy, in order, so a function is graded as
     the notebook run top to bottom defines it.
     """
-    locked = {_grade_id(c): c for c in source["cells"] if _meta(c).get("locked") and not _meta(c).get("solution")
-              and not _is_test(c) and c["cell_type"] == "code"}
-    tests = {_grade_id(c) for c in source["cells"] if _is_test(c)}
-    answers = {_grade_id(c) for c in source["cells"] if _meta(c).get("solution")}
+    locked = {grade_id_of(c): c for c in source["cells"] if nbgrader_meta(c).get("locked") and not nbgrader_meta(c).get("solution")
+              and not is_test_cell(c) and c["cell_type"] == "code"}
+    tests = {grade_id_of(c) for c in source["cells"] if is_test_cell(c)}
+    answers = {grade_id_of(c) for c in source["cells"] if nbgrader_meta(c).get("solution")}
     cells, seen, copies, warnings = [], set(), {}, []
     for i, cell in enumerate(submission["cells"], 1):
         if cell.get("cell_type") != "code":
             continue
-        gid, src = _grade_id(cell), _text(cell.get("source", ""))
+        gid, src = grade_id_of(cell), _text(cell.get("source", ""))
         if gid in tests or (gid is None and _only_checks(src)):
             continue  # a test cell, or a copy that lost its metadata: the grader makes these calls itself
         if gid in locked:
@@ -371,7 +375,7 @@ def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dic
         if n > 1:
             warnings.append(f"'{gid}' is in {n} cells (a copied cell keeps its grade_id): graded what the notebook "
                             "defines run top to bottom, i.e. the last copy wins; delete the stale copy")
-    if not any(_grade_id(c) for c in submission["cells"]):
+    if not any(grade_id_of(c) for c in submission["cells"]):
         warnings.append("the submission has no nbgrader metadata (saved by another tool?): graded the functions "
                         "its code defines, top to bottom")
     return missing + cells, warnings
@@ -440,7 +444,7 @@ def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout:
         return Report(every(reason, "failed"), seed, sandbox="bwrap" if sandbox else "none")
     cells, warnings = _cells(source, submission)
     tampering, skipped, withheld = _withhold(source, planned, cells)
-    manual_text = {_grade_id(c): c.get("source", "") for c in submission["cells"] if _is_manual(c)}
+    manual_text = {grade_id_of(c): c.get("source", "") for c in submission["cells"] if is_manual_cell(c)}
     if withheld is None:  # a flagged cell outside every answer: it could reach any part
         report = Report(every("not scored: the submission reaches into the grader from a cell outside every answer "
                               "(see tampering); a person must review it", "tampering"), seed, tampering, warnings,
@@ -469,14 +473,14 @@ def _withhold(source: dict[str, Any], planned: list[Planned],
     """
     from . import static
 
-    locked = {_grade_id(c) for c in source["cells"] if _meta(c).get("locked")}
+    locked = {grade_id_of(c) for c in source["cells"] if nbgrader_meta(c).get("locked")}
     # each answer cell's part: the first test cell after it in the source
     answered, pending = {}, []
     for c in source["cells"]:
-        if _meta(c).get("solution") and not _is_manual(c):
-            pending.append(_grade_id(c))
-        elif _is_test(c):
-            answered.update(dict.fromkeys(pending, _grade_id(c)))
+        if nbgrader_meta(c).get("solution") and not is_manual_cell(c):
+            pending.append(grade_id_of(c))
+        elif is_test_cell(c):
+            answered.update(dict.fromkeys(pending, grade_id_of(c)))
             pending = []
     tampering, skipped, withheld = [], set(), {}
     for cell in cells:

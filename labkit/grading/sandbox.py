@@ -15,6 +15,7 @@ with it, ``setsid`` children included). Without ``bwrap`` grading refuses to sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -156,10 +157,8 @@ def run(argv: list[str], limits: Limits, env: dict[str, str] | None = None) -> O
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # survivors of a clean exit too (unsandboxed setsid children aside)
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):  # survivors of a clean exit too (unsandboxed setsid children aside)
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         reader.join(timeout=5)
     return Outcome(proc.returncode, timed_out, kept.decode("utf-8", "replace"), time.monotonic() - start)

@@ -34,11 +34,22 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see
     from .experiment import ExperimentConfig, default_device, run_experiment
     from .explorer import DefenseExplorer
     from .formats import (
-        GranularityExplorer, granularity_rows, number_line, round_trip, scaling_figure, stagnation_figure,
+        GranularityExplorer,
+        granularity_rows,
+        number_line,
+        round_trip,
+        scaling_figure,
+        stagnation_figure,
     )
     from .gradients import (
-        GradHistogram, GradientProbe, Probed, plot_flushed_by_tensor, plot_headroom, plot_layer_heatmap,
-        plot_sawtooth, plot_u_curve,
+        GradHistogram,
+        GradientProbe,
+        Probed,
+        plot_flushed_by_tensor,
+        plot_headroom,
+        plot_layer_heatmap,
+        plot_sawtooth,
+        plot_u_curve,
     )
     from .moments import AdamWatch, plot_adam_moments
     from .plots import LiveDashboard, plot_log, plot_scale_and_skips

@@ -29,10 +29,10 @@ from ..clippers import AGC, AdaGC, AutoClip, Clipper, NormClip, UpdateNormClip, 
 from ..faults import Fault
 from ..reasons import LOSS, Reason
 from ..records import StepRecord
-from ..steplog import StepLog
 from ..rewind import Rewind
 from ..spikes import SpikeDetector
-from .plots import _positive
+from ..steplog import StepLog
+from .plots import finite_positive
 
 __all__ = ["KNOBS", "METHODS", "OUTCOMES", "Defenses", "ledger", "loss_fn_with_shift",
            "plot_defenses", "rolling_band"]
@@ -210,27 +210,27 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
         live = [r for r, undone in zip(log, flags) if not undone]
         gone = [r for r, undone in zip(log, flags) if undone]
         steps = [r.step for r in live]
-        ax.plot(steps, _positive(r.grad_norm for r in live), color="C0", lw=1.0, label="grad norm (raw)")
+        ax.plot(steps, finite_positive(r.grad_norm for r in live), color="C0", lw=1.0, label="grad norm (raw)")
         clipped = [r for r in live if r.clipped and not r.skipped]
         if clipped:  # dashed over the raw line: where nothing was clipped the two coincide and both show
-            ax.plot(steps, _positive(r.post_clip_norm if not r.skipped else math.nan for r in live), color="C1",
+            ax.plot(steps, finite_positive(r.post_clip_norm if not r.skipped else math.nan for r in live), color="C1",
                     lw=1.0, ls=(0, (3, 2)), label="stepped with (after clip)")
             ax.plot([r.step for r in clipped], [r.grad_norm for r in clipped], "x", color="C3", ms=5,
                     label=f"clipped ({len(clipped)})")
-        threshold = _positive(r.get("threshold", math.nan) for r in live)
+        threshold = finite_positive(r.get("threshold", math.nan) for r in live)
         if any(math.isfinite(t) for t in threshold):
             ax.plot(steps, threshold, color="k", lw=0.8, ls="--", label="threshold")
         skip_z = z.get(name) if isinstance(z, Mapping) else z
         if skip_z is not None:
             _, highs = rolling_band(live, window, skip_z)
             if any(math.isfinite(h) for h in highs):
-                ax.plot(steps, _positive(highs), color="C4", lw=1.0, ls="-.",
+                ax.plot(steps, finite_positive(highs), color="C4", lw=1.0, ls="-.",
                         label=f"skip above mean + {skip_z:g} sigma")
         fired = [r for r in live if r.get("lockin")]
         for k, r in enumerate(fired):
             ax.axvline(r.step, color="C2", lw=1.2, label="lock-in guard fired" if k == 0 else "_guard")
         if gone:
-            ax.plot([r.step for r in gone], _positive(r.grad_norm for r in gone), color="0.6", lw=1.0, marker=".",
+            ax.plot([r.step for r in gone], finite_positive(r.grad_norm for r in gone), color="0.6", lw=1.0, marker=".",
                     ms=3, label="rewound (undone)")
         ax.set_yscale("log")
         ax.set_ylabel("grad norm")

@@ -18,14 +18,15 @@ from ..distributed import is_distributed, rank
 from ..export.telemetry import Telemetry, check_trackers, parse_trackers
 from ..faults import FaultSchedule
 from ..records import StepRecord
-from ..steplog import StepLog
 from ..scaler import GradScaler, check_init_scale
 from ..step import PRECISIONS, TrainStep
+from ..steplog import StepLog
 from ..tasks import TASKS, Task, make_task
 from ..validate import check_int, check_number
 from .defenses import Defenses, loss_fn_with_shift
 
-__all__ = ["ExperimentConfig", "default_device", "make_optimizer", "make_scheduler", "run_experiment"]
+__all__ = ["ExperimentConfig", "default_device", "make_optimizer", "make_scheduler", "one_thread_on_cpu",
+           "run_experiment"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = (None, "cosine")
@@ -188,7 +189,13 @@ def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
+def one_thread_on_cpu(device: torch.device):  # type: ignore[no-untyped-def]
+    """Run the block with one intra-op thread when ``device`` is a CPU (as before, after it).
+
+    >>> with one_thread_on_cpu(torch.device("cpu")):
+    ...     torch.get_num_threads()
+    1
+    """
     # The toy model's matmuls (64x16, 64x64) are far too small to split across threads: on 2
     # cores torch's intra-op threads cost more than they save, and when another process holds a
     # core they spin-wait for it (an order of magnitude slower on a loaded 2-core machine). The
@@ -301,7 +308,7 @@ def run_experiment(
             step.log.sinks.append(telemetry)
         # FSDP2's gradients are shards: a histogram of rank 0's shard would not be the layer's
         histograms = telemetry is not None and (world == 1 or config.parallel in (None, "ddp"))
-        with _one_thread_on_cpu(device):
+        with one_thread_on_cpu(device):
             while step.step_count < config.steps:  # a rewind moves step_count back: the run still ends at `steps`
                 i = rewind.data_index(step.step_count) if rewind is not None else step.step_count
                 batch = task.batch(i, device) if d is None else d.corrupt(i, task.batch(i, device))

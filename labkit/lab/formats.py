@@ -14,8 +14,8 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ..formats.fp8 import FORMATS, CastRecord, quantize
 from ..formats.bf16 import RemedyRun
+from ..formats.fp8 import FORMATS, CastRecord, quantize
 
 __all__ = [
     "GRANULARITY_LABELS", "NUMBER_LINE", "GranularityExplorer", "format_values", "granularity_rows", "number_line",
@@ -35,9 +35,9 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _e2m1():  # type: ignore[no-untyped-def]
-    from ..formats.fp8 import _torchao_mx
+    from ..formats.fp8 import import_torchao_mx
 
-    _torchao_mx()  # torchao imported quietly
+    import_torchao_mx()  # torchao imported quietly
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
 
     return f32_to_f4_unpacked, f4_unpacked_to_f32

@@ -15,14 +15,19 @@ from ..records import StepRecord
 from ..steplog import StepLog
 from ..validate import check_int
 
-__all__ = ["PANELS", "LiveDashboard", "plot_log", "plot_scale_and_skips"]
+__all__ = ["PANELS", "LiveDashboard", "finite_positive", "ipympl_active", "plot_log", "plot_scale_and_skips"]
 
 PANELS = ("norm", "loss", "scale")
 _YLABELS = {"norm": "grad norm", "loss": "loss", "scale": "loss scale"}
 _SKIP_COLOR = "C3"
 
 
-def _positive(values: Iterable[float]) -> list[float]:
+def finite_positive(values: Iterable[float]) -> list[float]:
+    """Replace what a log axis cannot show (non-finite, zero, negative) by NaN, keeping the length.
+
+    >>> finite_positive([1.0, 0.0, float("inf"), -2.0, 3.0])
+    [1.0, nan, nan, nan, 3.0]
+    """
     # NaN, not a gap in the list: set_data keeps x and y aligned, and a log axis cannot show <= 0.
     return [v if math.isfinite(v) and v > 0 else math.nan for v in values]
 
@@ -140,9 +145,9 @@ class _Panels:
         # hide the other (in the same colour when runs share one), and the legend would list both.
         clipped = any(r.clipped for r in records)
         data = {
-            "pre": _positive(r.grad_norm for r in records),
-            "post": _positive(r.post_clip_norm if clipped else math.nan for r in records),
-            "loss": _positive(r.loss / self.loss_weight for r in records),
+            "pre": finite_positive(r.grad_norm for r in records),
+            "post": finite_positive(r.post_clip_norm if clipped else math.nan for r in records),
+            "loss": finite_positive(r.loss / self.loss_weight for r in records),
             "scale": [r.scale for r in records],
         }
         for (name_run, key), line in self.lines.items():
@@ -203,7 +208,12 @@ def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = No
     return fig
 
 
-def _ipympl_active() -> bool:
+def ipympl_active() -> bool:
+    """Return whether figures draw on ipympl's canvas (``%matplotlib widget``), else they are sent as PNGs.
+
+    >>> ipympl_active() == (matplotlib.get_backend() in ("widget", "module://ipympl.backend_nbagg"))
+    True
+    """
     backend = matplotlib.get_backend().lower()
     return "ipympl" in backend or backend == "widget"
 
@@ -243,7 +253,7 @@ class LiveDashboard:
     ) -> None:
         check_int("every", every, 1, hint="(records between redraws)")
         self.every = every
-        self.interactive = _ipympl_active()
+        self.interactive = ipympl_active()
         if self.interactive:
             import matplotlib.pyplot as plt
 

@@ -20,9 +20,9 @@ from ..blame import placed
 from ..clip import first_nonfinite
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, all_reduce_, is_distributed
+from ..logfile import LogWriteError
 from ..names import module_of
 from ..reasons import Reason
-from ..logfile import LogWriteError
 from ..records import CORE, StepRecord, put
 from ..scaler import F32
 

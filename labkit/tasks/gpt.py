@@ -202,7 +202,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         T = idx.shape[1]
-        if T > self.block_size:
+        if self.block_size < T:
             raise ValueError(f"sequence of length {T} is longer than block_size={self.block_size}.")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         for block in self.h:

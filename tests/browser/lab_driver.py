@@ -10,6 +10,7 @@ by ``--LabApp.expose_app_in_browser``) and reads values back from the kernel.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -150,10 +151,9 @@ class LabServer:
         if self.proc is None:
             return []
         procs = [self.proc.pid, *descendants(self.proc.pid)]
-        try:
+        # not up (or already gone): the signals below still run
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
             self.api("POST", "/api/shutdown")  # shuts the kernels down first, then the server
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass  # not up (or already gone): the signals below still run
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -168,10 +168,8 @@ class LabServer:
             time.sleep(0.1)
         killed = [p for p in procs if alive(p)]
         for pid in killed:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc = None
         return killed
 

@@ -19,8 +19,18 @@ import time
 
 import nbformat
 import pytest
-from lab_driver import (NOTEBOOKS, RELEASE, LabServer, Notebook, alive, canvas_pixels, descendants, drag, type_into,
-                        wait_for_redraw)
+from lab_driver import (
+    NOTEBOOKS,
+    RELEASE,
+    LabServer,
+    Notebook,
+    alive,
+    canvas_pixels,
+    descendants,
+    drag,
+    type_into,
+    wait_for_redraw,
+)
 from playwright.sync_api import expect
 
 pytestmark = pytest.mark.browser

@@ -1,9 +1,11 @@
 """Autograder checks: run a student's function on visible and hidden cases against labkit's own.
 
-One module per problem set (``ps1``, ``ps2``, ``ps3``), each holding its checks' cases,
-student sides, judges and ``check_*`` functions, and ``core`` for what they share (calling
-student code, shipping its results as data, the host-sync and ban traps). Each check has two
-halves that meet only through data: ``run`` calls the student's function on a case and
+One package per problem set (``ps1``, ``ps2``, ``ps3``) with one module per part of the set,
+each holding its check's cases, student side, judge and ``check_*`` function, and a ``bans``
+module (what each part asks the student to write); ``core`` holds what they all share (calling
+student code, shipping its results as data, the host-sync and ban traps, running a check) and
+``cells`` reads the student's cells as the grader will. Each check has two halves that meet
+only through data: ``run`` calls the student's function on a case and
 returns what it saw (tensors, numbers, strings: what ``torch.save``/
 ``torch.load(weights_only=True)`` carries), and ``judge`` compares that with labkit's
 reference and returns the failure message, or None. The grader runs ``run`` in the
@@ -20,11 +22,13 @@ from typing import Any
 
 from . import core, ps1, ps2, ps3
 from .core import SYNCS
-# what the harness protects and installs, and the tests undo, reached from here
-from .core import _call as _call, _forbid as _forbid, _homes as _homes, _install as _install, _ship as _ship
 from .ps1 import check_clip, check_grad_norm, check_guarded_step, check_skip_decision, check_update_scale
 from .ps2 import (
-    check_clip_effect, check_fp16_range, check_read_run, check_spike_detector, check_zscore_clipper,
+    check_clip_effect,
+    check_fp16_range,
+    check_read_run,
+    check_spike_detector,
+    check_zscore_clipper,
 )
 from .ps3 import check_delayed_scaling, check_fp8_tiles, check_kahan_update, check_stale_fraction
 

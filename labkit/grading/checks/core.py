@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import linecache
 import math
 import os
 import sys
@@ -26,9 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..static import banned_calls, explain, tampering
+from .cells import scan
 
-__all__ = ["Check", "check", "judge_cases", "run_cases"]
+__all__ = ["CLIP_ADVICE", "SYNCS", "Check", "as_number", "as_plain", "ban_homes", "call_student", "check",
+           "close", "forbid", "grads_of", "install_bans", "judge_cases", "located", "no_host_sync", "on_case",
+           "raised_problem", "run_cases", "same_bits", "ship"]
 
 # ---------------------------------------------------------------- calling student code
 
@@ -37,11 +38,16 @@ class _Trapped(BaseException):
     """Raised inside student code by a trap; a BaseException, so ``except Exception`` can't hide it."""
 
 
-def _where(case: str, hidden: bool, seed: int) -> str:
+def on_case(case: str, hidden: bool, seed: int) -> str:
+    """Say which case a message is about; a hidden one with its seed, so it can be replayed.
+
+    >>> on_case("NaN loss", hidden=True, seed=7)
+    "on the hidden case 'NaN loss' (seed=7)"
+    """
     return f"on the hidden case '{case}' (seed={seed})" if hidden else f"on the case '{case}'"
 
 
-def _ship(value: Any, items: int = 8) -> Any:
+def ship(value: Any, items: int = 8) -> Any:
     """Return ``value`` as plain data: tensors as plain tensors, numbers and strings as they are.
 
     A tensor subclass is read with torch functions off, so its own ``__torch_function__``
@@ -55,12 +61,12 @@ def _ship(value: Any, items: int = 8) -> Any:
     if value is None or type(value) in (bool, int, float, str):
         return {"type": type(value).__name__, "py": value}
     if type(value) in (tuple, list):
-        return {"type": type(value).__name__, "items": [_ship(v, items) for v in value[:items]],
+        return {"type": type(value).__name__, "items": [ship(v, items) for v in value[:items]],
                 "len": len(value)}
     return {"type": type(value).__name__}
 
 
-def _call(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def call_student(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """Call the student's ``fn``; return ``{"value": ...}`` or what it raised, as data.
 
     ``_exc`` keeps the exception itself for the in-process checks (its traceback helps the
@@ -76,7 +82,7 @@ def _call(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"raised": type(e).__name__, "message": str(e), "_exc": e}
 
 
-def _raised(name: str, out: dict[str, Any], where: str, hint: str = "") -> str | None:
+def raised_problem(name: str, out: dict[str, Any], where: str, hint: str = "") -> str | None:
     """Return the message for what the student's function raised or tripped over, or None."""
     if out.get("traps"):
         return f"{name}, {where}, {out['traps'][0]}."
@@ -107,7 +113,7 @@ CLIP_ADVICE = ("compute the factor as a tensor (torch.clamp(max_norm / (norm + 1
 
 
 @contextlib.contextmanager
-def _no_host_sync(traps: list[str], advice: str = CLIP_ADVICE) -> Iterator[None]:
+def no_host_sync(traps: list[str], advice: str = CLIP_ADVICE) -> Iterator[None]:
     """Make every tensor-to-Python conversion raise, and note it in ``traps`` (kept if swallowed).
 
     ``advice`` says how to do without it, in the part's own terms.
@@ -140,7 +146,7 @@ _TORCH_HOMES = ("torch.nn.utils", "torch.nn.utils.clip_grad", "torch.amp", "torc
 _ACTIVE: list[tuple[frozenset[Callable], str, list[str]]] = []  # (the wrappers banned now, task, traps seen)
 
 
-def _homes() -> list[str]:
+def ban_homes() -> list[str]:
     """Return the modules a banned function may be re-exported from: labkit's, loaded now, and torch's."""
     return sorted(n for n in sys.modules if n == "labkit" or n.startswith("labkit.")) + list(_TORCH_HOMES)
 
@@ -159,7 +165,7 @@ def _wrap(original: Callable, full: str) -> Callable:
     return guarded
 
 
-def _install(names: tuple[str, ...]) -> frozenset[Callable]:
+def install_bans(names: tuple[str, ...]) -> frozenset[Callable]:
     """Put a ban wrapper in every home of each of ``names`` (once); return the wrappers."""
     wrappers = set()
     for full in names:
@@ -173,7 +179,7 @@ def _install(names: tuple[str, ...]) -> frozenset[Callable]:
             wrappers.add(found.__init__)
             continue
         wrapper = found if hasattr(found, "__labkit_ban__") else _wrap(found, full)
-        for other in _homes():  # the same function re-exported elsewhere gets the same wrapper
+        for other in ban_homes():  # the same function re-exported elsewhere gets the same wrapper
             module = sys.modules.get(other)
             if module is not None and module.__dict__.get(attr) is found:
                 setattr(module, attr, wrapper)
@@ -182,9 +188,9 @@ def _install(names: tuple[str, ...]) -> frozenset[Callable]:
 
 
 @contextlib.contextmanager
-def _forbid(names: tuple[str, ...], task: str, traps: list[str]) -> Iterator[None]:
+def forbid(names: tuple[str, ...], task: str, traps: list[str]) -> Iterator[None]:
     """Make the library functions the part asks the student to write refuse, noting each call in ``traps``."""
-    _ACTIVE.append((_install(names), task, traps))
+    _ACTIVE.append((install_bans(names), task, traps))
     try:
         yield
     finally:
@@ -197,17 +203,23 @@ def _seed(hidden: bool, seed: int | None) -> int:
     return int.from_bytes(os.urandom(4), "little") if hidden else 0
 
 
-def _close(a: float, b: float, rel: float = 1e-4) -> bool:
+def close(a: float, b: float, rel: float = 1e-4) -> bool:
+    """Return whether two numbers agree to ``rel`` (absolutely to 1e-6 near 0); NaN agrees only with NaN.
+
+    >>> close(1.0, 1.00001), close(float("nan"), float("nan")), close(1.0, float("nan"))
+    (True, True, False)
+    """
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)
 
 
-def _grads(params: list[Tensor]) -> list[Tensor | None]:
+def grads_of(params: list[Tensor]) -> list[Tensor | None]:
+    """Return a copy of each parameter's ``.grad`` as a plain tensor (None where there is none)."""
     return [None if p.grad is None else p.grad.detach().clone().as_subclass(Tensor) for p in params]
 
 
-def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
+def same_bits(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
     """Return whether two lists of gradients are bit for bit equal (NaN included)."""
     def bits(t: Tensor) -> Tensor:
         return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -222,7 +234,7 @@ def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
 
 
 
-def _number(shipped: dict[str, Any]) -> float:
+def as_number(shipped: dict[str, Any]) -> float:
     """Return a shipped Python number or one-element tensor as a float; raise TypeError otherwise."""
     if shipped.get("type") in ("int", "float", "bool"):
         return shipped["py"]
@@ -232,7 +244,7 @@ def _number(shipped: dict[str, Any]) -> float:
     raise TypeError(shipped.get("type"))
 
 
-def _plain(shipped: dict[str, Any]) -> Any:
+def as_plain(shipped: dict[str, Any]) -> Any:
     """Return shipped data as Python values: numbers (one-element tensors too), strings, None, lists.
 
     Raises ``TypeError`` naming the first thing that is none of those (or a list cut short).
@@ -240,10 +252,10 @@ def _plain(shipped: dict[str, Any]) -> Any:
     if "items" in shipped:
         if shipped.get("len", len(shipped["items"])) > len(shipped["items"]):
             raise TypeError(f"a {shipped['type']} of {shipped['len']} items")
-        return [_plain(v) for v in shipped["items"]]
+        return [as_plain(v) for v in shipped["items"]]
     if shipped.get("type") in ("str", "NoneType"):
         return shipped["py"]
-    return _number(shipped)
+    return as_number(shipped)
 
 
 
@@ -264,11 +276,11 @@ class Check:
     every_case: bool = False  # report each case's first problem (scenarios), not only the first case's
 
 
-def _by_name(judge_: Callable) -> Callable:
+def located(judge_: Callable) -> Callable:
     """Adapt a judge that takes ``where`` to the (name, case, out, hidden, seed) signature."""
     def adapted(name: str, case: Any, out: dict[str, Any], hidden: bool, seed: int) -> str | None:
         label = case[0].name if isinstance(case, tuple) else case.name
-        return judge_(name, case, out, _where(label, hidden, seed))
+        return judge_(name, case, out, on_case(label, hidden, seed))
     return adapted
 
 
@@ -341,94 +353,16 @@ def _failure(message: str) -> AssertionError:
     return error
 
 
-def _codes(obj: Any) -> list[Any]:
-    """Return the code objects of a function, or of a class's methods, nested ones included."""
-    if isinstance(obj, type):
-        return [c for f in vars(obj).values() for c in _codes(getattr(f, "__func__", f))]
-    code = getattr(obj, "__code__", None)
-    out, todo = [], [code] if code is not None else []
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo += [k for k in c.co_consts if hasattr(k, "co_names")]
-    return out
-
-
-def _cell_of(code: Any) -> str | None:
-    """Return the source of the notebook cell ``code`` was compiled from; None if it is not a cell.
-
-    IPython caches each cell it runs in ``linecache`` under the cell's own name, with no mtime
-    (``IPython.core.compilerop.CachingCompiler.cache``); a file on disk has one.
-    """
-    entry = linecache.cache.get(code.co_filename)
-    if not entry or len(entry) != 4 or entry[1] is not None:
-        return None
-    return "".join(entry[2])
-
-
-def _globals(obj: Any) -> dict[str, Any]:
-    """Return the module globals a function, or a class's methods, see names in."""
-    if isinstance(obj, type):
-        obj = next((f for f in vars(obj).values() if hasattr(f, "__globals__")), None)
-    return getattr(obj, "__globals__", {})
-
-
-def _cells(fn: Callable) -> list[tuple[str, str]]:
-    """Return ``(what, source)`` for the cell that defined ``fn`` and each cell defining a helper it uses.
-
-    A helper is a function or class of the notebook that ``fn``'s code names (followed
-    through helpers' helpers); outside IPython there is none, and nothing is returned.
-    """
-    name = getattr(fn, "__name__", "your function")
-    out, seen, todo = {}, set(), [(fn, f"{name}'s cell")]
-    while todo:
-        obj, what = todo.pop(0)
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        for code in _codes(obj):
-            source = _cell_of(code)
-            if source is None:
-                continue
-            out.setdefault(source, what)
-            names = _globals(obj)
-            for used in code.co_names:
-                helper = names.get(used)
-                if callable(helper) and (hasattr(helper, "__code__") or isinstance(helper, type)):
-                    todo.append((helper, f"the cell that defines {used} (which {name} uses)"))
-    return [(what, source) for source, what in out.items()]
-
-
-def _scan(name: str, fn: Callable, banned: tuple[str, ...]) -> str | None:
-    """Return what the grader's reading of ``fn``'s cells would refuse, as the student's message, or None.
-
-    The same reading as the grader's (``labkit.grading.static``): a cell that could reach into
-    the grader is not run, and the part it answers is not scored (a cell outside every answer
-    withholds the whole notebook); a banned library function in ``fn``'s own cell loses the part.
-    """
-    own = f"{name}'s cell"
-    for what, source in _cells(fn):
-        found = tampering(source)
-        if found:
-            then = ("so this part would score 0 (the other parts are graded as usual)" if what == own else
-                    "so the part it answers would score 0, or, outside every answer, the whole notebook")
-            return (f"{what} cannot be graded as written: the grader never runs a cell that could reach "
-                    f"into it, {then}. " + "; ".join(explain(f) for f in found) + ".")
-        hits = banned_calls(source, banned) if what == own else []
-        if hits:
-            return f"{what} uses what this part asks you to write yourself: {'; '.join(hits)}."
-    return None
-
 
 def check(spec: Check, fn: Callable, hidden: bool, seed: int | None, banned: tuple[str, ...] = ()) -> None:
     """Run and judge case by case in this process (the notebook's test cells); raise AssertionError.
 
-    First it reads ``fn``'s cell as the grader will (``_scan``): what the grader would refuse
+    First it reads ``fn``'s cell as the grader will (``cells.scan``): what the grader would refuse
     fails the visible test too, with the line and why. ``banned`` names the library functions
     the part asks the student to write.
     """
     name = getattr(fn, "__name__", "your function")
-    refused = _scan(name, fn, banned)
+    refused = scan(name, fn, banned)
     if refused is not None:
         raise _failure(refused) from None
     seed = _seed(hidden, seed)
