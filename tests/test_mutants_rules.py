@@ -250,3 +250,33 @@ def test_the_lockin_warning_comes_from_rank_0_only(monkeypatch):
     shifted(first)
     with pytest.warns(LockInWarning):
         assert first.lockin() is True
+
+
+@pytest.mark.parametrize("kwargs", [{"back": 0}, {"skip": -1}, {"max_rewinds": 0}, {"every": 0},
+                                    {"back": 4, "every": 5}])
+def test_rewind_refuses_settings_out_of_range(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs)) if "every" not in kwargs else "every"):
+        Rewind(**kwargs)
+
+
+def test_a_skip_of_one_batch_shorter_than_back_is_warned_about_and_zero_is_not():
+    from labkit.alarms import LabkitWarning
+
+    with pytest.warns(LabkitWarning, match="skip shorter than the steps undone"):
+        Rewind(back=5, skip=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LabkitWarning)
+        Rewind(back=5, skip=0)
+        Rewind(back=5, skip=5)
+
+
+def test_running_out_of_rewinds_warns_once_and_the_run_goes_on():
+    from labkit.alarms import LabkitWarning
+
+    rewind = Rewind(back=2, skip=2, max_rewinds=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, events = drive(rewind, 30, [5, 12, 20])
+    assert len(events) == 1 and rewind.max_rewinds == 1
+    assert len([w for w in caught if issubclass(w.category, LabkitWarning)]) == 1
+    assert Rewind().max_rewinds == 10  # the documented default
