@@ -280,3 +280,29 @@ def test_running_out_of_rewinds_warns_once_and_the_run_goes_on():
     assert len(events) == 1 and rewind.max_rewinds == 1
     assert len([w for w in caught if issubclass(w.category, LabkitWarning)]) == 1
     assert Rewind().max_rewinds == 10  # the documented default
+
+
+def test_olmo2s_spike_score_defaults_are_a_window_of_1000_and_7_sigma():
+    """OLMo 2 (arXiv 2501.00656): the last 1000 values, k = 7. A 50 that left the window 1001 values ago no
+    longer widens it, so 8 against [0, 2] * 500 is exactly 7 sigma out: one spike in 1002 values."""
+    values = [50.0] + [0.0, 2.0] * 500 + [8.0]
+    assert spike_score(values) == 100.0 / len(values)
+    assert spike_score([0.0, 2.0] * 10 + [8.0]) == 100.0 / 21  # scored from the 20th value on
+    assert spike_score([]) == 0.0 and spike_score([math.nan, math.inf]) == 0.0
+
+
+def test_a_resumed_detector_scores_as_the_one_it_was_saved_from():
+    det = SpikeDetector(window=8, skip_z=6.0)
+    for i in range(8):
+        det.observe(1.0 + 0.01 * (i % 3), 2.0 + 0.01 * (i % 2), admitted=True)
+    resumed = SpikeDetector(window=8, skip_z=6.0)
+    resumed.load_state_dict(det.state_dict())
+    assert resumed.score(1.5, 40.0) == det.score(1.5, 40.0) and not math.isnan(det.score(1.5, 40.0)[0])
+
+
+@pytest.mark.parametrize("back", [1, 3, 5])
+def test_a_rewind_returns_to_the_newest_snapshot_back_steps_old(back):
+    """With a snapshot every step, the one restored undoes exactly ``back`` steps (the spike's included)."""
+    rewind = Rewind(back=back, skip=back, every=1)
+    _, (event,) = drive(rewind, 14, [9])
+    assert event.to == 9 + 1 - back
