@@ -306,3 +306,8 @@ def test_a_rewind_returns_to_the_newest_snapshot_back_steps_old(back):
     rewind = Rewind(back=back, skip=back, every=1)
     _, (event,) = drive(rewind, 14, [9])
     assert event.to == 9 + 1 - back
+
+
+def test_rewinds_defaults_are_palms_scale_as_its_repr_says():
+    """PaLM §5.1: ~100 steps back, 200-500 batches skipped."""
+    assert repr(Rewind()) == "Rewind(back=100, skip=300, every=100)"
