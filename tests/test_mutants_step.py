@@ -136,3 +136,21 @@ def test_a_hook_class_defined_now_declares_its_record_fields():
     fields = {}
     put(fields, "late_measure", 2.0)
     assert fields == {"late_measure": 2.0}
+
+
+def test_merge_keeps_the_first_skip_whatever_comes_after_it():
+    merged = Verdict.merge([Verdict(skip="spike_loss"), Verdict(clip_to=1.0), Verdict(skip="spike_grad"),
+                            None])
+    assert merged.skip == "spike_loss" and merged.clip_to == 1.0
+
+
+def test_hooks_hand_every_member_the_trainer_they_were_given():
+    seen = []
+
+    class Reads(Hook):
+        def post_backward(self, trainer, step):
+            seen.append((trainer, step))
+
+    trainer = object()
+    Hooks([Reads()]).post_backward(trainer, 7)
+    assert seen == [(trainer, 7)]
