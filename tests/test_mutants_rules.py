@@ -1,0 +1,313 @@
+"""The defenses' rules against their sources (issue 37: the mutants that survived the suite).
+
+OLMo 2's spike score (|z| >= 7, non-finite values left out), the detector's clip limit (mean + z
+std of its window, the population std: statistics.pstdev), PaLM's rewind (restore a snapshot at
+least ``back`` steps old; the skipped window never feeds the batch that caused the spike again), the
+tied-weight placement of ``blame.placed``, ``Triage``'s refusal without what it needs, and a
+clipper's ``clip_with_norms_`` report against torch's clip.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from labkit.blame import placed
+from labkit.clippers import AGC, LockInWarning, NormClip, ZClip
+from labkit.clippers import base as clippers_base
+from labkit.hooks import DecisionView
+from labkit.records import StepRecord
+from labkit.rewind import Rewind
+from labkit.spikes import SpikeDetector, rolling_z, spike_score
+from labkit.triage import Triage
+
+FAST = settings(max_examples=40, deadline=None, database=None)
+
+# ------------------------------------------------------------------------------ spikes
+
+
+def test_a_value_exactly_k_sigma_out_is_a_spike():
+    """OLMo 2 counts values *at least* k sigma out: 8 against twenty of 0 and 2 (mean 1, std 1) is z = 7."""
+    window = [0.0, 2.0] * 10
+    assert rolling_z(window, 8.0, min_count=20) == 7.0
+    assert spike_score(window + [8.0], window=100, k=7.0, min_count=20) == 100.0 / 21
+
+
+@FAST
+@given(st.lists(st.floats(-5, 5, allow_nan=False), min_size=25, max_size=40),
+       st.lists(st.integers(0, 40), min_size=1, max_size=4), st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_nonfinite_values_are_left_out_of_the_spike_score(values, where, bad):
+    spiked = values + [50.0]
+    with_bad = list(spiked)
+    for i in sorted(where, reverse=True):
+        with_bad.insert(min(i, len(with_bad)), bad)
+    assert spike_score(with_bad, window=30, min_count=20) == spike_score(spiked, window=30, min_count=20)
+
+
+@FAST
+@given(st.lists(st.integers(-4000, 4000).map(lambda i: i / 4), min_size=2, max_size=30),
+       st.integers(-40000, 40000).map(lambda i: i / 4))
+def test_rolling_z_is_the_population_z_score(window, x):
+    std = statistics.pstdev(window)
+    z = rolling_z(window, x, min_count=len(window))  # exactly min_count values: scored
+    if std == 0:
+        assert z == (0.0 if x == statistics.fmean(window) else math.copysign(math.inf, x - window[0]))
+    else:
+        assert z == pytest.approx((x - statistics.fmean(window)) / std, rel=1e-9, abs=1e-9)
+    assert math.isnan(rolling_z(window, x, min_count=len(window) + 1))
+
+
+def test_rolling_z_of_a_constant_window():
+    assert rolling_z([3.0, 3.0], 3.0, min_count=1) == 0.0
+    assert rolling_z([3.0, 3.0], 4.0, min_count=1) == math.inf
+    assert rolling_z([3.0, 3.0], 2.0, min_count=1) == -math.inf
+    assert math.isnan(rolling_z([], 2.0, min_count=0))
+
+
+@FAST
+@given(st.lists(st.floats(0.0, 1e3, allow_nan=False), min_size=2, max_size=16), st.floats(0.5, 5.0))
+def test_the_detectors_clip_limit_is_mean_plus_z_std_of_its_window(norms, clip_z):
+    det = SpikeDetector(window=16, skip_z=None, clip_z=clip_z, min_count=2)
+    for n in norms:
+        det.observe(1.0, n, admitted=True)
+    want = statistics.fmean(norms) + clip_z * statistics.pstdev(norms)
+    assert det.clip_limit() == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+# ------------------------------------------------------------------------------ rewind
+
+
+class Train:
+    """What Rewind reads from a trainer: a model, an optimizer, a step count and a state."""
+
+    def __init__(self):
+        self.model = torch.nn.Linear(2, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.scheduler, self.device, self.process_group = None, torch.device("cpu"), None
+        self.step_count = 0
+
+    def state_dict(self):
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state):
+        self.step_count = state["step"]
+
+
+def drive(rewind, steps, spikes):
+    """Run ``steps`` records through ``rewind`` (spiking at the steps in ``spikes``, once each); return the
+    batches fed, the steps they were fed at and the events."""
+    train, fed, events, pending = Train(), [], [], set(spikes)
+    rewind.attach(train)
+    while train.step_count < steps:
+        step = train.step_count
+        fed.append((step, rewind.data_index(step)))
+        spike = step in pending
+        pending.discard(step)
+        train.step_count += 1
+        record = StepRecord(step, 1.0, skipped=spike, reason="spike_grad" if spike else None)
+        event = rewind.after(train, record)
+        if event is not None:
+            events.append(event)
+        # the newest snapshot at least `back` old and those after it: two copies at most when every = back
+        assert len(rewind.snapshots) <= math.ceil(rewind.back / rewind.every) + 1
+    return fed, events
+
+
+def test_old_snapshots_are_dropped_as_the_run_goes_on():
+    rewind = Rewind(back=5, skip=10)
+    drive(rewind, 40, [])
+    assert [s.step for s in rewind.snapshots] == [35, 40]
+
+
+@FAST
+@given(back=st.integers(1, 8), extra=st.integers(0, 12), spike=st.integers(0, 30), every=st.integers(1, 8))
+def test_a_rewind_restores_a_snapshot_back_steps_old_and_never_feeds_the_spikes_batch_again(
+        back, extra, spike, every):
+    every = min(every, back)
+    rewind = Rewind(back=back, skip=back + extra, every=every)
+    fed, events = drive(rewind, spike + 20, [spike])
+    (event,) = events
+    assert event.step == spike and event.to <= max(0, spike + 1 - back)  # at least `back` steps undone
+    bad = next(batch for step, batch in fed if step == spike)
+    after = [batch for _, batch in fed[spike + 1:]]
+    assert after and min(after) > bad  # the window skipped holds the spike's batch and all before it
+    assert event.data_from <= bad < event.data_to == after[0]
+
+
+def test_a_second_spike_right_after_a_rewind_rewinds_to_the_same_snapshot():
+    rewind = Rewind(back=4, skip=8)
+    _, events = drive(rewind, 14, [9, 9 + 1])
+    first, second = events
+    assert (first.step, first.to) == (9, 4)
+    # the step after the rewind (step 4 again, at step_count 5) spikes: the snapshot of step 4 is kept
+    assert second.to == 4
+
+
+# ------------------------------------------------------------------------------ blame
+
+
+def uses(*amax):
+    return {"wte.weight": {path: [rank, torch.tensor(a)] for path, rank, a in amax}}
+
+
+POSITIONS = {"wte.weight": (0, "lm_head"), "h.1.w": (3, "h.1")}
+
+
+@pytest.mark.parametrize("first, later, where", [
+    (1.0, math.nan, (9, "wte")),  # finite at the head, non-finite further down: it came from below
+    (math.inf, math.nan, (0, "lm_head")),  # the head's own share overflowed
+    (math.inf, 1.0, (0, "lm_head")),
+    (1.0, 2.0, (0, "lm_head")),  # nothing non-finite among the uses: left where it was
+])
+def test_a_tied_weight_is_placed_at_the_use_that_made_it_nonfinite(first, later, where):
+    out = placed(POSITIONS, uses(("lm_head", 0, first), ("wte", 9, later)), ["wte.weight", "h.1.w"])
+    assert out == {**POSITIONS, "wte.weight": where}
+
+
+def test_the_uses_are_taken_in_backward_order_whatever_order_they_are_listed_in():
+    listed = uses(("wte", 9, math.nan), ("mid", 5, math.inf), ("lm_head", 0, 1.0))
+    out = placed(POSITIONS, listed, ["wte.weight"])
+    assert out["wte.weight"] == (5, "mid")
+
+
+def test_a_weight_with_one_use_stays_where_backward_put_it():
+    out = placed(POSITIONS, uses(("lm_head", 0, math.nan)), ["wte.weight"])
+    assert out == POSITIONS and out is not POSITIONS
+
+
+# ------------------------------------------------------------------------------ triage
+
+
+@pytest.mark.parametrize("missing", ["model", "loss_fn", "precision"])
+def test_triage_without_what_it_needs_says_so(missing):
+    parts = {"model": torch.nn.Linear(2, 1), "loss_fn": torch.nn.functional.mse_loss, "precision": "fp16"}
+    parts[missing] = None
+    hook = Triage(**parts)
+    view = DecisionView(0, math.nan, math.nan, loss_bad=True, batch=(torch.ones(1, 2), torch.zeros(1, 1)))
+    with pytest.raises(RuntimeError, match="Triage needs the model, the loss function and the precision"):
+        hook.on_decision(None, view)
+    assert hook.on_decision(None, DecisionView(0, 1.0, 1.0)) is None  # a finite loss asks nothing
+
+
+# ------------------------------------------------------------------------------ clippers
+
+
+def params_with(grads):
+    out = []
+    for g in grads:
+        p = torch.zeros(len(g), requires_grad=True)
+        p.grad = torch.tensor(g)
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("grads, max_norm", [([[3.0], [4.0]], 1.0), ([[0.3], [0.4]], 1.0),
+                                             ([[3e-7, 4e-7]], 1e-7)])
+def test_a_norm_clippers_report_is_torchs_coefficient_and_its_threshold(grads, max_norm):
+    ours, theirs = params_with(grads), params_with(grads)
+    norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in ours])
+    done = NormClip(max_norm).clip_with_norms_(ours, norms, norm)
+    want_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    assert done.dtype == torch.float32 and done.tolist() == [want_coef.item(), torch.tensor(max_norm).item()]
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.grad, q.grad)
+    again = params_with(grads)
+    assert torch.equal(NormClip(max_norm).clip_(again), norm)
+
+
+def test_a_per_tensor_clippers_report_is_the_post_over_pre_clip_norm():
+    params = params_with([[30.0, 40.0]])
+    for p in params:
+        p.data.fill_(1.0)
+    norm = torch.linalg.vector_norm(params[0].grad)
+    done = AGC(clipping=0.01).clip_with_norms_(params, norm.reshape(1), norm)
+    after = torch.linalg.vector_norm(params[0].grad)
+    assert after < norm
+    assert done[0].item() == pytest.approx((after / norm).item()) and math.isnan(done[1].item())
+
+
+def test_the_lockin_warning_comes_from_rank_0_only(monkeypatch):
+    """The records are the same on every rank, so one warning for the run: another rank says nothing."""
+    def shifted(clipper):
+        for i in range(80):
+            clipper.clip_(params_with([[1.0 if i < 40 else 4.0]]))
+
+    monkeypatch.setattr(clippers_base, "rank", lambda *a, **k: 1)
+    other = ZClip(warmup=5, max_consecutive_clips=10)
+    shifted(other)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LockInWarning)
+        assert other.lockin() is True  # the guard fired, and the record says so, without a warning
+    monkeypatch.setattr(clippers_base, "rank", lambda *a, **k: 0)
+    first = ZClip(warmup=5, max_consecutive_clips=10)
+    shifted(first)
+    with pytest.warns(LockInWarning):
+        assert first.lockin() is True
+
+
+@pytest.mark.parametrize("kwargs", [{"back": 0}, {"skip": -1}, {"max_rewinds": 0}, {"every": 0},
+                                    {"back": 4, "every": 5}])
+def test_rewind_refuses_settings_out_of_range(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs)) if "every" not in kwargs else "every"):
+        Rewind(**kwargs)
+
+
+def test_a_skip_of_one_batch_shorter_than_back_is_warned_about_and_zero_is_not():
+    from labkit.alarms import LabkitWarning
+
+    with pytest.warns(LabkitWarning, match="skip shorter than the steps undone"):
+        Rewind(back=5, skip=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LabkitWarning)
+        Rewind(back=5, skip=0)
+        Rewind(back=5, skip=5)
+
+
+def test_running_out_of_rewinds_warns_once_and_the_run_goes_on():
+    from labkit.alarms import LabkitWarning
+
+    rewind = Rewind(back=2, skip=2, max_rewinds=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, events = drive(rewind, 30, [5, 12, 20])
+    assert len(events) == 1 and rewind.max_rewinds == 1
+    assert len([w for w in caught if issubclass(w.category, LabkitWarning)]) == 1
+    assert Rewind().max_rewinds == 10  # the documented default
+
+
+def test_olmo2s_spike_score_defaults_are_a_window_of_1000_and_7_sigma():
+    """OLMo 2 (arXiv 2501.00656): the last 1000 values, k = 7. A 50 that left the window 1001 values ago no
+    longer widens it, so 8 against [0, 2] * 500 is exactly 7 sigma out: one spike in 1002 values."""
+    values = [50.0] + [0.0, 2.0] * 500 + [8.0]
+    assert spike_score(values) == 100.0 / len(values)
+    assert spike_score([0.0, 2.0] * 10 + [8.0]) == 100.0 / 21  # scored from the 20th value on
+    assert spike_score([]) == 0.0 and spike_score([math.nan, math.inf]) == 0.0
+
+
+def test_a_resumed_detector_scores_as_the_one_it_was_saved_from():
+    det = SpikeDetector(window=8, skip_z=6.0)
+    for i in range(8):
+        det.observe(1.0 + 0.01 * (i % 3), 2.0 + 0.01 * (i % 2), admitted=True)
+    resumed = SpikeDetector(window=8, skip_z=6.0)
+    resumed.load_state_dict(det.state_dict())
+    assert resumed.score(1.5, 40.0) == det.score(1.5, 40.0) and not math.isnan(det.score(1.5, 40.0)[0])
+
+
+@pytest.mark.parametrize("back", [1, 3, 5])
+def test_a_rewind_returns_to_the_newest_snapshot_back_steps_old(back):
+    """With a snapshot every step, the one restored undoes exactly ``back`` steps (the spike's included)."""
+    rewind = Rewind(back=back, skip=back, every=1)
+    _, (event,) = drive(rewind, 14, [9])
+    assert event.to == 9 + 1 - back
+
+
+def test_rewinds_defaults_are_palms_scale_as_its_repr_says():
+    """PaLM §5.1: ~100 steps back, 200-500 batches skipped."""
+    assert repr(Rewind()) == "Rewind(back=100, skip=300, every=100)"

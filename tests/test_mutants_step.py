@@ -1,0 +1,156 @@
+"""The step's decision rules, each against an oracle (issue 37: the mutants that survived the suite).
+
+A hook's ``clip_to`` only ever tightens the step's clip; ``Verdict.merge`` keeps the tightest; a fused
+optimizer's ``grad_scale`` is ``1 / coef``; a hook's measure must be a declared field. The clip
+coefficient's oracle is torch's own rule, ``min(1, max_norm / (norm + 1e-6))`` computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from labkit import ToyTask, TrainStep
+from labkit.clippers import NormClip
+from labkit.hooks import Hook, Hooks, Verdict
+from labkit.step.decision import Decision, decide
+
+FAST = settings(max_examples=60, deadline=None, database=None)
+NORMS = st.floats(0.0, 1e4, allow_nan=False, width=32)
+LIMITS = st.floats(2.0**-10, 1e4, allow_nan=False, width=32)
+
+
+def torch_coef(norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grads_with_norm_'s factor: clamp(max_norm / (norm + 1e-6), max=1), float32."""
+    n = torch.tensor(norm, dtype=torch.float32)
+    return float(torch.clamp(max_norm / (n + 1e-6), max=1.0))
+
+
+@FAST
+@given(norm=NORMS, max_norm=LIMITS, clip_to=LIMITS)
+def test_a_hook_clip_never_loosens_the_clippers(norm, max_norm, clip_to):
+    n = torch.tensor(norm)
+    d = decide(n, n.reshape(1), torch.ones(()), None, NormClip(max_norm), Verdict(clip_to=clip_to))
+    clipper, hook = torch_coef(norm, max_norm), torch_coef(norm, clip_to)
+    assert float(d.coef) == min(clipper, hook)  # the deeper cut, whichever it is
+    assert bool(d.hook_clip) == (hook < clipper)
+    assert not float(d.skip)
+
+
+@FAST
+@given(clip_to=st.lists(st.one_of(st.none(), LIMITS), min_size=1, max_size=5))
+def test_merge_keeps_the_tightest_clip_and_the_first_hook_to_ask_for_it(clip_to):
+    verdicts = [Verdict(clip_to=c, clip_reason=f"hook{i}") for i, c in enumerate(clip_to)]
+    merged = Verdict.merge(verdicts)
+    asked = [c for c in clip_to if c is not None]
+    if not asked:
+        assert merged.clip_to is None and merged.clip_reason is None
+        return
+    assert merged.clip_to == min(asked)
+    # on a tie the hook called first (the higher priority) names it
+    assert merged.clip_reason == f"hook{clip_to.index(min(asked))}"
+
+
+def test_merge_on_a_tie_keeps_the_first_reason():
+    merged = Verdict.merge([Verdict(clip_to=2.0, clip_reason="first"), None,
+                            Verdict(clip_to=2.0, clip_reason="second")])
+    assert (merged.clip_to, merged.clip_reason) == (2.0, "first")
+
+
+class ClipTo(Hook):
+    def __init__(self, limit):
+        self.limit = limit
+
+    def on_decision(self, trainer, view):
+        return Verdict(clip_to=self.limit)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_loose_hook_clip_leaves_the_clippers_cut_in_the_step(fused):
+    """A hook asking for 1e7 on a step clipped at 0.05: the optimizer still gets gradients of norm 0.05."""
+    task = ToyTask()
+    torch.manual_seed(0)
+    model = task.model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused else \
+        torch.optim.SGD(model.parameters(), lr=0.05)
+    train = TrainStep(model, opt, task.loss_fn, precision="fp16", max_norm=0.05, hooks=[ClipTo(1e7)])
+    records = [train(*task.batch(i)) for i in range(3)]
+    for r in records:
+        assert r.grad_norm > 0.05 and r.clipped and r.clip_reason == "NormClip"
+        assert r.clip_coef == pytest.approx(torch_coef(r.grad_norm, 0.05), rel=1e-6)
+        assert r.post_clip_norm == pytest.approx(0.05, rel=1e-5)
+
+
+def test_grad_scale_is_one_over_the_clip_coefficient():
+    d = Decision(torch.tensor(8.0), torch.tensor(0.25), torch.tensor(0.0), torch.tensor(1024.0), None)
+    assert float(d.grad_scale()) == 4.0  # before the read: from the device tensor
+    d.read()
+    assert d.host == [8.0, 0.25, 0.0, 1024.0] and float(d.grad_scale()) == 4.0
+
+
+def test_an_unclipped_step_hands_a_fused_optimizer_no_grad_scale():
+    d = Decision(torch.tensor(0.5), torch.tensor(1.0), torch.tensor(0.0), torch.tensor(1024.0), None)
+    d.read()
+    assert d.grad_scale() is None and d.factor() is None  # nothing to multiply: no kernel for a factor 1
+    clipped = Decision(torch.tensor(2.0), torch.tensor(0.5), torch.tensor(0.0), torch.ones(()), None)
+    clipped.read()
+    assert float(clipped.factor()) == 0.5
+
+
+class Undeclared(Hook):
+    def post_backward(self, trainer, step):
+        return {"no_such_field_anywhere": torch.tensor(1.0)}
+
+
+class Declared(Hook):
+    def post_backward(self, trainer, step):
+        return {"z_loss": torch.tensor(1.0)}  # SpikeDetector's field, declared when labkit is imported
+
+
+def test_a_measure_nobody_declared_is_refused_before_the_step_decides():
+    hooks = Hooks([Declared(), Undeclared()])
+    with pytest.raises(ValueError, match="no_such_field_anywhere"):
+        hooks.post_backward(None, 0)
+    assert set(Hooks([Declared()]).post_backward(None, 0)) == {"z_loss"}
+
+
+def test_decide_skips_on_a_nonfinite_norm_and_clips_nothing():
+    for bad in (math.inf, math.nan):
+        n = torch.tensor(bad)
+        d = decide(n, n.reshape(1), torch.ones(()), None, NormClip(1.0), Verdict(clip_to=0.5))
+        assert float(d.skip) == 1.0 and float(d.coef) == 1.0
+
+
+def test_a_hook_class_defined_now_declares_its_record_fields():
+    """Declared at class definition (``Hook.__init_subclass__``): a record reads the default at once."""
+    from labkit.records import Field, StepRecord, put
+
+    class LateMeasure(Hook):
+        record_fields = {"late_measure": Field(-1.0)}
+
+    assert StepRecord(0, 1.0).late_measure == -1.0
+    fields = {}
+    put(fields, "late_measure", 2.0)
+    assert fields == {"late_measure": 2.0}
+
+
+def test_merge_keeps_the_first_skip_whatever_comes_after_it():
+    merged = Verdict.merge([Verdict(skip="spike_loss"), Verdict(clip_to=1.0), Verdict(skip="spike_grad"),
+                            None])
+    assert merged.skip == "spike_loss" and merged.clip_to == 1.0
+
+
+def test_hooks_hand_every_member_the_trainer_they_were_given():
+    seen = []
+
+    class Reads(Hook):
+        def post_backward(self, trainer, step):
+            seen.append((trainer, step))
+
+    trainer = object()
+    Hooks([Reads()]).post_backward(trainer, 7)
+    assert seen == [(trainer, 7)]
