@@ -151,7 +151,7 @@ def test_a_change_during_a_run_starts_one_more_run_after_it_not_a_nested_one(run
     panel.dashboard.update = student_moves_the_slider
     panel.run()
     assert [c.faults for c in runs] == [("2:nan",), ("8:nan",)]  # the latest settings, once
-    assert panel.logs["run"].skipped_steps == [8] and not panel._running
+    assert panel.logs["run"].skipped_steps == [8] and not panel.running
 
 
 def test_a_callback_from_another_thread_while_running_is_picked_up(runs):
@@ -197,7 +197,7 @@ def test_a_failing_run_is_reported_in_the_panel_and_the_next_one_works(monkeypat
     monkeypatch.setattr(widgets, "run_experiment", broken)
     panel.run()
     assert isinstance(panel.error, RuntimeError) and "CUDA out of memory" in panel.status.value
-    assert panel.run_button.disabled is False and not panel._running
+    assert panel.run_button.disabled is False and not panel.running
     monkeypatch.setattr(widgets, "run_experiment", run_experiment)
     panel.controls["fault_step"].value = 4
     assert panel.error is None and panel.logs["run"].clipped_steps == [4]

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import statistics
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..validate import check_int, check_number
+from .latest import LatestRun
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -377,7 +377,7 @@ class Beta2Panel:
         self.shown: float | None = None
         self.seconds = math.nan
         self.error: Exception | None = None
-        self._lock, self._running, self._pending = threading.Lock(), False, False
+        self._latest = LatestRun(self._run_once)
         self.fig = Figure(figsize=(11, 3.2))
         FigureCanvasAgg(self.fig)
         self.image = W.Image(format="png")  # a PNG: safe to swap from a slider callback's thread
@@ -390,21 +390,7 @@ class Beta2Panel:
 
     def run(self) -> None:
         """Run (or fetch) the chosen beta2 and redraw; a change during a run runs once more after it."""
-        with self._lock:
-            if self._running:
-                self._pending = True
-                return
-            self._running = True
-        try:
-            while True:
-                self._run_once()
-                with self._lock:
-                    if not self._pending:
-                        break
-                    self._pending = False
-        finally:
-            with self._lock:
-                self._running = self._pending = False
+        self._latest()
 
     def _run_once(self) -> None:
         beta2 = self.controls["beta2"].value

@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import html
 import math
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -29,6 +28,7 @@ from ..names import PRECISIONS
 from ..steplog import StepLog
 from ..validate import check_int
 from .experiment import ExperimentConfig, run_experiment
+from .latest import LatestRun
 from .plots import PANELS, LiveDashboard
 from .text import describe, describe_rewind, format_scale
 
@@ -221,8 +221,7 @@ class ControlPanel:
         check_int("cache_size", cache_size, 0, hint="(logs kept; 0: none)")
         self.cache_size = cache_size
         self._cache: collections.OrderedDict[ExperimentConfig, tuple[StepLog, list[str]]] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._running = self._pending = False
+        self._latest = LatestRun(self._run_latest)
         for widget in self.controls.values():
             widget.observe(self._changed, names="value")
         self.run_button.on_click(lambda _: self.run())
@@ -276,34 +275,30 @@ class ControlPanel:
             return
         if self.auto_run:
             self.run()
-        elif self.shown_values is not None and not self._running:  # the figure no longer shows the controls
+        elif self.shown_values is not None and not self.running:  # the figure no longer shows the controls
             changed = self.figure_mismatches()
             self.status.value = (f"settings changed ({', '.join(m.split(':')[0] for m in changed)}): press Run; "
                                  "the figure shows the last run") if changed else self._shown_status
 
     def run(self) -> dict[str, StepLog]:
         """Run every variant with the current settings (or, if a run is going, ask it to run again)."""
-        with self._lock:
-            if self._running:
-                self._pending = True
-                return self.logs
-            self._running = True
+        try:
+            self._latest()
+        except Exception as e:  # shown in the panel: a callback's traceback would go unseen
+            self._fail(e)
+        return self.logs
+
+    @property
+    def running(self) -> bool:
+        """Whether a run is going (a change now runs once more when it ends)."""
+        return self._latest.running
+
+    def _run_latest(self) -> None:
         self.run_button.disabled = True
         try:
-            while True:
-                self._run_once(*self._settings)
-                with self._lock:
-                    if not self._pending:
-                        self._running = False
-                        break
-                    self._pending = False
-        except Exception as e:  # shown in the panel: a callback's traceback would go unseen
-            with self._lock:
-                self._running = self._pending = False
-            self._fail(e)
+            self._run_once(*self._settings)
         finally:
             self.run_button.disabled = False
-        return self.logs
 
     def _run_once(self, config: ExperimentConfig, values: Mapping[str, Any]) -> None:
         self.status.value = "running..."

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import io
 import math
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..latest import LatestRun
 from .plots import plot_sweep
 from .recipe import VARIANTS, Point, Recipe
 from .runner import Runs
@@ -50,7 +50,7 @@ class SweepPanel:
         self.seconds = math.nan
         self.error: Exception | None = None
         self.shown: tuple[str, float] | None = None  # (variant, lr) of the figure on screen
-        self._lock, self._running, self._pending = threading.Lock(), False, False
+        self._latest = LatestRun(self._run_once)
         # a PNG in an Image widget: swapping its bytes is safe from a slider callback's thread
         # (see LiveDashboard), and the figure is redrawn whole (a new run changes every panel)
         self.fig = Figure(figsize=(12.6, 3.6))
@@ -75,21 +75,7 @@ class SweepPanel:
         As ``ControlPanel.run``: a change during a run (a callback on another thread) makes it
         run once more with the latest settings when it ends, never two runs at once.
         """
-        with self._lock:
-            if self._running:
-                self._pending = True
-                return
-            self._running = True
-        try:
-            while True:
-                self._run_once()
-                with self._lock:
-                    if not self._pending:
-                        break
-                    self._pending = False
-        finally:
-            with self._lock:
-                self._running = self._pending = False
+        self._latest()
 
     def _run_once(self) -> None:
         start = time.perf_counter()
