@@ -8,10 +8,15 @@ checks per problem set, one module per part: ``checks.ps1`` (clipping and loss s
 (spikes that gradient clipping cannot see: Adam's update RMS and update clipping).
 
 >>> from labkit.grading import check_update_scale
->>> check_update_scale(lambda scale, tracker, hysteresis, found_inf, config: (scale, tracker, hysteresis))
+>>> check_update_scale(  # doctest: +NORMALIZE_WHITESPACE
+...     lambda scale, tracker, hysteresis, found_inf, config: (scale, tracker, hysteresis))
 Traceback (most recent call last):
 ...
-AssertionError: <lambda>(scale=1024, growth_tracker=0, hysteresis_left=1, found_inf=True) returned (1024.0, 0, 1), expected (512.0, 0, 0) on the case 'two overflows, hysteresis=1, step 0' with ScalerConfig(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=1, min_scale=None, max_scale=None): on this overflow the scale must back off to scale * backoff_factor = 512 (hysteresis_left 1 -> 0).
+AssertionError: <lambda>(scale=1024, growth_tracker=0, hysteresis_left=1, found_inf=True) returned
+(1024.0, 0, 1), expected (512.0, 0, 0) on the case 'two overflows, hysteresis=1, step 0' with
+ScalerConfig(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=1, min_scale=None,
+max_scale=None): on this overflow the scale must back off to scale * backoff_factor = 512
+(hysteresis_left 1 -> 0).
 """
 
 from typing import Any
