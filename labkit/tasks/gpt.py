@@ -322,7 +322,8 @@ class LogitMonitor(Hook):
 
     def on_record(self, trainer: Any, record: Any) -> None:
         z = record.log_z_sq
-        put(record.fields, "ce_loss", record.loss - self.z_loss * z if self.z_loss and z is not None else record.loss)
+        put(record.fields, "ce_loss",
+            record.loss - self.z_loss * z if self.z_loss and z is not None else record.loss)
 
 
 @dataclass(frozen=True)
