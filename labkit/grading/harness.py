@@ -25,7 +25,8 @@ from typing import Any
 
 
 class CellTimeout(BaseException):
-    """Raised by the per-cell alarm; a BaseException, so ``except Exception`` in student code can't swallow it."""
+    """Raised by the per-cell alarm; a BaseException, so ``except Exception`` in student code can't
+    swallow it."""
 
 
 def _alarm(signum: int, frame: Any) -> None:
@@ -105,7 +106,8 @@ def main(job_path: str, out_dir: str) -> int:
             signal.setitimer(signal.ITIMER_REAL, 0)
         error = None
         if result is None or isinstance(result.error_in_exec, CellTimeout):
-            error = f"CellTimeout: the cell ran longer than {timeout:g} s (an infinite loop?) and was interrupted"
+            error = (f"CellTimeout: the cell ran longer than {timeout:g} s (an infinite loop?)"
+                     " and was interrupted")
         elif result.error_before_exec is not None or result.error_in_exec is not None:
             e = result.error_before_exec or result.error_in_exec
             error = f"{type(e).__name__}: {e}"
@@ -138,7 +140,8 @@ def main(job_path: str, out_dir: str) -> int:
                 results.append({"outs": outs})
             except CellTimeout:
                 results.append({"outs": outs, "timeout": timeout})
-            except BaseException as e:  # SystemExit, KeyboardInterrupt...: the call ended the run, the part says so
+            # SystemExit, KeyboardInterrupt...: the call ended the run, the part says so
+            except BaseException as e:
                 results.append({"outs": outs, "ended": f"{type(e).__name__}: {e}"})
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
