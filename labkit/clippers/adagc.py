@@ -78,7 +78,8 @@ class AdaGC(Clipper):
         check_int("warmup", warmup, 1, hint="(gamma starts from the warm-up norms)")
         if feed not in FEEDS:
             raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}.")
-        self.beta, self.lambda_rel, self.lambda_abs, self.warmup, self.eps = beta, lambda_rel, lambda_abs, warmup, eps
+        self.beta, self.lambda_rel, self.lambda_abs = beta, lambda_rel, lambda_abs
+        self.warmup, self.eps = warmup, eps
         self.feed, self.max_consecutive_clips = feed, check_max_consecutive_clips(max_consecutive_clips)
         self.state: dict[str, Tensor] = {}
         self._warned = 0
@@ -89,8 +90,8 @@ class AdaGC(Clipper):
             self.state = {"gamma": torch.zeros(n, device=device), "count": zero, "streak": zero.clone(),
                           "releases": zero.clone()}
         elif self.state["gamma"].numel() != n:
-            raise ValueError(f"AdaGC was started on {self.state['gamma'].numel()} tensors with gradients, now given {n}: "
-                             "use one AdaGC per fixed set of parameters.")
+            raise ValueError(f"AdaGC was started on {self.state['gamma'].numel()} tensors with gradients, "
+                             f"now given {n}: use one AdaGC per fixed set of parameters.")
 
     @torch.no_grad()
     def clip_unscaled_(self, params: list[Tensor], norms: Tensor, norm: Tensor) -> Tensor:
@@ -98,8 +99,9 @@ class AdaGC(Clipper):
         self._init(len(grads), norm.device)
         s, finite = self.state, torch.isfinite(norm)
         norms = norms.to(torch.float32)
-        h, gamma, cut = adagc_update(s["gamma"], s["count"], norms, norm, beta=self.beta, lambda_rel=self.lambda_rel,
-                                     lambda_abs=self.lambda_abs, warmup=self.warmup, eps=self.eps, feed=self.feed)
+        h, gamma, cut = adagc_update(s["gamma"], s["count"], norms, norm, beta=self.beta,
+                                     lambda_rel=self.lambda_rel, lambda_abs=self.lambda_abs,
+                                     warmup=self.warmup, eps=self.eps, feed=self.feed)
         h = torch.where(finite, h, torch.ones_like(h))
         for i, g in enumerate(grads):
             scale_grads_([g], h[i])
@@ -117,7 +119,8 @@ class AdaGC(Clipper):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state and not {"gamma", "count", "streak", "releases"} <= state.keys():
-            raise KeyError("AdaGC state_dict lacks gamma/count/streak/releases; pass what AdaGC.state_dict() returned.")
+            raise KeyError("AdaGC state_dict lacks gamma/count/streak/releases; "
+                           "pass what AdaGC.state_dict() returned.")
         self.state = {k: v.detach().clone() for k, v in state.items()}
         self._seen = self.releases()
 
@@ -125,4 +128,5 @@ class AdaGC(Clipper):
         return int(self.state["releases"].item()) if self.state else 0
 
     def __repr__(self) -> str:
-        return f"AdaGC(beta={self.beta:g}, lambda_rel={self.lambda_rel:g}, warmup={self.warmup}, feed={self.feed!r})"
+        return (f"AdaGC(beta={self.beta:g}, lambda_rel={self.lambda_rel:g}, "
+                f"warmup={self.warmup}, feed={self.feed!r})")
