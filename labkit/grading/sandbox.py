@@ -42,7 +42,8 @@ class SandboxMissing(SandboxError):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one submission may use: ``wall`` seconds in all, ``memory`` bytes, ``processes``, ``output`` bytes."""
+    """What one submission may use: ``wall`` seconds in all, ``memory`` bytes, ``processes``, ``output``
+    bytes."""
 
     wall: float = 600.0
     memory: int = 4 << 30  # address space; torch maps ~1.5 GiB just by importing
@@ -81,9 +82,10 @@ def command(job: Path, out: Path, limits: Limits) -> list[str]:
     setpriv = shutil.which("setpriv")
     if bwrap is None or prlimit is None or (root and setpriv is None):
         raise SandboxMissing(
-            f"grading runs each submission in a bubblewrap sandbox, but {'bwrap' if bwrap is None else 'prlimit or setpriv'}"
-            f" is not installed: {INSTALL} (util-linux has prlimit and setpriv), or pass --no-sandbox to grade "
-            "notebooks you trust (your own solutions) without isolation.")
+            "grading runs each submission in a bubblewrap sandbox, but "
+            f"{'bwrap' if bwrap is None else 'prlimit or setpriv'}"
+            f" is not installed: {INSTALL} (util-linux has prlimit and setpriv), or pass --no-sandbox "
+            "to grade notebooks you trust (your own solutions) without isolation.")
     import labkit
 
     labkit_dir = str(Path(labkit.__file__).parent)
@@ -105,8 +107,8 @@ def command(job: Path, out: Path, limits: Limits) -> list[str]:
              "--ro-bind", str(job), "/job", "--bind", str(out), "/out",
              "--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp"]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": "/labkit", "PYTHONHASHSEED": "0",
-           "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "LANG": "C.UTF-8"}
+           "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8"}
     for key, value in env.items():
         args += ["--setenv", key, value]
     python = [sys.executable, "-m", "labkit.grading.harness", "/job/job.json", "/out"]
@@ -121,7 +123,8 @@ def command(job: Path, out: Path, limits: Limits) -> list[str]:
 
 
 def unsandboxed(job: Path, out: Path, limits: Limits) -> list[str]:
-    """Return the argv for ``--no-sandbox``: the same harness, limits and session, but the grader's view and user.
+    """Return the argv for ``--no-sandbox``: the same harness, limits and session, but the grader's view
+    and user.
 
     Without a PID namespace a child that calls ``setsid`` leaves the session and can outlive the kill.
     """
@@ -157,7 +160,8 @@ def run(argv: list[str], limits: Limits, env: dict[str, str] | None = None) -> O
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
-        with contextlib.suppress(ProcessLookupError):  # survivors of a clean exit too (unsandboxed setsid children aside)
+        # survivors of a clean exit too (unsandboxed setsid children aside)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         reader.join(timeout=5)
