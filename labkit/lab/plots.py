@@ -172,7 +172,8 @@ class _Panels:
             self._legend(name, ax)
 
     def _legend(self, name: str, ax) -> None:  # type: ignore[no-untyped-def]
-        handles = tuple(line for line in ax.get_lines() if not line.get_label().startswith("_") and _drawn(line))
+        handles = tuple(line for line in ax.get_lines()
+                        if not line.get_label().startswith("_") and _drawn(line))
         if self._legends.get(name) == handles:
             return  # rebuilding a legend costs more than drawing it
         self._legends[name] = handles
@@ -190,7 +191,8 @@ def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = No
     ``panels`` defaults to norm, loss and, if a loss scaler ran (the scale moved off 1), scale.
 
     >>> from labkit.records import StepRecord
-    >>> fig = plot_log(StepLog([StepRecord(0, 1.0, grad_norm=2.0, clip_coef=0.5, clipped=True, scale=1024.0)]), max_norm=1.0)
+    >>> fig = plot_log(StepLog([StepRecord(0, 1.0, grad_norm=2.0, clip_coef=0.5, clipped=True,
+    ...                                    scale=1024.0)]), max_norm=1.0)
     >>> [ax.get_ylabel() for ax in fig.axes]
     ['grad norm', 'loss', 'loss scale']
     """
@@ -204,7 +206,8 @@ def plot_log(log: StepLog, max_norm: float | None = None, title: str | None = No
             _mark_isolated(line)
     drawn.rescale()
     summary = log.summary()
-    fig.suptitle(title or f"{summary['steps']} steps, {summary['skipped']} skipped, {summary['clipped']} clipped")
+    fig.suptitle(title or f"{summary['steps']} steps, {summary['skipped']} skipped, "
+                          f"{summary['clipped']} clipped")
     return fig
 
 
@@ -236,7 +239,8 @@ class LiveDashboard:
 
     >>> from labkit.records import StepRecord
     >>> dash = LiveDashboard(max_norm=1.0, every=2)
-    >>> for i in range(4): dash.update(StepRecord(i, 1.0 / (i + 1), grad_norm=2.0, clip_coef=0.5, clipped=True))
+    >>> for i in range(4):
+    ...     dash.update(StepRecord(i, 1.0 / (i + 1), grad_norm=2.0, clip_coef=0.5, clipped=True))
     >>> dash.draws, list(dash.line("norm").get_ydata())
     (2, [2.0, 2.0, 2.0, 2.0])
     """
@@ -257,7 +261,8 @@ class LiveDashboard:
         if self.interactive:
             import matplotlib.pyplot as plt
 
-            with plt.ioff(), warnings.catch_warnings():  # made, not shown: the caller displays the dashboard once
+            # made, not shown: the caller displays the dashboard once
+            with plt.ioff(), warnings.catch_warnings():
                 # ipympl 0.10's Toolbar passes its arguments on to traitlets, which warns (a
                 # DeprecationWarning the student can do nothing about); only that one is silenced.
                 warnings.filterwarnings("ignore", r"Passing unrecognized arguments to super\(Toolbar\)",
@@ -304,7 +309,8 @@ class LiveDashboard:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def line(self, key: str, run: str | None = None):  # type: ignore[no-untyped-def]
-        """Return a plotted line, to read back what is on screen: ``norm``, ``post``, ``loss``, ``scale``, ``skip``."""
+        """Return a plotted line, to read back what is on screen: ``norm``, ``post``, ``loss``, ``scale``,
+        ``skip``."""
         run = self._run(run)
         lines = self._panels.lines
         name = {"norm": "pre", "skip": "skip:" + next(iter(self._panels.axes))}.get(key, key)
@@ -361,7 +367,8 @@ class LiveDashboard:
         for run, records in self._records.items():
             self._panels.set_run(run, records)
         self._panels.rescale()
-        self.figure.suptitle(self._title_sep.join(_summary(run, recs) for run, recs in self._records.items()), fontsize=9)
+        self.figure.suptitle(self._title_sep.join(_summary(run, recs) for run, recs in self._records.items()),
+                             fontsize=9)
         self.draws += 1
         if not self.interactive:
             self._render_png()
