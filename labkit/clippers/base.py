@@ -84,7 +84,8 @@ def lockin_guard(streak: Tensor, clipped: Tensor, bound: int | None) -> tuple[Te
 
 
 def effective_coef(post: list[Tensor], norm: Tensor, finite: Tensor) -> Tensor:
-    """Return ``[coef, nan]``: the global-norm factor a per-tensor clip amounted to (post-clip / pre-clip norm).
+    """Return ``[coef, nan]``: the global-norm factor a per-tensor clip amounted to (post-clip / pre-clip
+    norm).
 
     ``post`` holds each gradient's norm after clipping; with none, or a zero or non-finite ``norm``,
     the factor is 1. The NaN slot is the threshold, which per-tensor rules do not have.
@@ -143,7 +144,8 @@ class Clipper:
     _seen = 0  # guard releases already reported by lockin()
 
     def clip_(self, parameters: Parameters) -> Tensor:
-        """Clip the gradients of ``parameters`` in place; return their pre-clip global norm (``norm_type``)."""
+        """Clip the gradients of ``parameters`` in place; return their pre-clip global norm
+        (``norm_type``)."""
         params = parameters_list(parameters)
         grads, _ = named_grads(params)
         norms = per_tensor_norms(grads, self.norm_type)
@@ -208,17 +210,20 @@ class Clipper:
         return fired
 
     def check_lockin(self) -> bool:
-        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did (a read)."""
+        """Warn (``LockInWarning``) if the guard fired since the last check; return whether it did
+        (a read)."""
         n = self.releases()
         if n <= self._warned:
             return False
         self._warned = n
         warnings.warn(
             f"{type(self).__name__} clipped {self.max_consecutive_clips} steps in a row and restarted its "
-            f"statistics from the raw norm (guard fired {n} time(s)): with feed={getattr(self, 'feed', None)!r} "
+            f"statistics from the raw norm (guard fired {n} time(s)): "
+            f"with feed={getattr(self, 'feed', None)!r} "
             "it had locked onto an old gradient-norm level (under SGD a silent learning-rate cut; under Adam "
             "little cost, but the threshold no longer followed the run). If the level shift is real "
-            "(batch-size ramp, data mix), this is what you want; if not, look at the data around these steps.",
+            "(batch-size ramp, data mix), this is what you want; if not, look at the data around these "
+            "steps.",
             LockInWarning,
             stacklevel=3,
         )
@@ -240,8 +245,8 @@ class GlobalClipper(Clipper):
 
     def __init__(self, feed: str, max_consecutive_clips: int | None) -> None:
         if feed not in FEEDS:
-            raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}: 'clipped' can lock in, 'raw' can inflate, "
-                             "'exclude' can go blind (research note §1.3b).")
+            raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}: 'clipped' can lock in, "
+                             "'raw' can inflate, 'exclude' can go blind (research note §1.3b).")
         self.feed = feed
         self.max_consecutive_clips = check_max_consecutive_clips(max_consecutive_clips)
         self.state = self.initial()
@@ -311,11 +316,12 @@ class GlobalClipper(Clipper):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = self.state.keys() - state.keys()
         if missing:
-            raise KeyError(f"{type(self).__name__} state_dict lacks {sorted(missing)}; pass what state_dict() returned.")
+            raise KeyError(f"{type(self).__name__} state_dict lacks {sorted(missing)}; "
+                           "pass what state_dict() returned.")
         for k, v in self.state.items():
             if tuple(state[k].shape) != tuple(v.shape):
-                raise ValueError(f"{type(self).__name__} state {k!r} has shape {tuple(state[k].shape)}, expected "
-                                 f"{tuple(v.shape)}: was it saved by a clipper with other settings?")
+                raise ValueError(f"{type(self).__name__} state {k!r} has shape {tuple(state[k].shape)}, "
+                                 f"expected {tuple(v.shape)}: was it saved by a clipper with other settings?")
         self.state = {k: state[k].detach().clone().to(v.device, v.dtype) for k, v in self.state.items()}
         self._seen = self.releases()
 
