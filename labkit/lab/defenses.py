@@ -41,7 +41,8 @@ METHODS = ("norm", "zclip", "autoclip", "adagc", "agc", "update", "none")
 OUTCOMES = ("stepped", "clipped", "skip: loss not finite", "skip: overflow", "skip: z-score spike", "rewound")
 _COLORS = ("#d9d9d9", "#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#555555")
 # Each method's one knob: its name, the values that make sense for it, and its default: the paper's, or its
-# reference code's (AutoClip's 0.9 is the `autoclip` package's QuantileClip default; the paper's knob is a percentile p).
+# reference code's (AutoClip's 0.9 is the `autoclip` package's QuantileClip default; the paper's knob is a
+# percentile p).
 KNOBS: dict[str, tuple[str, tuple[float, ...], float]] = {
     "norm": ("max_norm", (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 100.0), 1.0),
     "zclip": ("z_thresh", (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0), 2.5),
@@ -82,7 +83,8 @@ class Defenses:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}.")
         if self.rewind_back is not None and self.skip_z is None:
-            raise ValueError("rewind_back needs skip_z: a rewind is triggered by a step the detector skipped.")
+            raise ValueError("rewind_back needs skip_z: a rewind is triggered by a step the detector "
+                             "skipped.")
         self.clipper()  # validates threshold, window, feed
 
     def clipper(self) -> Clipper | None:
@@ -101,18 +103,23 @@ class Defenses:
         }[self.method]()
 
     def warm_up_note(self) -> str | None:
-        """Return one line when the method is still warming up at the spike or the shift (it cannot act there).
+        """Return one line when the method is still warming up at the spike or the shift (it cannot act
+        there).
 
-        >>> Defenses(method="zclip", threshold=2.5, window=60, spike_step=50).warm_up_note()
-        'ZClip warms up for window=60 steps: at the spike (step 50) it is still warming up and cannot clip it; choose a window below 50.'
+        >>> Defenses(method="zclip", threshold=2.5, window=60,  # doctest: +NORMALIZE_WHITESPACE
+        ...          spike_step=50).warm_up_note()
+        'ZClip warms up for window=60 steps: at the spike (step 50) it is still warming up and cannot clip it;
+        choose a window below 50.'
         """
-        warm = {"zclip": ("ZClip", self.window), "update": ("UpdateNormClip", max(self.window, 2) // 2)}.get(self.method)
+        warm = {"zclip": ("ZClip", self.window),
+                "update": ("UpdateNormClip", max(self.window, 2) // 2)}.get(self.method)
         if warm is None:
             return None
         name, steps = warm
         for what, at in (("spike", self.spike_step), ("shift", self.shift_step)):
             if at is not None and steps >= at:
-                return (f"{name} warms up for window={self.window} steps: at the {what} (step {at}) it is still warming "
+                return (f"{name} warms up for window={self.window} steps: at the {what} (step {at}) "
+                        "it is still warming "
                         f"up and cannot clip it; choose a window below {at if name == 'ZClip' else 2 * at}.")
         return None
 
@@ -145,7 +152,8 @@ def ledger(log: Sequence[StepRecord]) -> list[str]:
     """Return each record's outcome, one of ``OUTCOMES`` (the step that triggered a rewind shows why).
 
     >>> from labkit.records import RewindEvent
-    >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, 1.0), StepRecord(2, 1.0, skipped=True, reason="spike_grad")])
+    >>> log = StepLog([StepRecord(0, 1.0), StepRecord(1, 1.0),
+    ...                StepRecord(2, 1.0, skipped=True, reason="spike_grad")])
     >>> log.append_event(RewindEvent(step=2, to=1)); ledger(log)
     ['stepped', 'rewound', 'skip: z-score spike']
     """
@@ -184,8 +192,8 @@ def rolling_band(log: Sequence[StepRecord], window: int, z: float) -> tuple[list
     return lows, highs
 
 
-def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | Mapping[str, float] | None = None,
-                  title: str | None = None) -> Figure:
+def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25,
+                  z: float | Mapping[str, float] | None = None, title: str | None = None) -> Figure:
     """Draw one panel per run (small multiples, one step axis) over a skip ledger with a row per run.
 
     Each panel shows that run's own numbers: the raw gradient norm (logged), the norm it stepped
@@ -193,10 +201,12 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
     the clipped steps, the steps where the lock-in guard restarted the statistics, and the
     rewound branch in grey. ``z`` (a detector's ``skip_z``, or ``{run: skip_z}`` where the runs
     differ) adds the level the detector skips above, ``mean + z * std`` of its rolling
-    ``window``. Every legend lists only what is drawn, the ledger's only the outcomes that happened.
+    ``window``. Every legend lists only what is drawn, the ledger's only the outcomes that
+    happened.
 
     >>> fig = plot_defenses({"run": StepLog([StepRecord(0, 1.0, grad_norm=2.0, threshold=3.0)])})
-    >>> [ax.get_ylabel() for ax in fig.axes], [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    >>> ([ax.get_ylabel() for ax in fig.axes],
+    ...  [t.get_text() for t in fig.axes[0].get_legend().get_texts()])
     (['grad norm', 'outcome'], ['grad norm (raw)', 'threshold'])
     """
     if not logs:
@@ -210,11 +220,12 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
         live = [r for r, undone in zip(log, flags) if not undone]
         gone = [r for r, undone in zip(log, flags) if undone]
         steps = [r.step for r in live]
-        ax.plot(steps, finite_positive(r.grad_norm for r in live), color="C0", lw=1.0, label="grad norm (raw)")
+        ax.plot(steps, finite_positive(r.grad_norm for r in live), color="C0", lw=1.0,
+                label="grad norm (raw)")
         clipped = [r for r in live if r.clipped and not r.skipped]
         if clipped:  # dashed over the raw line: where nothing was clipped the two coincide and both show
-            ax.plot(steps, finite_positive(r.post_clip_norm if not r.skipped else math.nan for r in live), color="C1",
-                    lw=1.0, ls=(0, (3, 2)), label="stepped with (after clip)")
+            ax.plot(steps, finite_positive(r.post_clip_norm if not r.skipped else math.nan for r in live),
+                    color="C1", lw=1.0, ls=(0, (3, 2)), label="stepped with (after clip)")
             ax.plot([r.step for r in clipped], [r.grad_norm for r in clipped], "x", color="C3", ms=5,
                     label=f"clipped ({len(clipped)})")
         threshold = finite_positive(r.get("threshold", math.nan) for r in live)
@@ -230,8 +241,8 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
         for k, r in enumerate(fired):
             ax.axvline(r.step, color="C2", lw=1.2, label="lock-in guard fired" if k == 0 else "_guard")
         if gone:
-            ax.plot([r.step for r in gone], finite_positive(r.grad_norm for r in gone), color="0.6", lw=1.0, marker=".",
-                    ms=3, label="rewound (undone)")
+            ax.plot([r.step for r in gone], finite_positive(r.grad_norm for r in gone), color="0.6", lw=1.0,
+                    marker=".", ms=3, label="rewound (undone)")
         ax.set_yscale("log")
         ax.set_ylabel("grad norm")
         ax.set_title(name, fontsize=9, loc="left")
@@ -252,8 +263,8 @@ def plot_defenses(logs: Mapping[str, StepLog], *, window: int = 25, z: float | M
     bottom.set_ylabel("outcome")
     bottom.set_xlabel("step")
     bottom.set_xlim(-0.5, last + 0.5)
-    bottom.legend([Patch(color=_COLORS[OUTCOMES.index(o)]) for o in shown], shown, fontsize=7, ncols=len(shown),
-                  loc="upper center", bbox_to_anchor=(0.5, -0.9 / (0.5 + 0.4 * n)))
+    bottom.legend([Patch(color=_COLORS[OUTCOMES.index(o)]) for o in shown], shown, fontsize=7,
+                  ncols=len(shown), loc="upper center", bbox_to_anchor=(0.5, -0.9 / (0.5 + 0.4 * n)))
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
