@@ -90,7 +90,8 @@ def _block_view(x: Tensor, granularity: str) -> Tensor:
     if granularity == "tensor":
         return x.reshape(1, -1)
     if x.dim() != 2:
-        raise ValueError(f"granularity {granularity!r} needs a 2-D tensor (rows, columns), got shape {tuple(x.shape)}.")
+        raise ValueError(f"granularity {granularity!r} needs a 2-D tensor (rows, columns), "
+                         f"got shape {tuple(x.shape)}.")
     m, n = x.shape
     if granularity == "row":
         return x
@@ -104,8 +105,8 @@ def _block_view(x: Tensor, granularity: str) -> Tensor:
 
 def _divisible(size: int, block: int, granularity: str, shape: torch.Size) -> None:
     if size % block:
-        raise ValueError(f"granularity {granularity!r} needs dimensions divisible by {block}, got shape {tuple(shape)}; "
-                         "pad the tensor or choose 'row' or 'tensor'.")
+        raise ValueError(f"granularity {granularity!r} needs dimensions divisible by {block}, "
+                         f"got shape {tuple(shape)}; pad the tensor or choose 'row' or 'tensor'.")
 
 
 def _expand(scale: Tensor, granularity: str, shape: torch.Size) -> Tensor:
@@ -123,12 +124,14 @@ def _block_amax(magnitude: Tensor, granularity: str) -> Tensor:
         _check_mx(magnitude)
         return magnitude.reshape(*magnitude.shape[:-1], -1, 32).amax(dim=-1)
     amax = _block_view(magnitude, granularity).amax(dim=-1)
-    return amax.reshape(()) if granularity == "tensor" else amax.reshape(-1, 1) if granularity == "row" else amax
+    return (amax.reshape(()) if granularity == "tensor"
+            else amax.reshape(-1, 1) if granularity == "row" else amax)
 
 
 def _check_mx(x: Tensor) -> None:
     if x.dim() < 1 or x.shape[-1] % 32:
-        raise ValueError(f"granularity 'mx32' needs a last dimension divisible by 32, got shape {tuple(x.shape)}.")
+        raise ValueError("granularity 'mx32' needs a last dimension divisible by 32, "
+                         f"got shape {tuple(x.shape)}.")
 
 
 def check_amax(x: Tensor, granularity: str = "tensor") -> str | None:
@@ -137,7 +140,8 @@ def check_amax(x: Tensor, granularity: str = "tensor") -> str | None:
     Reads amax per block of ``granularity``: a non-finite amax anywhere is ``"nonfinite_amax"``,
     else a block whose amax is 0 is ``"zero_amax"``. One host sync (the verdict is a string).
 
-    >>> check_amax(torch.tensor([1.0, float("inf")])), torch.tensor([float("inf")]).to(torch.float8_e4m3fn).float().item()
+    >>> (check_amax(torch.tensor([1.0, float("inf")])),
+    ...  torch.tensor([float("inf")]).to(torch.float8_e4m3fn).float().item())
     ('nonfinite_amax', 448.0)
     >>> check_amax(torch.zeros(3)), check_amax(torch.ones(3))
     ('zero_amax', None)
@@ -279,10 +283,11 @@ def linear(x: Quantized, weight: Quantized, out_dtype: torch.dtype = torch.float
     (True, True)
     """
     if x.data.dim() != 2 or weight.data.dim() != 2 or x.data.shape[1] != weight.data.shape[1]:
-        raise ValueError(f"linear needs x (M, K) and weight (N, K), got {tuple(x.data.shape)} and {tuple(weight.data.shape)}.")
+        raise ValueError(f"linear needs x (M, K) and weight (N, K), got {tuple(x.data.shape)} "
+                         f"and {tuple(weight.data.shape)}.")
     if x.granularity == weight.granularity and x.granularity in ("tensor", "row"):
-        return torch._scaled_mm(x.data, weight.data.t(), scale_a=x.scale.float(), scale_b=weight.scale.float().t(),
-                                out_dtype=out_dtype)
+        return torch._scaled_mm(x.data, weight.data.t(), scale_a=x.scale.float(),
+                                scale_b=weight.scale.float().t(), out_dtype=out_dtype)
     return (x.dequantize() @ weight.dequantize().t()).to(out_dtype)
 
 
@@ -317,7 +322,8 @@ class Fp8Fault:
 
     @property
     def _magnitude(self) -> float:
-        return self.magnitude if self.magnitude is not None else {"range_jump": 10.0, "outlier_channel": 1e4}.get(self.kind, 0.0)
+        return (self.magnitude if self.magnitude is not None
+                else {"range_jump": 10.0, "outlier_channel": 1e4}.get(self.kind, 0.0))
 
     def apply(self, x: Tensor) -> Tensor:
         """Return the bad version of ``x`` (a new tensor)."""
@@ -326,7 +332,8 @@ class Fp8Fault:
         if self.kind == "amax_zero":
             return torch.zeros_like(x)
         if x.dim() != 2 or not 0 <= self.channel < x.shape[1]:
-            raise ValueError(f"outlier_channel needs a 2-D tensor with column {self.channel}, got shape {tuple(x.shape)}.")
+            raise ValueError(f"outlier_channel needs a 2-D tensor with column {self.channel}, "
+                             f"got shape {tuple(x.shape)}.")
         bad = x.clone()
         bad[:, self.channel] *= self._magnitude
         return bad
@@ -347,13 +354,15 @@ class CastRecord:
 
 @dataclass
 class Fp8Guard:
-    """Cast one tensor stream to FP8 step by step, checking amax before each cast and recording why a cast was bad.
+    """Cast one tensor stream to FP8 step by step, checking amax before each cast and recording why a cast
+    was bad.
 
     ``history=None`` is current scaling; ``history=16`` delayed scaling over the last 16
     steps' amaxes (per tensor). Reasons, first match wins: ``check_amax``'s (``nonfinite_amax``,
     ``zero_amax``), then ``saturated`` (more than ``saturate_limit`` of the values clamped:
     a delayed scale clamps a value now and then as amax wanders; TE adds a margin for that),
-    then ``flushed`` (more than ``flush_limit`` of the values flushed to 0). ``faults`` maps steps to ``Fp8Fault``\\ s.
+    then ``flushed`` (more than ``flush_limit`` of the values flushed to 0). ``faults`` maps steps to
+    ``Fp8Fault``\\ s.
     On ``nonfinite_amax`` the history is left alone: one bad tensor must not poison the scale.
     ``round_scales_to_power_of_2`` is ``quantize``'s.
 
@@ -384,10 +393,11 @@ class Fp8Guard:
     def __post_init__(self) -> None:
         _check_granularity(self.granularity)
         if self.history is not None and self.granularity != "tensor":
-            raise ValueError("delayed scaling (history=) is per tensor; pass granularity='tensor' or history=None.")
+            raise ValueError("delayed scaling (history=) is per tensor; "
+                             "pass granularity='tensor' or history=None.")
         if self.sharded and self.granularity != "tensor":
-            raise ValueError("sharded=True reduces one amax per tensor; pass granularity='tensor' (finer blocks "
-                             "are local to a shard).")
+            raise ValueError("sharded=True reduces one amax per tensor; "
+                             "pass granularity='tensor' (finer blocks are local to a shard).")
         for name in ("flush_limit", "saturate_limit"):
             check_number(name, getattr(self, name), 0, 1, high_open=True, noun="a fraction")
 
@@ -401,7 +411,8 @@ class Fp8Guard:
         amax = None
         if self.sharded and is_distributed():
             local = x.detach().float().abs().amax()
-            stats = torch.stack([(~torch.isfinite(local)).float(), torch.nan_to_num(local, nan=0.0, posinf=0.0)])
+            stats = torch.stack([(~torch.isfinite(local)).float(),
+                                 torch.nan_to_num(local, nan=0.0, posinf=0.0)])
             bad, amax = all_reduce_(stats, "max", self.process_group).tolist()  # host sync: the verdict
             reason = "nonfinite_amax" if bad else "zero_amax" if amax == 0 else None
             if history is None:  # current scaling, from the whole tensor's amax
