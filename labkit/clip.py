@@ -5,7 +5,8 @@ plain tensors); ``clip_grads_with_norm_`` scales them by a given norm; ``clip_gr
 is the one followed by the other. Two deliberate deviations from torch: fp16/bf16 norms are
 accumulated and returned in float32 (an fp16 norm above 65504 is ``inf`` in torch, and
 clipping by it zeroes every gradient), float32 and float64 stay in their own dtype as in
-torch; and a non-finite norm never touches the gradients (torch turns them into NaN or zeros). With FSDP2's sharded
+torch; and a non-finite norm never touches the gradients (torch turns them into NaN or zeros). With
+FSDP2's sharded
 ``DTensor`` gradients the norm is the whole model's: the local shards' p-th powers are
 reduced across the mesh (see ``distributed.reduce_sharded_norms_``), so every rank gets the
 same norm and clips with the same coefficient; DDP's replicated gradients need no collective.
@@ -40,7 +41,8 @@ EPS = 1e-6
 
 
 def check_norm_type(norm_type: float | str) -> float:
-    """Return ``norm_type`` as a float (any order torch takes: ``inf``, 0, negative), or raise ``ValueError``."""
+    """Return ``norm_type`` as a float (any order torch takes: ``inf``, 0, negative), or raise
+    ``ValueError``."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
@@ -167,7 +169,8 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     out_dtype = functools.reduce(torch.promote_types, [_acc_dtype(g.dtype) for g in grads])
     # An empty tensor's norm is 0, and is set here: torch has no inf-norm of an empty tensor
     # (no identity for max), and FSDP2 leaves a rank empty shards when a dim is < world size.
-    norms: list[Tensor | None] = [torch.zeros((), device=first, dtype=out_dtype) if g.numel() == 0 else None for g in grads]
+    norms: list[Tensor | None] = [torch.zeros((), device=first, dtype=out_dtype) if g.numel() == 0 else None
+                                  for g in grads]
     live = [i for i, n in enumerate(norms) if n is None]
     for (device, _), (group, where) in group_by_device_and_dtype([grads[i] for i in live]).items():
         idx = [live[j] for j in where]
@@ -181,9 +184,11 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
             out = foreach_norm(group, norm_type, acc)
         else:
             out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
-        if len(idx) == len(grads):  # one device and dtype, none empty (the usual case): one stack, no per-norm copies
+        # one device and dtype, none empty (the usual case): one stack, no per-norm copies
+        if len(idx) == len(grads):
             stacked = torch.stack(out)
-            return reduce_sharded_norms_(stacked if stacked.dtype == out_dtype else stacked.to(out_dtype), sharded, norm_type)
+            return reduce_sharded_norms_(stacked if stacked.dtype == out_dtype else stacked.to(out_dtype),
+                                         sharded, norm_type)
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=out_dtype)
     return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
@@ -195,7 +200,8 @@ SPLIT_NUMEL = 1 << 22
 # cores, so a Python thread handed half the norms waits for them: split, 50 x 1M norms after a
 # multiply are no faster. Where they sleep (read once: libgomp reads the same variables when
 # torch loads it) the split pays (benchmarks/bench_step.py (a) with OMP_WAIT_POLICY=passive).
-OMP_THREADS_SLEEP = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive" or os.environ.get("GOMP_SPINCOUNT") == "0"
+OMP_THREADS_SLEEP = (os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
+                     or os.environ.get("GOMP_SPINCOUNT") == "0")
 
 
 @functools.cache
@@ -209,7 +215,8 @@ def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | N
     torch's CPU norm reduces each tensor on one thread: 50 x 1M fp32 take as long at one
     thread as at two. ATen releases the GIL, so with OpenMP's idle threads asleep
     (``OMP_WAIT_POLICY=passive``, see ``OMP_THREADS_SLEEP``) contiguous slices of the list
-    (>= 4M elements each) go to ``torch.get_num_threads()`` Python threads and run side by side. Each norm comes from the same kernel on the same
+    (>= 4M elements each) go to ``torch.get_num_threads()`` Python threads and run side by side. Each
+    norm comes from the same kernel on the same
     tensor, so the result is bitwise torch's; CUDA's fused kernel is called as is.
 
     >>> foreach_norm([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0)
@@ -251,7 +258,8 @@ def total_norm(norms: Tensor, norm_type: float) -> Tensor:
     return torch.linalg.vector_norm(norms, norm_type)
 
 
-NONFINITE = "The total norm of order {p} for gradients from `parameters` is non-finite, so it cannot be clipped."
+NONFINITE = ("The total norm of order {p} for gradients from `parameters` is non-finite, "
+             "so it cannot be clipped.")
 
 
 @torch.no_grad()
@@ -276,15 +284,17 @@ def get_total_norm(
     norm = total_norm(per_tensor_norms(tensors, p, foreach), p)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
-            NONFINITE.format(p=p) + " To disable this error pass error_if_nonfinite=False (labkit then leaves "
-            "the gradients unchanged, where torch would scale them by the non-finite norm)."
+            NONFINITE.format(p=p) + " To disable this error pass error_if_nonfinite=False "
+            "(labkit then leaves the gradients unchanged, where torch would scale them by the "
+            "non-finite norm)."
         )
     return norm
 
 
 @torch.no_grad()
 def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | None = None) -> Tensor:
-    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim tensor (float32 for fp16/bf16/fp32 grads).
+    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim tensor (float32 for fp16/bf16/fp32
+    grads).
 
     Parameters without a gradient are skipped; none at all gives ``tensor(0.)``. A NaN or
     inf gradient gives a non-finite norm. Reads only, and never syncs with the device.
@@ -303,8 +313,8 @@ def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | No
     if not grads and any(not t.requires_grad for _, t in parameters):
         raise ValueError(
             "grad_norm reads the .grad of parameters, but none of these tensors has a .grad and some do not "
-            "require grad: they look like the gradients themselves. Pass the parameters (model.parameters()), "
-            "or call labkit.get_total_norm(tensors) for the norm of plain tensors."
+            "require grad: they look like the gradients themselves. Pass the parameters "
+            "(model.parameters()), or call labkit.get_total_norm(tensors) for the norm of plain tensors."
         )
     return total_norm(per_tensor_norms(grads, p, foreach), p)
 
@@ -347,7 +357,8 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
 
 
 def round_to(x: float, dtype: torch.dtype) -> float:
-    """Return the Python float ``x`` rounded to ``dtype`` (float32 or float64), as a tensor of it would hold it.
+    """Return the Python float ``x`` rounded to ``dtype`` (float32 or float64), as a tensor of it would
+    hold it.
 
     One IEEE operation on two float32 numbers done in float64 and rounded once to float32 is
     the float32 operation's own result (53 >= 2 * 24 + 2 bits): ``TrainStep`` sums its
@@ -382,7 +393,8 @@ def clip_grads_with_norm_(
         if isinstance(total_norm, bool) or not isinstance(total_norm, (int, float)):
             raise TypeError(f"total_norm must be a tensor or a number, got {type(total_norm).__name__}.")
         if total_norm < 0:  # a tensor is not asked (a sync): a negative one leaves the gradients alone
-            raise ValueError(f"total_norm must be >= 0 (a norm), got {total_norm!r}; pass what labkit.grad_norm returned.")
+            raise ValueError(f"total_norm must be >= 0 (a norm), got {total_norm!r}; "
+                             "pass what labkit.grad_norm returned.")
         total_norm = torch.tensor(float(total_norm))
     grads, _ = named_grads(parameters)
     if not grads:
@@ -401,7 +413,8 @@ def scale_grads_(grads: list[Tensor], factor: Tensor, foreach: bool | None = Non
     if not grads:
         return
     device = grads[0].device
-    if foreach is not False and device.type in ("cpu", "cuda") and all(type(g) is Tensor and g.device == device for g in grads):
+    if foreach is not False and device.type in ("cpu", "cuda") and all(
+            type(g) is Tensor and g.device == device for g in grads):
         # the usual case (no DTensor, one device): no grouping
         torch._foreach_mul_(grads, factor.to(device))
         return
@@ -457,7 +470,8 @@ def clip_grad_norm_(
     norm = total_norm(per_tensor_norms(grads, p, foreach), p)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         culprit = first_nonfinite(grads, names)
-        where = f"parameter {culprit}" if culprit is not None else "the sum of the gradients (it overflowed float32)"
+        where = (f"parameter {culprit}" if culprit is not None
+                 else "the sum of the gradients (it overflowed float32)")
         if culprit is None and is_distributed():  # asked about the local shards only: no collective
             where += ", or a shard on another rank,"
         raise RuntimeError(
