@@ -78,8 +78,8 @@ class AdaGC(Clipper):
         check_int("warmup", warmup, 1, hint="(gamma starts from the warm-up norms)")
         if feed not in FEEDS:
             raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}.")
-        self.beta, self.lambda_rel, self.lambda_abs = beta, lambda_rel, lambda_abs
-        self.warmup, self.eps = warmup, eps
+        self.beta, self.lambda_rel, self.lambda_abs, self.warmup, self.eps = (
+            beta, lambda_rel, lambda_abs, warmup, eps)
         self.feed, self.max_consecutive_clips = feed, check_max_consecutive_clips(max_consecutive_clips)
         self.state: dict[str, Tensor] = {}
         self._warned = 0
