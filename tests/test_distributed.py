@@ -276,8 +276,8 @@ def monitor_run(model, rank=None):
 
     task = ToyTask()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
-    step = TrainStep(model, opt, task.loss_fn, max_norm=None, skip_alarm=None, clip_alarm=None,
-                     hooks=[UpdateMonitor(threshold=None)])
+    step = TrainStep(model, opt, task.loss_fn, max_norm=None,
+                     hooks=[labkit.SkipAlarm(None), labkit.ClipAlarm(None), UpdateMonitor(threshold=None)])
     return [{k: v for k, v in step(*batch).to_dict().items() if "update" in k}
             for batch in (task.batch(i) if rank is None else shard(task.batch(i), rank)
                           for i in range(MONITOR_STEPS))]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.alarms import ClipAlarm, SkipAlarm
 from labkit.records import StepRecord
 from labkit.step import TrainStep
 from labkit.update_monitor import UpdateMonitor
@@ -46,8 +47,8 @@ def _run(seed: int, kind: str, event: int, steps: int, lr: float = 0.05) -> tupl
         with torch.no_grad():
             model[0].weight[:, 5] = 0.0  # the feature that switches on: its weights start at 0
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-        train = TrainStep(model, optimizer, nn.functional.mse_loss, max_norm=None, skip_alarm=None,
-                          clip_alarm=None, hooks=[UpdateMonitor(threshold=None)])
+        train = TrainStep(model, optimizer, nn.functional.mse_loss, max_norm=None,
+                          hooks=[SkipAlarm(None), ClipAlarm(None), UpdateMonitor(threshold=None)])
         x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)
         feature = x[:, 5] * FEATURE
         records = []
