@@ -399,9 +399,8 @@ def test_ps4s_oracle_is_trapped_however_it_is_reached():
 
     for fn in (read_update_rms, through_the_monitor):  # a reference taken before the first ban reaches the
         message = fails(checks.check_update_rms, fn, hidden=False)  # function it calls, update_rms, itself
-        assert re.search(r"called labkit\.optim\.((read_)?update_rms|_update_rms_together): this part asks you "
-                         r"to compute the RMS "
-                         r"yourself", message), message
+        assert re.search(r"called labkit\.optim\.((read_)?update_rms|_update_rms_together): "
+                         r"this part asks you to compute the RMS yourself", message), message
 
     def clipped_by_labkit(params, grads, exp_avgs, exp_avg_sqs, step, lr, betas, eps, weight_decay):
         ps = [torch.nn.Parameter(p.clone()) for p in params]
