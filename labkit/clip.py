@@ -293,8 +293,9 @@ def get_total_norm(
 
 @torch.no_grad()
 def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | None = None) -> Tensor:
-    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim tensor (float32 for fp16/bf16/fp32
-    grads).
+    """Return the norm of all ``.grad`` viewed as one vector, as a 0-dim tensor.
+
+    The norm is float32 for fp16/bf16/fp32 gradients.
 
     Parameters without a gradient are skipped; none at all gives ``tensor(0.)``. A NaN or
     inf gradient gives a non-finite norm. Reads only, and never syncs with the device.
