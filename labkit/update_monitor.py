@@ -5,7 +5,7 @@ Wortsman et al. 2023b (arXiv 2304.13013, §3.4) find loss spikes 1-8 steps after
 average* gives a large step however small its norm (``labkit.optim``). ``UpdateMonitor`` records
 that signal per parameter tensor, which tensor peaked, and the RMS of the update the optimizer
 applied (divided by the learning rate), and warns once per episode when the peak passes a
-threshold (3 by default: the probe, /work/shared/research/optimizer-spikes-probe.md, saw
+threshold (3 by default: a probe of the memorisation regime lesson 08 runs saw
 RMS > 3 precede 67-85 % of loss-spike onsets against a 2-5 % base rate, AdamW beta2 0.99).
 
 **The record is one step late.** ``RMS_t`` needs ``v_t``, which the optimizer writes in its
