@@ -487,7 +487,11 @@ class GradScaler:
         else:
             grad_scale = scale if user is None else scale * user
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = opt_state["found_inf"]  # type: ignore[attr-defined]
+        # a step known on the host to go ahead needs no flag: torch's fused Adam(W) then spares the kernel's
+        # check and the step counters' second pass (a _foreach_sub_ of found_inf). A known skip still goes
+        # to the kernel, which creates the optimizer's state on a first step as torch's scaler leaves it
+        go = opt_state.get("host") is False
+        optimizer.found_inf = None if go else opt_state["found_inf"]  # type: ignore[attr-defined]
         try:
             optimizer.step(*args, **kwargs)
         finally:

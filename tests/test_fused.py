@@ -167,6 +167,31 @@ def test_fused_adamw_skips_without_touching_state(task):
         assert train.optimizer.state[p]["step"].item() == sum(not r.skipped for r in records)
 
 
+def test_a_step_read_to_go_ahead_hands_the_kernel_no_flag(task):
+    """A decision read on the host: a step that goes ahead passes found_inf=None (the kernel's check and the
+    step counters' undo pass are spared); a skipped one still hands the kernel its flag, as torch's scaler."""
+    seen = []
+
+    class Seen(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.append(getattr(self, "found_inf", "unset"))
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    model = task.model()
+    train = labkit.TrainStep(model, Seen(model.parameters(), lr=1e-3, fused=True), task.loss_fn,
+                             precision="fp16", scaler=labkit.GradScaler("cpu", init_scale=2.0**18))
+    records = [train(*task.batch(i)) for i in range(8)]  # overflows, backs off to a scale fp16 holds
+    assert records[0].skipped and not records[-1].skipped
+    for r, flag in zip(records, seen):
+        if r.skipped:
+            assert flag is not None and flag.item() == 1.0
+        else:
+            assert flag is None
+    for p in model.parameters():  # the skipped first step left torch's state: the counters say so
+        assert train.optimizer.state[p]["step"].item() == sum(not r.skipped for r in records)
+
+
 # ---------------------------------------------------------------- host syncs per step
 
 
