@@ -13,10 +13,11 @@ import csv
 import json
 import math
 
+import pytest
 import torch
 
 from labkit.clippers import AdaGC, ZClip
-from labkit.records import RewindEvent, StepRecord
+from labkit.records import Field, RewindEvent, StepRecord, declare, declared, put
 from labkit.spikes import format_z
 from labkit.steplog import StepLog
 
@@ -98,3 +99,101 @@ def test_a_resumed_clipper_does_not_report_the_lockins_before_its_checkpoint():
         resumed.load_state_dict(clipper.state_dict())
         assert resumed.releases() == clipper.releases()
         assert resumed.lockin() is False  # reported before the checkpoint; nothing fired since
+
+
+# ---------------------------------------------------------------- records: declare, to_dict, ==, repr
+
+
+def test_a_field_declared_at_run_time_is_listed_read_as_its_default_and_set_by_put():
+    """declare registers a field: declared() lists it, a record reads its default, put sets it."""
+    declare("MrecTest", {"mrec_hits": Field(7), "mrec_layers": Field({}, per_layer=True)})
+    assert declared()["mrec_hits"] == Field(7) and declared()["mrec_layers"] == Field({}, per_layer=True)
+    r = StepRecord(0, 1.0)
+    assert (r.mrec_hits, r.mrec_layers) == (7, {})
+    put(r.fields, "mrec_layers/h.0", 2.5)
+    put(r.fields, "mrec_hits", 8)
+    assert (r.mrec_hits, r.mrec_layers) == (8, {"h.0": 2.5})
+    declare("MrecTest", {"mrec_hits": Field(7)})  # the same again is harmless; another default is refused
+    with pytest.raises(ValueError, match="MrecTest declares otherwise"):
+        declare("Other", {"mrec_hits": Field(0)})
+
+
+@pytest.mark.parametrize("name", ["mrec-dash", "2mrec", "mrec dot", "mrec/x"])
+def test_a_field_name_is_a_python_name(name):
+    """declare refuses a name that is no Python identifier: a record reads its fields as attributes."""
+    with pytest.raises(ValueError, match="a field is a Python name"):
+        declare("MrecTest", {name: Field(0)})
+    assert name not in declared()
+
+
+def test_to_dict_is_a_copy_changing_it_leaves_the_record_as_built():
+    """to_dict returns a copy at every depth: the record's lists and per-layer dicts are not shared."""
+    r = StepRecord(0, 1.0, lrs=[0.1], stale={"h.0": 0.5}, top_grads=[("w", 1.0)])
+    d = r.to_dict()
+    d["lrs"].append(9.0)
+    d["stale"]["h.0"] = 9.0
+    d["top_grads"].clear()
+    assert r.lrs == [0.1] and r.stale == {"h.0": 0.5} and r.top_grads == [("w", 1.0)]
+
+
+def test_records_are_equal_when_their_core_and_fields_are():
+    """== compares the core and the fields; a JSON round trip is equal; a non-record is unequal."""
+    a = StepRecord(3, 0.5, grad_norm=2.0, lrs=[0.1], z_loss=1.0)
+    assert a == StepRecord(3, 0.5, grad_norm=2.0, lrs=[0.1], z_loss=1.0)
+    assert a == StepRecord.from_dict(json.loads(a.to_json()))
+    assert a != StepRecord(3, 0.5, grad_norm=2.0, lrs=[0.1], z_loss=1.5)
+    assert a != StepRecord(3, 0.5, grad_norm=2.5, lrs=[0.1], z_loss=1.0)
+    assert a != StepRecord(3, 0.5, grad_norm=2.0, lrs=[0.1])
+    assert (a == "a record") is False and a != 3
+
+
+def test_a_records_repr_names_every_core_number_and_builds_the_same_record():
+    """repr(record) is the constructor call: evaluated, it gives an equal record."""
+    r = StepRecord(2, 0.5, grad_norm=3.0, clip_coef=0.25, clipped=True, scale=8.0, next_scale=16.0,
+                   skipped=False, reason="r", lr=0.1, lrs=[0.1, 0.2], z_loss=1.5)
+    text = repr(r)
+    assert text.startswith("StepRecord(step=2, loss=0.5, grad_norm=3.0, clip_coef=0.25, clipped=True, ")
+    assert eval(text, {"StepRecord": StepRecord}) == r
+
+
+# ---------------------------------------------------------------- steplog: state, flush, column, to_jsonl
+
+
+def test_a_summary_state_is_a_snapshot_later_steps_do_not_change_it():
+    """state_dict is the totals at that step: skips appended after it do not leak into a checkpoint."""
+    log = StepLog([StepRecord(0, 1.0), StepRecord(1, math.nan, skipped=True, reason="nonfinite_loss")])
+    state = log.state_dict()
+    for i in range(2, 5):
+        log.append(StepRecord(i, math.nan, skipped=True, reason="nonfinite_loss"))
+    assert state["reasons"] == {"nonfinite_loss": 1} and state["steps"] == 2
+    resumed = StepLog()
+    resumed.load_state_dict(state)
+    assert resumed.summary()["skips_by_reason"]["nonfinite_loss"] == 1 and resumed.summary()["steps"] == 2
+
+
+def test_flush_of_a_log_without_a_file_does_nothing():
+    """flush writes a file's pending lines; a log with no file has none, and flush is a no-op."""
+    log = StepLog([StepRecord(0, 1.0)])
+    log.flush()
+    assert len(log) == 1
+
+
+def test_a_column_of_a_field_nobody_declared_reads_none_where_a_record_lacks_it():
+    """column of an undeclared field (a newer labkit's) gives its values, None where a record has none."""
+    a, b = StepRecord(0, 1.0, mrec_from_the_future=3), StepRecord(1, 2.0)
+    log = StepLog([a, b, StepRecord(2, 3.0, mrec_from_the_future=5)])
+    assert "mrec_from_the_future" not in declared()
+    assert log.column("mrec_from_the_future") == [3, None, 5]
+    assert log.column("loss") == [1.0, 2.0, 3.0] and log.column("step") == [0, 1, 2]
+
+
+def test_to_jsonl_writes_every_event_after_the_last_record(tmp_path):
+    """Events appended after the last record are all written, in order, and read back."""
+    log = StepLog(records(3))
+    events = [RewindEvent(step=2, to=1, reason="spike_grad"), RewindEvent(step=2, to=0, reason="spike_loss"),
+              RewindEvent(step=2, to=2)]
+    for e in events:
+        log.append_event(e)
+    log.to_jsonl(tmp_path / "log.jsonl")
+    back = StepLog.read_jsonl(tmp_path / "log.jsonl")
+    assert back.rewinds == events and back.events == log.events
