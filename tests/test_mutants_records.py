@@ -10,13 +10,21 @@ state that does not report its old lock-in releases again.
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import math
+import os
+import shutil
+import sys
+import warnings
 
 import pytest
 import torch
 
+from labkit import LogWriteError
+from labkit.alarms import LabkitWarning
 from labkit.clippers import AdaGC, ZClip
+from labkit.logfile import MAX_LINE, JsonlFile
 from labkit.records import Field, RewindEvent, StepRecord, declare, declared, put
 from labkit.spikes import format_z
 from labkit.steplog import StepLog
@@ -197,3 +205,140 @@ def test_to_jsonl_writes_every_event_after_the_last_record(tmp_path):
     log.to_jsonl(tmp_path / "log.jsonl")
     back = StepLog.read_jsonl(tmp_path / "log.jsonl")
     assert back.rewinds == events and back.events == log.events
+
+
+# ---------------------------------------------------------------- the log file: marks, resumes, stdout
+
+
+def steps_in(path):
+    return [json.loads(line)["step"] for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def test_a_checkpoint_marks_only_a_file_with_lines_and_counts_the_lines_still_pending(tmp_path, monkeypatch):
+    """state_dict's 'stream': none for a stream or a file with no line yet; after a failed write, the size the
+    file has once its pending lines are written (a resume from it cuts nothing)."""
+    null = StepLog(stream=os.devnull)
+    null.append(StepRecord(0, 1.0))
+    assert "stream" not in null.state_dict()
+    path = tmp_path / "log.jsonl"
+    log = StepLog(stream=path)
+    assert "stream" not in log.state_dict()
+    log.append(StepRecord(0, 1.0))
+    real = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    for i in (1, 2):
+        with pytest.raises(LogWriteError):
+            log.append(StepRecord(i, 1.0))
+    state = log.state_dict()
+    monkeypatch.setattr(os, "write", real)
+    log.close()
+    assert steps_in(path) == [0, 1, 2] and state["stream"]["size"] == os.path.getsize(path)
+    resumed = StepLog(stream=path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(state)
+        resumed.append(StepRecord(3, 1.0))
+    resumed.close()
+    assert steps_in(path) == [0, 1, 2, 3]
+
+
+def test_a_file_this_run_has_written_is_never_cut_by_a_resume(tmp_path):
+    """JsonlFile.resume continues only a file this run has not written to: a late resume cuts nothing."""
+    path = str(tmp_path / "log.jsonl")
+    f = JsonlFile(path)
+    f.write(StepRecord(0, 1.0))
+    mark = f.mark()
+    f.write(StepRecord(1, 1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f.resume(mark)
+    f.write(StepRecord(2, 1.0))
+    f.close()
+    assert steps_in(path) == [0, 1, 2]
+
+
+def test_a_closed_log_resumes_nothing(tmp_path):
+    """load_state_dict on a log whose file is closed carries the summary and leaves the file as it is."""
+    path = tmp_path / "log.jsonl"
+    log = StepLog(stream=path)
+    log.append(StepRecord(0, 1.0))
+    state = log.state_dict()
+    log.append(StepRecord(1, 1.0))
+    log.close()
+    again = StepLog(stream=path)
+    again.close()
+    again.load_state_dict(state)
+    assert steps_in(path) == [0, 1] and again.summary()["steps"] == 1
+
+
+def test_a_log_whose_path_names_another_file_now_is_not_continued_through_the_old_one(tmp_path):
+    """A resume checks that the path still names the file it opened: replaced (same bytes), it is another
+    run's file, moved aside at the first record, which goes to the path."""
+    path = tmp_path / "log.jsonl"
+    log = StepLog(stream=path)
+    for i in range(2):
+        log.append(StepRecord(i, 1.0))
+    state = log.state_dict()
+    log.close()
+    again = StepLog(stream=path)
+    shutil.copyfile(path, tmp_path / "copy")
+    os.replace(tmp_path / "copy", path)
+    with pytest.warns(LabkitWarning, match="not the checkpoint's last record"):
+        again.load_state_dict(state)
+    with pytest.warns(LabkitWarning, match="holds the records of another run"):
+        again.append(StepRecord(2, 1.0))
+    again.close()
+    assert steps_in(path) == [2] and steps_in(f"{path}.1") == [0, 1]
+
+
+def test_a_checkpoints_last_line_up_to_max_line_resumes_and_a_longer_one_is_no_record(tmp_path):
+    """MAX_LINE bounds what a resume reads: a last line of exactly MAX_LINE bytes (after another line) is
+    read and resumed; one byte more is no record: the file is left as another run's."""
+    def big(step, n):  # a record whose line, newline included, is n bytes
+        return StepRecord(step, 1.0, pad="x" * (n - len(StepRecord(step, 1.0, pad="").to_json()) - 1))
+
+    for n, resumes in ((MAX_LINE, True), (MAX_LINE + 1, False)):
+        path = tmp_path / f"log{n}.jsonl"
+        log = StepLog(stream=path)
+        log.append(StepRecord(0, 1.0))
+        log.append(big(1, n))
+        state = log.state_dict()
+        log.append(StepRecord(2, 1.0))
+        log.close()
+        tail = len(StepRecord(2, 1.0).to_json()) + 1
+        assert os.path.getsize(path) == state["stream"]["size"] + tail
+        with pytest.warns(LabkitWarning, match="cut 1 records" if resumes else "not the checkpoint's last"):
+            StepLog(stream=path).load_state_dict(state)
+        assert os.path.getsize(path) - state["stream"]["size"] == (0 if resumes else tail)
+
+
+class BadStdout:
+    def __init__(self, error):
+        self.error = error
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("replaced", [object(), "closed", BadStdout(BrokenPipeError(errno.EPIPE, "pipe"))],
+                         ids=["no-flush", "closed", "flush-fails"])
+def test_a_log_to_stdout_writes_its_lines_whatever_sys_stdout_was_replaced_by(replaced, monkeypatch, capfd):
+    """Before a line to stdout labkit flushes print()'s buffer; a sys.stdout without flush, closed, or whose
+    flush fails, has nothing to order against: the records are still written."""
+    if replaced == "closed":
+        replaced = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (closed at once)
+        replaced.close()
+    log = StepLog(stream="/dev/stdout")
+    monkeypatch.setattr(sys, "stdout", replaced)
+    for i in range(2):
+        log.append(StepRecord(i, 1.0))
+    log.close()
+    monkeypatch.undo()
+    assert capfd.readouterr().out.splitlines() == [StepRecord(i, 1.0).to_json() for i in range(2)]
