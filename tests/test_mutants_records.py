@@ -23,7 +23,7 @@ import torch
 
 from labkit import LogWriteError
 from labkit.alarms import LabkitWarning
-from labkit.clippers import AdaGC, ZClip
+from labkit.clippers import AGC, AdaGC, AutoClip, NormClip, ValueClip, ZClip
 from labkit.logfile import MAX_LINE, JsonlFile
 from labkit.records import Field, RewindEvent, StepRecord, declare, declared, put
 from labkit.spikes import format_z
@@ -342,3 +342,89 @@ def test_a_log_to_stdout_writes_its_lines_whatever_sys_stdout_was_replaced_by(re
     log.close()
     monkeypatch.undo()
     assert capfd.readouterr().out.splitlines() == [StepRecord(i, 1.0).to_json() for i in range(2)]
+
+
+# ---------------------------------------------------------------- clippers: repr, releases, resume, stages
+
+
+@pytest.mark.parametrize("clip, text", [
+    (NormClip(1.0), "NormClip(max_norm=1)"),
+    (NormClip(0.5, norm_type=math.inf), "NormClip(max_norm=0.5, norm_type=inf)"),
+    (NormClip(2.0, norm_type=3.0), "NormClip(max_norm=2, norm_type=3)"),
+])
+def test_normclip_repr_is_its_constructor_call(clip, text):
+    """repr(NormClip) names max_norm, and norm_type unless it is 2: evaluated, the same clipper."""
+    assert repr(clip) == text
+    back = eval(text, {"NormClip": NormClip, "inf": math.inf})
+    assert (back.max_norm, back.norm_type) == (clip.max_norm, clip.norm_type)
+
+
+@pytest.mark.parametrize("make", [lambda: NormClip(0.1), lambda: ValueClip(0.1), lambda: AGC(0.01)],
+                         ids=["NormClip", "ValueClip", "AGC"])
+def test_a_clipper_without_a_lockin_guard_never_reports_a_release(make):
+    """releases() counts the lock-in guard's restarts: a clipper without one has 0, and check_lockin never
+    warns, however many steps in a row it clips."""
+    clip = make()
+    for _ in range(5):
+        w = torch.nn.Parameter(torch.ones(2))
+        w.grad = torch.full((2,), 100.0)
+        clip.clip_([w])
+        assert w.grad.abs().max() < 100.0  # clipped every step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert clip.releases() == 0 and clip.check_lockin() is False and clip.lockin() is False
+
+
+def feed(clip, series):
+    out = []
+    for g in series:
+        w = torch.zeros(2, requires_grad=True)
+        w.grad = torch.tensor([g, 0.5 * g])
+        clip.clip_([w])
+        out.append(w.grad.clone())
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: ZClip(warmup=3), lambda: AutoClip(history=8)],
+                         ids=["ZClip", "AutoClip"])
+def test_a_state_saved_in_another_dtype_resumes_in_the_clippers_own(make):
+    """load_state_dict casts each tensor to the clipper's own dtype (a checkpoint cast to float64 or int32
+    on the way): the resumed run clips bit for bit as the uninterrupted one."""
+    series = [1.0, 1.3, 0.8, 1.1, 6.0, 1.2, 0.9, 9.0, 1.0, 1.4]
+    whole = make()
+    expected = feed(whole, series)
+    first = make()
+    feed(first, series[:5])
+    state = {k: v.double() if v.is_floating_point() else v.int() for k, v in first.state_dict().items()}
+    resumed = make()
+    resumed.load_state_dict(state)
+    dtypes = {k: v.dtype for k, v in make().state_dict().items()}
+    assert {k: v.dtype for k, v in resumed.state_dict().items()} == dtypes
+    got = feed(resumed, series[5:])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected[5:]))
+
+
+class CappedZClip(ZClip):
+    """ZClip with a per-tensor cap on top: a GlobalClipper subclass with its own clip_unscaled_."""
+
+    seen: list
+
+    def clip_unscaled_(self, params, norms, norm):
+        self.seen = [norms, norm]
+        for p, n in zip(params, norms):
+            p.grad.mul_(torch.clamp(2.0 / (n + 1e-6), max=1.0))
+        return None
+
+
+def test_a_global_clippers_own_per_tensor_stage_gets_the_per_tensor_norms_and_the_float32_norm():
+    """GlobalClipper.clip_with_norms_ runs Clipper's stages with the per-tensor norms and the global norm as
+    float32 (the clippers' state dtype), whatever the gradients' dtype."""
+    a = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    a.grad, b.grad = torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
+    clip = CappedZClip(warmup=5)
+    norm = clip.clip_([a, b])
+    norms, seen = clip.seen
+    assert norms.tolist() == [5.0, 1.0]
+    assert seen.dtype == torch.float32 and seen.item() == pytest.approx(norm.item())
+    assert torch.allclose(a.grad, torch.tensor([1.2, 1.6], dtype=torch.float64))  # cut to 2 by its own stage
