@@ -24,6 +24,7 @@ import torch
 from labkit import LogWriteError
 from labkit.alarms import LabkitWarning
 from labkit.clippers import AGC, AdaGC, AutoClip, NormClip, ValueClip, ZClip
+from labkit.clippers.agc import unitwise_norm
 from labkit.logfile import MAX_LINE, JsonlFile
 from labkit.records import Field, RewindEvent, StepRecord, declare, declared, put
 from labkit.spikes import format_z
@@ -428,3 +429,17 @@ def test_a_global_clippers_own_per_tensor_stage_gets_the_per_tensor_norms_and_th
     assert norms.tolist() == [5.0, 1.0]
     assert seen.dtype == torch.float32 and seen.item() == pytest.approx(norm.item())
     assert torch.allclose(a.grad, torch.tensor([1.2, 1.6], dtype=torch.float64))  # cut to 2 by its own stage
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 3), (2, 3, 4), (3, 2, 2, 2)])
+def test_unitwise_norm_is_the_whole_norm_up_to_one_dim_and_each_rows_norm_beyond(shape):
+    """NFNets' unit-wise norm (timm's unitwise_norm): a scalar or a vector is one unit; a matrix or a conv
+    weight has one unit per output row/filter, its norm kept broadcastable against the tensor (keepdim)."""
+    x = torch.arange(1.0, 1.0 + math.prod(shape)).reshape(shape)
+    got = unitwise_norm(x)
+    if len(shape) <= 1:
+        expected = torch.tensor(math.sqrt(sum(v * v for v in x.flatten().tolist())))
+    else:
+        rows = [math.sqrt(sum(v * v for v in row.flatten().tolist())) for row in x]
+        expected = torch.tensor(rows).reshape(shape[0], *[1] * (len(shape) - 1))
+    assert got.shape == expected.shape and torch.allclose(got, expected)
