@@ -91,16 +91,18 @@ class JsonlFile:
 
     def write(self, item: Any) -> None:
         """Append ``item.to_json()`` as a line; raise ``LogWriteError`` if it cannot (kept, retried)."""
-        if self._others and not self._pending:
-            self._move_aside()
         self._last = (item.to_json() + "\n").encode("utf-8")
         self._pending.append(self._last)
+        if self._others:  # another run's file: moved aside before our first line (again if that failed)
+            self._move_aside(stacklevel=6)
         self.flush()
 
     def flush(self) -> None:
         """Write the lines a failed write left behind; raise ``LogWriteError`` if it fails again."""
         if self._fd is None or not self._pending:
             return
+        if self._others:
+            self._move_aside(stacklevel=4)
         data, written = b"".join(self._pending)[self._sent:], 0
         try:
             # a failed write may leave part of a line in a file: cut back to the last whole one first
@@ -178,22 +180,35 @@ class JsonlFile:
         warnings.warn(f"{self.path}: cut {what} written after the checkpoint; the resumed run redoes those "
                       "steps.", LabkitWarning, stacklevel=4)
 
-    def _move_aside(self) -> None:
-        """Move another run's file to the first free ``<path>.N``; start ``path`` empty for this run."""
+    def _move_aside(self, stacklevel: int) -> None:
+        """Move another run's file to the first free ``<path>.N``; start ``path`` empty for this run.
+
+        If it cannot be moved, nothing changes: ``LogWriteError``, and the next line tries again.
+        """
         assert self._fd is not None
         aside = _free_name(self.path)
         with open(self._where, "rb") as f:
             first = _step_of(f.readline(MAX_LINE))
             last = _step_of(_last_line(f))
+        try:
+            os.rename(self._where, aside)  # before closing: if it fails, the file is open and ours as it was
+        except OSError as e:
+            first_ours, last_ours = _step_of(self._pending[0]), _step_of(self._pending[-1])
+            raise LogWriteError(
+                e.errno,
+                f"could not move {self.path!r}, another run's log (steps {first}-{last}), aside to {aside!r} "
+                f"({e.strerror}): steps {first_ours}-{last_ours} are not in the file yet. They are kept in "
+                "memory (the log) and written, in order, at the next step or log.flush() once it can be "
+                "moved; or save them with log.to_jsonl(other_path).",
+            ) from e
         os.close(self._fd)
         self._fd = None
-        os.rename(self._where, aside)
         self._fd, self.kind = _open_stream(self.path)
         self._good_size, self._others = 0, False
         warnings.warn(f"{self.path} holds the records of another run (steps {first}-{last}): moved it to "
                       f"{aside!r}, and this run's records start {self.path!r} afresh (one log per run; to "
                       "continue a run's log, resume it: load_state_dict with the state saved while writing "
-                      "it).", LabkitWarning, stacklevel=6)
+                      "it).", LabkitWarning, stacklevel=stacklevel)
 
 
 def _free_name(path: str) -> str:

@@ -443,3 +443,29 @@ def test_unitwise_norm_is_the_whole_norm_up_to_one_dim_and_each_rows_norm_beyond
         rows = [math.sqrt(sum(v * v for v in row.flatten().tolist())) for row in x]
         expected = torch.tensor(rows).reshape(shape[0], *[1] * (len(shape) - 1))
     assert got.shape == expected.shape and torch.allclose(got, expected)
+
+
+def test_a_log_that_cannot_move_another_runs_file_aside_keeps_its_records(tmp_path, monkeypatch):
+    """(A bug this found: the next record raised a bare AssertionError.) Another run's file that cannot be
+    moved aside is a LogWriteError that changes nothing; once it can be, every record is written, in order."""
+    path = tmp_path / "log.jsonl"
+    old = StepLog(stream=path)
+    old.append(StepRecord(0, 1.0))
+    old.close()
+    log = StepLog(stream=path)
+    real = os.rename
+
+    def refused(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "rename", refused)
+    for i in (5, 6):
+        with pytest.raises(LogWriteError, match=r"could not move .*another run's log \(steps 0-0\), aside"):
+            log.append(StepRecord(i, 1.0))
+    assert steps_in(path) == [0] and [r.step for r in log] == [5, 6]
+    monkeypatch.setattr(os, "rename", real)
+    with pytest.warns(LabkitWarning, match="holds the records of another run"):
+        log.flush()
+    log.append(StepRecord(7, 1.0))
+    log.close()
+    assert steps_in(path) == [5, 6, 7] and steps_in(f"{path}.1") == [0]
