@@ -109,3 +109,171 @@ def test_inf_check_takes_a_device_tensor(found):
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == (512.0 if found else 2048.0)
+
+
+# ---------------------------------------------------------------- the scaler's setters, repr and fused path
+
+
+def two_scalers(**kwargs):
+    return torch.amp.GradScaler("cpu", **kwargs), GradScaler("cpu", **kwargs)
+
+
+def scaled_step(scaler, opt, w, grad):
+    """One iteration on one parameter whose scaled gradient is ``grad`` (inf: an overflow)."""
+    scaler.scale(w.sum())
+    w.grad = torch.tensor(grad, dtype=torch.float32)
+    stepped = scaler.step(opt)
+    scaler.update()
+    return stepped
+
+
+def test_set_growth_and_backoff_factor_move_the_scale_as_torchs_setters_do():
+    """set_growth_factor/set_backoff_factor take effect at the next update(), as torch's, bit for bit."""
+    pattern = [1.0, math.inf, 1.0, 1.0, math.inf, 1.0]
+    scales = []
+    for scaler in two_scalers(init_scale=1024.0, growth_interval=1):
+        scaler.set_growth_factor(3.0)
+        scaler.set_backoff_factor(0.125)
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=1.0)
+        got = []
+        for g in pattern:
+            scaled_step(scaler, opt, w, [g, g])
+            got.append(scaler.get_scale())
+        scales.append(got)
+        assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (3.0, 0.125)
+        assert scaler.state_dict()["growth_factor"] == 3.0 and scaler.state_dict()["backoff_factor"] == 0.125
+    assert scales[0] == scales[1] == [3072.0, 384.0, 1152.0, 3456.0, 432.0, 1296.0]
+
+
+def test_repr_says_whether_the_scaler_is_enabled():
+    """A disabled scaler says so; an enabled one shows its scale and rule."""
+    assert repr(GradScaler("cpu", enabled=False)) == "GradScaler(enabled=False)"
+    enabled = repr(GradScaler("cpu", init_scale=8.0))
+    assert enabled.startswith("GradScaler(scale=8, ScalerConfig(growth_factor=2.0")
+
+
+def fused_pair(seed=0):
+    """Two identical one-parameter fused AdamW setups (torch's scaler, labkit's)."""
+    torch.manual_seed(seed)
+    w0 = torch.randn(3, dtype=torch.float32)  # float32 parameters whatever the default dtype
+    out = []
+    for scaler in two_scalers(init_scale=4.0, growth_interval=1):
+        w = w0.clone().requires_grad_(True)
+        opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+        out.append((scaler, opt, w))
+    return out
+
+
+def fused_iteration(scaler, opt, w, grad, **step_kwargs):
+    scaler.scale(w.sum())
+    w.grad = torch.tensor(grad, dtype=torch.float32)
+    scaler.step(opt, **step_kwargs)
+    scaler.update()
+
+
+def assert_same_adam(a, b):
+    (_, opt_a, w_a), (_, opt_b, w_b) = a, b
+    assert torch.equal(w_a, w_b), (w_a, w_b)
+    sa, sb = opt_a.state[w_a], opt_b.state[w_b]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), (k, sa[k], sb[k])
+
+
+@pytest.mark.parametrize("grads", [[[1.0, -2.0, 0.5]], [[math.inf, 1.0, 1.0]],
+                                   [[1.0, 2.0, 3.0], [math.nan, 0.0, 1.0], [4.0, -1.0, 2.0]]],
+                         ids=["clean", "inf-first", "nan-between"])
+def test_a_fused_adamw_step_is_torchs_bit_for_bit_and_skips_on_inf(grads):
+    """scaler.step(fused AdamW): the kernel unscales and skips on inf/NaN as under torch's scaler."""
+    ref, ours = fused_pair()
+    for g in grads:
+        for scaler, opt, w in (ref, ours):
+            fused_iteration(scaler, opt, w, g)
+        assert_same_adam(ref, ours)
+        assert ref[0].get_scale() == ours[0].get_scale()
+
+
+def test_a_fused_step_under_a_float64_default_dtype_is_torchs():
+    """found_inf and the unit scale are float32 whatever the default dtype: torch's kernels take no other."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, ours = fused_pair()
+        for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
+            for scaler, opt, w in (ref, ours):
+                fused_iteration(scaler, opt, w, g)
+            assert_same_adam(ref, ours)
+    finally:
+        torch.set_default_dtype(before)
+    assert ours[0].skip_count == 1
+
+
+def test_a_fused_step_with_an_lr_scheduler_is_torchs():
+    """An LR scheduler wraps optimizer.step in a plain function (no __func__): the fused path still works."""
+    ref, ours = fused_pair()
+    for scaler, opt, w in (ref, ours):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
+            fused_iteration(scaler, opt, w, g)
+            sched.step()
+    assert_same_adam(ref, ours)
+
+
+def test_a_user_grad_scale_after_unscale_reaches_the_fused_kernel_as_torchs():
+    """After unscale_ the kernel gets the optimizer's own grad_scale (a clip factor), not the loss scale."""
+    ref, ours = fused_pair()
+    for scaler, opt, w in (ref, ours):
+        scaler.scale(w.sum())
+        w.grad = torch.tensor([1.0, -2.0, 0.5])
+        scaler.unscale_(opt)
+        opt.grad_scale = torch.tensor(0.25)  # the kernel divides the gradients by it
+        scaler.step(opt)
+        scaler.update()
+        assert not hasattr(opt, "grad_scale")  # removed after the step, as torch does
+    assert_same_adam(ref, ours)
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_a_host_decision_drives_the_fused_kernel(found):
+    """inf_check_(opt, bool): a known skip leaves parameters and moments as torch's skip does; a go steps."""
+    ref, ours = fused_pair()
+    grad = [math.inf, 0.0, 0.0] if found else [1.0, -2.0, 0.5]
+    fused_iteration(*ref, grad)
+    scaler, opt, w = ours
+    scaler.scale(w.sum())
+    w.grad = torch.tensor([1.0, -2.0, 0.5])  # the decision, not the gradient, says skip
+    scaler.inf_check_(opt, found, unscaled=False)
+    assert scaler.step(opt) is not found
+    scaler.update()
+    if found:
+        assert_same_adam(ref, ours)
+    else:
+        assert_same_adam(ref, (scaler, opt, w))
+    assert scaler.get_scale() == ref[0].get_scale()
+
+
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket.__name__, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_known_on_the_host_to_go_ahead_spares_the_kernels_check_and_undo_pass():
+    """inf_check_(opt, False): the kernel gets found_inf=None; no step-counter undo (_foreach_sub_) runs."""
+    (_, _, w_ref), (scaler, opt, w) = fused_pair()
+    for found in (False, True):
+        scaler.scale(w.sum())
+        w.grad = torch.tensor([1.0, -2.0, 0.5])
+        scaler.inf_check_(opt, found, unscaled=False)
+        with OpLog() as log:
+            scaler.step(opt)
+        scaler.update()
+        kernel = [kw for name, kw in log.calls if name == "_fused_adamw_"]
+        assert len(kernel) == 1
+        assert (kernel[0].get("found_inf") is None) is (not found)
+        assert any(name == "_foreach_sub_" for name, _ in log.calls) is found
