@@ -7,7 +7,10 @@ to the norm: a drop-in that subtracts it gives other gradients), and the scaler'
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -277,3 +280,114 @@ def test_a_step_known_on_the_host_to_go_ahead_spares_the_kernels_check_and_undo_
         assert len(kernel) == 1
         assert (kernel[0].get("found_inf") is None) is (not found)
         assert any(name == "_foreach_sub_" for name, _ in log.calls) is found
+
+
+def test_a_fused_step_keeps_no_reference_to_the_optimizer():
+    """After update() nothing in the scaler holds the optimizer (torch's doesn't): a dropped one is freed."""
+    scaler, opt, w = fused_pair()[1]
+    fused_iteration(scaler, opt, w, [1.0, -2.0, 0.5])
+    ref = weakref.ref(opt)
+    del opt  # freed by its reference count: no cycle, no gc pass
+    assert ref() is None
+
+
+class OldContract(torch.optim.SGD):
+    """torch's older contract for _step_supports_amp_scaling: step() takes the scaler as grad_scaler=."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, factor=1.0, grad_scaler=None):
+        self.seen = (factor, grad_scaler)
+
+
+def test_an_optimizer_taking_grad_scaler_gets_the_scaler_and_the_arguments_as_from_torch():
+    """The older contract: step(*args, grad_scaler=scaler), a FutureWarning, and a second step() refused."""
+    for scaler in two_scalers():
+        w = torch.zeros(2, requires_grad=True)
+        opt = OldContract([w], lr=1.0)
+        scaler.scale(w.sum())
+        w.grad = torch.ones(2)
+        with pytest.warns(FutureWarning, match="passing itself"):
+            scaler.step(opt, 0.5)
+        assert opt.seen == (0.5, scaler)
+        with pytest.raises(RuntimeError):
+            scaler.step(opt)
+        with pytest.raises(RuntimeError):
+            scaler.unscale_(opt)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+@pytest.mark.parametrize("grad", [1.0, math.inf])
+def test_an_optimizer_taking_grad_scaler_reports_the_inf_check_made_before_it(grad):
+    """step_async hands back found_inf from an unscale_ made before (0 when none was): step() says skipped."""
+    scaler = GradScaler("cpu")
+    w = torch.zeros(2, requires_grad=True)
+    opt = OldContract([w], lr=1.0)
+    scaler.scale(w.sum())
+    w.grad = torch.full((2,), grad)
+    assert torch.equal(scaler.step_async(opt), torch.tensor(0.0))  # nothing checked: the optimizer decides
+    scaler.update(new_scale=2.0)
+    scaler.scale(w.sum())
+    scaler.unscale_(opt)
+    assert scaler.step(opt) is (grad != math.inf)
+
+
+class ScaledSGD(torch.optim.Optimizer):
+    """A minimal optimizer of torch's grad_scale/found_inf contract that takes sparse gradients."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        if self.found_inf is not None and bool(self.found_inf):
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad if self.grad_scale is None else p.grad / self.grad_scale
+                p.add_(g, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_sparse_gradients_of_a_self_unscaling_optimizer_are_checked_as_torch_checks_them(overflow):
+    """A sparse (embedding) gradient's values are inf-checked before such an optimizer steps, as by torch."""
+    torch.manual_seed(0)
+    emb0 = torch.nn.Embedding(6, 2, sparse=True)
+    weights = []
+    for scaler in two_scalers(init_scale=8.0):
+        emb = copy.deepcopy(emb0)
+        opt = ScaledSGD(emb.parameters(), lr=0.1)
+        loss = emb(torch.tensor([1, 1, 4])).sum() * (math.inf if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        weights.append(emb.weight.detach())
+        assert scaler.get_scale() == (4.0 if overflow else 8.0)
+    assert torch.equal(weights[0], weights[1])
+    assert torch.equal(weights[1], emb0.weight) is overflow
+
+
+class Failing(torch.optim.SGD):
+    _step_supports_amp_scaling = True
+
+    def step(self):
+        raise ValueError("the optimizer failed")
+
+
+def test_a_fused_step_that_raised_leaves_the_iteration_begun_as_torch_does():
+    """After a self-unscaling optimizer raised in step(): no pickling (as torch), no second inf check."""
+    for scaler in two_scalers():
+        w = torch.zeros(2, requires_grad=True)
+        opt = Failing([w], lr=1.0)
+        scaler.scale(w.sum())
+        w.grad = torch.ones(2)
+        with pytest.raises(ValueError, match="the optimizer failed"):
+            scaler.step(opt)
+        with pytest.raises(AssertionError):
+            pickle.dumps(scaler)
+    with pytest.raises(RuntimeError):  # the iteration's check was made by the step that raised
+        scaler.inf_check_(opt, False, unscaled=False)
+    scaler.abandon_iteration()
+    scaler.inf_check_(opt, False, unscaled=False)
