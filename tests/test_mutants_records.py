@@ -26,7 +26,7 @@ from labkit.alarms import LabkitWarning
 from labkit.clippers import AGC, AdaGC, AutoClip, NormClip, ValueClip, ZClip
 from labkit.clippers.agc import unitwise_norm
 from labkit.logfile import MAX_LINE, JsonlFile
-from labkit.records import Field, RewindEvent, StepRecord, declare, declared, put
+from labkit.records import Field, RewindEvent, StepRecord, declare, declared, parse_line, put
 from labkit.spikes import format_z
 from labkit.steplog import StepLog
 
@@ -469,3 +469,31 @@ def test_a_log_that_cannot_move_another_runs_file_aside_keeps_its_records(tmp_pa
     log.append(StepRecord(7, 1.0))
     log.close()
     assert steps_in(path) == [5, 6, 7] and steps_in(f"{path}.1") == [0]
+
+
+def test_parse_line_keeps_every_list_a_list_and_the_reason_a_string():
+    """parse_line decodes non-finite numbers at any depth, never a reason (a hook's may read "NaN"), and
+    turns no list into a tuple (JSON has none)."""
+    d = parse_line('{"step": 1, "loss": "NaN", "reason": "NaN", "m": {"t": [["w", "Infinity"]]}, '
+                   '"n": [[["w", 1.0]]]}')
+    assert d["reason"] == "NaN" and math.isnan(d["loss"])
+    assert d["m"] == {"t": [["w", math.inf]]} and d["n"] == [[["w", 1.0]]]
+
+
+def test_from_dict_reads_name_value_pairs_as_tuples_at_any_depth():
+    """StepRecord.from_dict turns each list of [name, value] pairs into tuples, inside dicts and lists too."""
+    r = StepRecord.from_dict(json.loads('{"step": 1, "loss": 1.0, "m": {"t": [["w", "NaN"]]}, '
+                                        '"n": [[["w", 1.0]]], "top_grads": [["b", 2.0]]}'))
+    assert r.m["t"][0][0] == "w" and isinstance(r.m["t"][0], tuple) and math.isnan(r.m["t"][0][1])
+    assert r.n == [[("w", 1.0)]] and r.top_grads == [("b", 2.0)]
+
+
+def test_a_streamed_log_writes_its_events_to_the_file(tmp_path):
+    """append_event streams the event after the records before it: the file reads back as the live log."""
+    log = StepLog(stream=tmp_path / "log.jsonl")
+    for r in records(3):
+        log.append(r)
+    log.append_event(RewindEvent(step=2, to=1, reason="spike_grad"))
+    log.close()
+    back = StepLog.read_jsonl(tmp_path / "log.jsonl")
+    assert back.events == log.events and back.rewound == [False, True, True]
