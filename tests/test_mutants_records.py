@@ -497,3 +497,11 @@ def test_a_streamed_log_writes_its_events_to_the_file(tmp_path):
     log.close()
     back = StepLog.read_jsonl(tmp_path / "log.jsonl")
     assert back.events == log.events and back.rewound == [False, True, True]
+
+
+def test_an_adagc_that_has_not_stepped_has_no_release():
+    """A fresh AdaGC (no state) restarted nothing: releases() 0, lockin() and check_lockin() False."""
+    clip = AdaGC(max_consecutive_clips=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert clip.releases() == 0 and clip.lockin() is False and clip.check_lockin() is False
