@@ -7,6 +7,7 @@ coefficient's oracle is torch's own rule, ``min(1, max_norm / (norm + 1e-6))`` c
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -154,3 +155,93 @@ def test_hooks_hand_every_member_the_trainer_they_were_given():
     trainer = object()
     Hooks([Reads()]).post_backward(trainer, 7)
     assert seen == [(trainer, 7)]
+
+
+# ------------------------------------------------ micro-batches: split, given, one-argument loss
+
+
+def _sgd_loop(model, micro, loss_of, max_norm, lr=0.1):
+    """The textbook accumulation loop: each micro-batch's loss times its weight, backward, clip, step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt.zero_grad()
+    for x, weight in micro:
+        (loss_of(model, x) * weight).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+
+
+def test_accumulation_with_a_one_argument_loss_is_the_textbook_loop():
+    """targets=None (loss_fn(output)) splits too: each micro-batch weighs its share, unequal splits too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    ref, before = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(8, 3)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731  # no targets: e.g. an energy or an autoencoder's
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, max_norm=0.5,
+                      accumulation_steps=3, hooks=[])
+    r = train(x)
+    chunks = torch.tensor_split(x, 3)  # 3, 3, 2 samples
+    _sgd_loop(ref, [(c, len(c) / 8) for c in chunks], lambda m, c: loss_fn(m(c)), 0.5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    with torch.no_grad():  # the step's loss: the micro-batches' losses, each weighed by its share
+        expected = sum(float(loss_fn(before(c))) * len(c) / 8 for c in chunks)
+    assert r.loss == pytest.approx(expected, rel=1e-6) and not r.skipped
+
+
+class KeywordModel(torch.nn.Module):
+    """A Hugging Face-style model: ``model(**batch)`` returns the loss; ``mode`` is a non-tensor entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x, y, mode):
+        assert mode == "sum-of-squares"  # a non-tensor entry reaches every micro-batch as it is
+        return (self.lin(x).squeeze(-1) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_dict_batch_splits_its_tensors_and_repeats_its_other_values(k):
+    """model(**batch) with accumulation: tensors are split along the batch, other values go to every part."""
+    torch.manual_seed(1)
+    model = KeywordModel()
+    ref = copy.deepcopy(model)
+    batch = {"x": torch.randn(7, 3), "y": torch.randn(7), "mode": "sum-of-squares"}
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out: out, max_norm=0.5,
+                      accumulation_steps=k, hooks=[])
+    r = train(batch)
+    parts = list(zip(torch.tensor_split(batch["x"], k), torch.tensor_split(batch["y"], k)))
+    _sgd_loop(ref, [(p, len(p[0]) / 7) for p in parts], lambda m, p: m(p[0], p[1], "sum-of-squares"), 0.5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert not r.skipped
+
+
+def test_given_micro_batches_are_each_a_kth_of_the_step():
+    """step([(x0, y0), (x1, y1), (x2, y2)]): the gradient is the mean of the micro-batches' mean losses."""
+    torch.manual_seed(2)
+    model = torch.nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    pairs = [(torch.randn(n, 3), torch.randn(n, 1)) for n in (4, 2, 5)]
+    mse = torch.nn.functional.mse_loss
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, max_norm=0.5, hooks=[])
+    r = train(pairs)
+    _sgd_loop(ref, [(p, 1 / 3) for p in pairs], lambda m, p: mse(m(p[0]), p[1]), 0.5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert not r.skipped and r.step == 0
+
+
+def test_a_micro_batch_of_three_is_refused_and_nothing_changes():
+    """A micro-batch is a tensor, a dict or an (inputs, targets) pair: a triple raises before any change."""
+    model = torch.nn.Linear(3, 1)
+    before = copy.deepcopy(model.state_dict())
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[])
+    triples = [(torch.randn(2, 3), torch.randn(2, 1), torch.randn(2)) for _ in range(2)]
+    with pytest.raises(TypeError):
+        train(triples)
+    assert train.step_count == 0
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name])
