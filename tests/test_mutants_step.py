@@ -245,3 +245,87 @@ def test_a_micro_batch_of_three_is_refused_and_nothing_changes():
     assert train.step_count == 0
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name])
+
+
+# ------------------------------------------------ deferred records: a skip's buffers, numbers known at once
+
+
+def _bn_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+
+def _buffers(model):
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+def test_deferred_records_put_a_skipped_steps_buffers_back_and_keep_a_stepped_ones():
+    """sync_every=N: a skipped step leaves BatchNorm's running statistics as they were, a stepped one
+    leaves them as its forward set them (torch's train-mode forward is the oracle)."""
+    model = _bn_model()
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      sync_every=4)
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    oracle = copy.deepcopy(model)
+    oracle(x)  # one train-mode forward: what the step's forward does to the buffers
+    first = train(x, y)
+    after = _buffers(model)
+    for name, b in _buffers(oracle).items():
+        assert torch.equal(after[name], b), name
+    params = [p.detach().clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[0, 0] = math.nan  # the forward writes NaN into the running mean; the step skips
+    second = train(bad, y)
+    for name, b in _buffers(model).items():
+        assert torch.equal(b, after[name]), name
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert not first.skipped and second.skipped and second.reason == "nonfinite_loss"
+
+
+def test_a_deferred_record_knows_its_step_and_learning_rates_before_the_copy():
+    """step, lr and lrs are on the host at once (never on the device): right before the copy and after."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.3}], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train = TrainStep(model, opt, torch.nn.functional.mse_loss, scheduler=sched, sync_every=8)
+    records = [train(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    assert [(r.step, r.lr, r.lrs) for r in records] == [
+        (i, 0.1 * 0.5**i, [0.1 * 0.5**i, 0.3 * 0.5**i]) for i in range(3)]
+    assert [len(train.log)] == [3] and all(math.isfinite(r.loss) for r in records)
+    assert [(r.step, r.lr, r.lrs) for r in records] == [
+        (i, 0.1 * 0.5**i, [0.1 * 0.5**i, 0.3 * 0.5**i]) for i in range(3)]
+
+
+# ------------------------------------------------ a hook's state: checked on a copy
+
+
+class InPlaceState(Hook):
+    """A hook whose load_state_dict writes into a dict it holds, then checks (a realistic custom hook)."""
+
+    state_key = "in_place_state"
+
+    def __init__(self):
+        self.counts = {"skips": 0}
+
+    def state_dict(self):
+        return dict(self.counts)
+
+    def load_state_dict(self, state):
+        self.counts.update(state)
+        if not isinstance(self.counts["skips"], int):
+            raise TypeError("skips must be an int")
+
+
+def test_a_damaged_hook_state_changes_nothing_when_it_is_refused():
+    """TrainStep.load_state_dict checks each hook's entry first (Hook.check_state: a deep copy loads it)."""
+    hook = InPlaceState()
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[hook])
+    state = train.state_dict()
+    state["in_place_state"] = {"skips": "many"}
+    with pytest.raises(TypeError):
+        train.load_state_dict(state)
+    assert hook.counts == {"skips": 0}
+    hook.check_state({"skips": 5})  # a good state, checked: still nothing changes
+    assert hook.counts == {"skips": 0}
