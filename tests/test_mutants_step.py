@@ -127,16 +127,20 @@ def test_decide_skips_on_a_nonfinite_norm_and_clips_nothing():
 
 
 def test_a_hook_class_defined_now_declares_its_record_fields():
-    """Declared at class definition (``Hook.__init_subclass__``): a record reads the default at once."""
+    """Declared at class definition (``Hook.__init_subclass__``): a record reads the default at once.
+
+    The field's name is new in every run: the declarations are process-wide (a process that ran the test
+    before, e.g. mutmut's forking parent, would otherwise hold it already)."""
+    import uuid
+
     from labkit.records import Field, StepRecord, put
 
-    class LateMeasure(Hook):
-        record_fields = {"late_measure": Field(-1.0)}
-
-    assert StepRecord(0, 1.0).late_measure == -1.0
+    name = f"late_measure_{uuid.uuid4().hex}"
+    type("LateMeasure", (Hook,), {"record_fields": {name: Field(-1.0)}})
+    assert getattr(StepRecord(0, 1.0), name) == -1.0
     fields = {}
-    put(fields, "late_measure", 2.0)
-    assert fields == {"late_measure": 2.0}
+    put(fields, name, 2.0)
+    assert fields == {name: 2.0}
 
 
 def test_merge_keeps_the_first_skip_whatever_comes_after_it():
@@ -329,3 +333,16 @@ def test_a_damaged_hook_state_changes_nothing_when_it_is_refused():
     assert hook.counts == {"skips": 0}
     hook.check_state({"skips": 5})  # a good state, checked: still nothing changes
     assert hook.counts == {"skips": 0}
+
+
+def test_take_reports_what_a_per_tensor_or_update_clip_amounted_to():
+    """Decision.take([coef, threshold]): the record's coefficient and threshold become the clip's own."""
+    d = Decision(torch.tensor(4.0), torch.tensor(1.0), torch.tensor(0.0), torch.ones(()), None)
+    d.take(torch.tensor([0.25, 3.0]))  # on the device: nothing read yet
+    assert (float(d.coef), float(d.threshold), d.host) == (0.25, 3.0, None)
+    read_first = Decision(torch.tensor(4.0), torch.tensor(1.0), torch.tensor(0.0), torch.ones(()), None)
+    read_first.read()
+    read_first.take(torch.tensor([0.5, 2.0]))  # after the read: the host's copy follows
+    assert read_first.host == [4.0, 0.5, 0.0, 1.0] and float(read_first.threshold) == 2.0
+    read_first.take(None)  # nothing done: nothing changes
+    assert read_first.host == [4.0, 0.5, 0.0, 1.0] and float(read_first.coef) == 0.5
