@@ -346,3 +346,34 @@ def test_take_reports_what_a_per_tensor_or_update_clip_amounted_to():
     assert read_first.host == [4.0, 0.5, 0.0, 1.0] and float(read_first.threshold) == 2.0
     read_first.take(None)  # nothing done: nothing changes
     assert read_first.host == [4.0, 0.5, 0.0, 1.0] and float(read_first.coef) == 0.5
+
+
+VERDICTS = st.one_of(st.none(), st.builds(
+    Verdict, skip=st.one_of(st.none(), st.sampled_from(["spike_loss", "spike_grad"])),
+    clip_to=st.one_of(st.none(), LIMITS), clip_reason=st.sampled_from(["a", "b"]),
+    fields=st.dictionaries(st.sampled_from(["z_loss", "z_grad"]), st.floats(0, 9), max_size=2)))
+
+
+@FAST
+@given(verdicts=st.lists(VERDICTS, max_size=6))
+def test_a_hook_that_says_nothing_changes_nothing_in_the_merge(verdicts):
+    """Verdict.merge: a None (a hook with no say) anywhere leaves the merge of the others as it is."""
+    said = [v for v in verdicts if v is not None]
+    assert Verdict.merge(verdicts) == Verdict.merge(said)
+    skips = [v.skip for v in said if v.skip is not None]
+    assert Verdict.merge(verdicts).skip == (skips[0] if skips else None)
+
+
+def test_a_state_saved_before_a_hook_joined_resumes_with_that_hook_as_it_is():
+    """TrainStep.load_state_dict: a hook whose entry the state lacks is left alone (no KeyError)."""
+    model = torch.nn.Linear(3, 1)
+    old = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    old(torch.randn(4, 3), torch.randn(4, 1))
+    state = old.state_dict()
+    hook = InPlaceState()
+    hook.counts["skips"] = 3
+    new = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                    hooks=[hook])
+    new.load_state_dict(state)
+    assert new.step_count == 1 and hook.counts == {"skips": 3}
+    assert new.state_dict()["in_place_state"] == {"skips": 3}
