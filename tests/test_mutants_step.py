@@ -377,3 +377,80 @@ def test_a_state_saved_before_a_hook_joined_resumes_with_that_hook_as_it_is():
     new.load_state_dict(state)
     assert new.step_count == 1 and hook.counts == {"skips": 3}
     assert new.state_dict()["in_place_state"] == {"skips": 3}
+
+
+# ------------------------------------------------ TrainStep.load_state_dict: all checked before any write
+
+
+def _toy_step(clipper=None, **kw):
+    task = ToyTask()
+    torch.manual_seed(4)
+    model = task.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    clip = dict(clipper=clipper) if clipper is not None else dict(max_norm=None)
+    return TrainStep(model, opt, task.loss_fn, precision="fp16", **clip, **kw), task
+
+
+def _same_state(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+@pytest.mark.parametrize("damage", ["negative step", "log", "clipper"])
+def test_a_damaged_state_raises_and_leaves_the_train_step_as_it_was(damage):
+    """Each part of the state is checked before the first is written: scale, step and clipper stay."""
+    from labkit.clippers import ZClip
+
+    saved, task = _toy_step(ZClip(warmup=2))
+    for i in range(4):
+        saved(*task.batch(i))
+    state = saved.state_dict()
+    state["scaler"]["scale"] = 4.0  # a good entry that differs from the target's: written first, if at all
+    state.update({"negative step": {"step": -1}, "log": {"log": "not a log state"},
+                  "clipper": {"clipper": {}}}[damage])
+    target, _ = _toy_step(ZClip(warmup=2))
+    target(*task.batch(0))
+    before = target.state_dict()
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        target.load_state_dict(state)
+    assert _same_state(target.state_dict(), before)
+
+
+def test_a_resumed_zclip_continues_its_statistics():
+    """The clipper's state is saved and loaded with the step's: a resumed run clips as the whole one does."""
+    from labkit.clippers import ZClip
+
+    whole, task = _toy_step(ZClip(warmup=2))
+
+    def batch(i):  # a gradient spike at step 4: ZClip's statistics (past its warm-up) clip it
+        x, y = task.batch(i)
+        return (x * 3, y) if i == 4 else (x, y)
+
+    records = [whole(*batch(i)) for i in range(6)]
+    first, _ = _toy_step(ZClip(warmup=2))
+    for i in range(3):
+        first(*batch(i))
+    resumed, _ = _toy_step(ZClip(warmup=2))
+    resumed.model.load_state_dict(first.model.state_dict())
+    resumed.optimizer.load_state_dict(first.optimizer.state_dict())
+    resumed.load_state_dict(first.state_dict())
+    later = [resumed(*batch(i)) for i in range(3, 6)]
+    assert [(r.step, r.grad_norm, r.clip_coef) for r in later] == \
+        [(r.step, r.grad_norm, r.clip_coef) for r in records[3:]]
+    assert any(r.clipped for r in records[3:])  # the statistics decide something here
+
+
+def test_a_state_with_a_clipper_entry_loads_into_a_step_without_a_clipper():
+    """max_norm=None: the state's clipper entry (saved by a step that clipped) is left alone."""
+    from labkit.clippers import ZClip
+
+    saved, task = _toy_step(ZClip(warmup=2))
+    saved(*task.batch(0))
+    target, _ = _toy_step()
+    target.load_state_dict(saved.state_dict())
+    assert target.step_count == 1 and target.clipper is None
