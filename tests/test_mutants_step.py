@@ -454,3 +454,66 @@ def test_a_state_with_a_clipper_entry_loads_into_a_step_without_a_clipper():
     target, _ = _toy_step()
     target.load_state_dict(saved.state_dict())
     assert target.step_count == 1 and target.clipper is None
+
+
+# ------------------------------------------------ the hooks' view, a bad loss's decision, deferred flushes
+
+
+def test_on_decision_is_handed_the_train_step():
+    """TrainStep calls each hook's on_decision with itself as the trainer (what a hook reads is there)."""
+    seen = []
+
+    class Sees(Hook):
+        def on_decision(self, trainer, view):
+            seen.append((trainer, view.step))
+
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[Sees()])
+    train(torch.randn(4, 3), torch.randn(4, 1))
+    assert seen == [(train, 0)]
+
+
+def test_a_plain_loops_decision_view_has_a_scale_of_one():
+    """DecisionView without a scale: an unscaled (fp32 or bf16) run's, 1."""
+    from labkit.hooks import DecisionView
+
+    view = DecisionView(0, 1.0, 2.0)
+    assert view.scale == 1.0 and not view.loss_bad and view.norms is None and view.batch is None
+
+
+def test_a_bad_loss_is_decided_on_the_host_skip_and_keep_the_scale():
+    """skip_bad_loss: skip, no norm (nan), no clip (1), the scale kept, the hook's reason and fields."""
+    from labkit.step.decision import skip_bad_loss
+
+    d = skip_bad_loss(1024.0, Verdict(skip="spike_loss", fields={"z_loss": 7.0}))
+    assert math.isnan(d.norm) and (d.coef, d.skip, d.scale, d.keep_scale) == (1.0, True, 1024.0, True)
+    assert (d.reason, d.fields, d.inv_scale) == ("spike_loss", {"z_loss": 7.0}, None)
+
+
+def test_a_deferred_record_names_a_dead_scale_as_a_per_step_one_does():
+    """sync_every changes when a record is read, never what it says: a scale set below float32's normal
+    range skips with reason dead_scale either way."""
+    from labkit.scaler import GradScaler
+
+    reasons = []
+    for sync_every in (None, 2):
+        scaler = GradScaler("cpu")
+        scaler.scale(torch.ones(()))
+        scaler.update(new_scale=1e-40)  # subnormal in float32: 1/scale is inf
+        step, task = _toy_step(scaler=scaler, sync_every=sync_every)
+        with pytest.warns(Warning, match="loss scale is dead"):  # the alarm says so too
+            reasons.append(step(*task.batch(0)).reason)
+    assert reasons == ["dead_scale", "dead_scale"]
+
+
+def test_a_deferred_flush_that_cannot_write_finishes_every_record_then_raises():
+    """A log write failing at the batched copy: every record is still kept, then LogWriteError is raised."""
+    from labkit import LogWriteError
+
+    step, task = _toy_step(log="/dev/full", sync_every=3)
+    records = [step(*task.batch(i)) for i in range(2)]
+    with pytest.raises(LogWriteError):
+        step(*task.batch(2))  # the third call copies the three records over and writes them
+    assert step.step_count == 3 and [r.step for r in step.log] == [0, 1, 2]
+    assert all(math.isfinite(r.loss) for r in records)
