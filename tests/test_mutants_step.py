@@ -517,3 +517,11 @@ def test_a_deferred_flush_that_cannot_write_finishes_every_record_then_raises():
         step(*task.batch(2))  # the third call copies the three records over and writes them
     assert step.step_count == 3 and [r.step for r in step.log] == [0, 1, 2]
     assert all(math.isfinite(r.loss) for r in records)
+
+
+def test_measured_fields_join_a_verdict_without_changing_what_it_asks():
+    """Verdict.measured adds the hooks' measures as fields; its skip, clip and reason stay as they were."""
+    v = Verdict(skip="spike_grad", clip_to=0.5, clip_reason="Mine", fields={"z_loss": 1.0})
+    m = v.measured([("z_grad", 3.0), ("z_loss", 2.0)])
+    assert m == Verdict("spike_grad", 0.5, "Mine", {"z_loss": 2.0, "z_grad": 3.0})
+    assert v.fields == {"z_loss": 1.0} and v.measured([]) is v
