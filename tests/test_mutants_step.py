@@ -7,6 +7,7 @@ coefficient's oracle is torch's own rule, ``min(1, max_norm / (norm + 1e-6))`` c
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -126,16 +127,20 @@ def test_decide_skips_on_a_nonfinite_norm_and_clips_nothing():
 
 
 def test_a_hook_class_defined_now_declares_its_record_fields():
-    """Declared at class definition (``Hook.__init_subclass__``): a record reads the default at once."""
+    """Declared at class definition (``Hook.__init_subclass__``): a record reads the default at once.
+
+    The field's name is new in every run: the declarations are process-wide (a process that ran the test
+    before, e.g. mutmut's forking parent, would otherwise hold it already)."""
+    import uuid
+
     from labkit.records import Field, StepRecord, put
 
-    class LateMeasure(Hook):
-        record_fields = {"late_measure": Field(-1.0)}
-
-    assert StepRecord(0, 1.0).late_measure == -1.0
+    name = f"late_measure_{uuid.uuid4().hex}"
+    type("LateMeasure", (Hook,), {"record_fields": {name: Field(-1.0)}})
+    assert getattr(StepRecord(0, 1.0), name) == -1.0
     fields = {}
-    put(fields, "late_measure", 2.0)
-    assert fields == {"late_measure": 2.0}
+    put(fields, name, 2.0)
+    assert fields == {name: 2.0}
 
 
 def test_merge_keeps_the_first_skip_whatever_comes_after_it():
@@ -154,3 +159,369 @@ def test_hooks_hand_every_member_the_trainer_they_were_given():
     trainer = object()
     Hooks([Reads()]).post_backward(trainer, 7)
     assert seen == [(trainer, 7)]
+
+
+# ------------------------------------------------ micro-batches: split, given, one-argument loss
+
+
+def _sgd_loop(model, micro, loss_of, max_norm, lr=0.1):
+    """The textbook accumulation loop: each micro-batch's loss times its weight, backward, clip, step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt.zero_grad()
+    for x, weight in micro:
+        (loss_of(model, x) * weight).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+
+
+def test_accumulation_with_a_one_argument_loss_is_the_textbook_loop():
+    """targets=None (loss_fn(output)) splits too: each micro-batch weighs its share, unequal splits too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    ref, before = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(8, 3)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731  # no targets: e.g. an energy or an autoencoder's
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, max_norm=0.5,
+                      accumulation_steps=3, hooks=[])
+    r = train(x)
+    chunks = torch.tensor_split(x, 3)  # 3, 3, 2 samples
+    _sgd_loop(ref, [(c, len(c) / 8) for c in chunks], lambda m, c: loss_fn(m(c)), 0.5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    with torch.no_grad():  # the step's loss: the micro-batches' losses, each weighed by its share
+        expected = sum(float(loss_fn(before(c))) * len(c) / 8 for c in chunks)
+    assert r.loss == pytest.approx(expected, rel=1e-6) and not r.skipped
+
+
+class KeywordModel(torch.nn.Module):
+    """A Hugging Face-style model: ``model(**batch)`` returns the loss; ``mode`` is a non-tensor entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x, y, mode):
+        assert mode == "sum-of-squares"  # a non-tensor entry reaches every micro-batch as it is
+        return (self.lin(x).squeeze(-1) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_dict_batch_splits_its_tensors_and_repeats_its_other_values(k):
+    """model(**batch) with accumulation: tensors are split along the batch, other values go to every part."""
+    torch.manual_seed(1)
+    model = KeywordModel()
+    ref = copy.deepcopy(model)
+    batch = {"x": torch.randn(7, 3), "y": torch.randn(7), "mode": "sum-of-squares"}
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out: out, max_norm=0.5,
+                      accumulation_steps=k, hooks=[])
+    r = train(batch)
+    parts = list(zip(torch.tensor_split(batch["x"], k), torch.tensor_split(batch["y"], k)))
+    _sgd_loop(ref, [(p, len(p[0]) / 7) for p in parts], lambda m, p: m(p[0], p[1], "sum-of-squares"), 0.5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert not r.skipped
+
+
+def test_given_micro_batches_are_each_a_kth_of_the_step():
+    """step([(x0, y0), (x1, y1), (x2, y2)]): the gradient is the mean of the micro-batches' mean losses."""
+    torch.manual_seed(2)
+    model = torch.nn.Linear(3, 1)
+    ref = copy.deepcopy(model)
+    pairs = [(torch.randn(n, 3), torch.randn(n, 1)) for n in (4, 2, 5)]
+    mse = torch.nn.functional.mse_loss
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, max_norm=0.5, hooks=[])
+    r = train(pairs)
+    _sgd_loop(ref, [(p, 1 / 3) for p in pairs], lambda m, p: mse(m(p[0]), p[1]), 0.5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert not r.skipped and r.step == 0
+
+
+def test_a_micro_batch_of_three_is_refused_and_nothing_changes():
+    """A micro-batch is a tensor, a dict or an (inputs, targets) pair: a triple raises before any change."""
+    model = torch.nn.Linear(3, 1)
+    before = copy.deepcopy(model.state_dict())
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[])
+    triples = [(torch.randn(2, 3), torch.randn(2, 1), torch.randn(2)) for _ in range(2)]
+    with pytest.raises(TypeError):
+        train(triples)
+    assert train.step_count == 0
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name])
+
+
+# ------------------------------------------------ deferred records: a skip's buffers, numbers known at once
+
+
+def _bn_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+
+def _buffers(model):
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+def test_deferred_records_put_a_skipped_steps_buffers_back_and_keep_a_stepped_ones():
+    """sync_every=N: a skipped step leaves BatchNorm's running statistics as they were, a stepped one
+    leaves them as its forward set them (torch's train-mode forward is the oracle)."""
+    model = _bn_model()
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      sync_every=4)
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    oracle = copy.deepcopy(model)
+    oracle(x)  # one train-mode forward: what the step's forward does to the buffers
+    first = train(x, y)
+    after = _buffers(model)
+    for name, b in _buffers(oracle).items():
+        assert torch.equal(after[name], b), name
+    params = [p.detach().clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[0, 0] = math.nan  # the forward writes NaN into the running mean; the step skips
+    second = train(bad, y)
+    for name, b in _buffers(model).items():
+        assert torch.equal(b, after[name]), name
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert not first.skipped and second.skipped and second.reason == "nonfinite_loss"
+
+
+def test_a_deferred_record_knows_its_step_and_learning_rates_before_the_copy():
+    """step, lr and lrs are on the host at once (never on the device): right before the copy and after."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.3}], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train = TrainStep(model, opt, torch.nn.functional.mse_loss, scheduler=sched, sync_every=8)
+    records = [train(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    assert [(r.step, r.lr, r.lrs) for r in records] == [
+        (i, 0.1 * 0.5**i, [0.1 * 0.5**i, 0.3 * 0.5**i]) for i in range(3)]
+    assert [len(train.log)] == [3] and all(math.isfinite(r.loss) for r in records)
+    assert [(r.step, r.lr, r.lrs) for r in records] == [
+        (i, 0.1 * 0.5**i, [0.1 * 0.5**i, 0.3 * 0.5**i]) for i in range(3)]
+
+
+# ------------------------------------------------ a hook's state: checked on a copy
+
+
+class InPlaceState(Hook):
+    """A hook whose load_state_dict writes into a dict it holds, then checks (a realistic custom hook)."""
+
+    state_key = "in_place_state"
+
+    def __init__(self):
+        self.counts = {"skips": 0}
+
+    def state_dict(self):
+        return dict(self.counts)
+
+    def load_state_dict(self, state):
+        self.counts.update(state)
+        if not isinstance(self.counts["skips"], int):
+            raise TypeError("skips must be an int")
+
+
+def test_a_damaged_hook_state_changes_nothing_when_it_is_refused():
+    """TrainStep.load_state_dict checks each hook's entry first (Hook.check_state: a deep copy loads it)."""
+    hook = InPlaceState()
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[hook])
+    state = train.state_dict()
+    state["in_place_state"] = {"skips": "many"}
+    with pytest.raises(TypeError):
+        train.load_state_dict(state)
+    assert hook.counts == {"skips": 0}
+    hook.check_state({"skips": 5})  # a good state, checked: still nothing changes
+    assert hook.counts == {"skips": 0}
+
+
+def test_take_reports_what_a_per_tensor_or_update_clip_amounted_to():
+    """Decision.take([coef, threshold]): the record's coefficient and threshold become the clip's own."""
+    d = Decision(torch.tensor(4.0), torch.tensor(1.0), torch.tensor(0.0), torch.ones(()), None)
+    d.take(torch.tensor([0.25, 3.0]))  # on the device: nothing read yet
+    assert (float(d.coef), float(d.threshold), d.host) == (0.25, 3.0, None)
+    read_first = Decision(torch.tensor(4.0), torch.tensor(1.0), torch.tensor(0.0), torch.ones(()), None)
+    read_first.read()
+    read_first.take(torch.tensor([0.5, 2.0]))  # after the read: the host's copy follows
+    assert read_first.host == [4.0, 0.5, 0.0, 1.0] and float(read_first.threshold) == 2.0
+    read_first.take(None)  # nothing done: nothing changes
+    assert read_first.host == [4.0, 0.5, 0.0, 1.0] and float(read_first.coef) == 0.5
+
+
+VERDICTS = st.one_of(st.none(), st.builds(
+    Verdict, skip=st.one_of(st.none(), st.sampled_from(["spike_loss", "spike_grad"])),
+    clip_to=st.one_of(st.none(), LIMITS), clip_reason=st.sampled_from(["a", "b"]),
+    fields=st.dictionaries(st.sampled_from(["z_loss", "z_grad"]), st.floats(0, 9), max_size=2)))
+
+
+@FAST
+@given(verdicts=st.lists(VERDICTS, max_size=6))
+def test_a_hook_that_says_nothing_changes_nothing_in_the_merge(verdicts):
+    """Verdict.merge: a None (a hook with no say) anywhere leaves the merge of the others as it is."""
+    said = [v for v in verdicts if v is not None]
+    assert Verdict.merge(verdicts) == Verdict.merge(said)
+    skips = [v.skip for v in said if v.skip is not None]
+    assert Verdict.merge(verdicts).skip == (skips[0] if skips else None)
+
+
+def test_a_state_saved_before_a_hook_joined_resumes_with_that_hook_as_it_is():
+    """TrainStep.load_state_dict: a hook whose entry the state lacks is left alone (no KeyError)."""
+    model = torch.nn.Linear(3, 1)
+    old = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    old(torch.randn(4, 3), torch.randn(4, 1))
+    state = old.state_dict()
+    hook = InPlaceState()
+    hook.counts["skips"] = 3
+    new = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                    hooks=[hook])
+    new.load_state_dict(state)
+    assert new.step_count == 1 and hook.counts == {"skips": 3}
+    assert new.state_dict()["in_place_state"] == {"skips": 3}
+
+
+# ------------------------------------------------ TrainStep.load_state_dict: all checked before any write
+
+
+def _toy_step(clipper=None, **kw):
+    task = ToyTask()
+    torch.manual_seed(4)
+    model = task.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    clip = dict(clipper=clipper) if clipper is not None else dict(max_norm=None)
+    return TrainStep(model, opt, task.loss_fn, precision="fp16", **clip, **kw), task
+
+
+def _same_state(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+@pytest.mark.parametrize("damage", ["negative step", "log", "clipper"])
+def test_a_damaged_state_raises_and_leaves_the_train_step_as_it_was(damage):
+    """Each part of the state is checked before the first is written: scale, step and clipper stay."""
+    from labkit.clippers import ZClip
+
+    saved, task = _toy_step(ZClip(warmup=2))
+    for i in range(4):
+        saved(*task.batch(i))
+    state = saved.state_dict()
+    state["scaler"]["scale"] = 4.0  # a good entry that differs from the target's: written first, if at all
+    state.update({"negative step": {"step": -1}, "log": {"log": "not a log state"},
+                  "clipper": {"clipper": {}}}[damage])
+    target, _ = _toy_step(ZClip(warmup=2))
+    target(*task.batch(0))
+    before = target.state_dict()
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        target.load_state_dict(state)
+    assert _same_state(target.state_dict(), before)
+
+
+def test_a_resumed_zclip_continues_its_statistics():
+    """The clipper's state is saved and loaded with the step's: a resumed run clips as the whole one does."""
+    from labkit.clippers import ZClip
+
+    whole, task = _toy_step(ZClip(warmup=2))
+
+    def batch(i):  # a gradient spike at step 4: ZClip's statistics (past its warm-up) clip it
+        x, y = task.batch(i)
+        return (x * 3, y) if i == 4 else (x, y)
+
+    records = [whole(*batch(i)) for i in range(6)]
+    first, _ = _toy_step(ZClip(warmup=2))
+    for i in range(3):
+        first(*batch(i))
+    resumed, _ = _toy_step(ZClip(warmup=2))
+    resumed.model.load_state_dict(first.model.state_dict())
+    resumed.optimizer.load_state_dict(first.optimizer.state_dict())
+    resumed.load_state_dict(first.state_dict())
+    later = [resumed(*batch(i)) for i in range(3, 6)]
+    assert [(r.step, r.grad_norm, r.clip_coef) for r in later] == \
+        [(r.step, r.grad_norm, r.clip_coef) for r in records[3:]]
+    assert any(r.clipped for r in records[3:])  # the statistics decide something here
+
+
+def test_a_state_with_a_clipper_entry_loads_into_a_step_without_a_clipper():
+    """max_norm=None: the state's clipper entry (saved by a step that clipped) is left alone."""
+    from labkit.clippers import ZClip
+
+    saved, task = _toy_step(ZClip(warmup=2))
+    saved(*task.batch(0))
+    target, _ = _toy_step()
+    target.load_state_dict(saved.state_dict())
+    assert target.step_count == 1 and target.clipper is None
+
+
+# ------------------------------------------------ the hooks' view, a bad loss's decision, deferred flushes
+
+
+def test_on_decision_is_handed_the_train_step():
+    """TrainStep calls each hook's on_decision with itself as the trainer (what a hook reads is there)."""
+    seen = []
+
+    class Sees(Hook):
+        def on_decision(self, trainer, view):
+            seen.append((trainer, view.step))
+
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[Sees()])
+    train(torch.randn(4, 3), torch.randn(4, 1))
+    assert seen == [(train, 0)]
+
+
+def test_a_plain_loops_decision_view_has_a_scale_of_one():
+    """DecisionView without a scale: an unscaled (fp32 or bf16) run's, 1."""
+    from labkit.hooks import DecisionView
+
+    view = DecisionView(0, 1.0, 2.0)
+    assert view.scale == 1.0 and not view.loss_bad and view.norms is None and view.batch is None
+
+
+def test_a_bad_loss_is_decided_on_the_host_skip_and_keep_the_scale():
+    """skip_bad_loss: skip, no norm (nan), no clip (1), the scale kept, the hook's reason and fields."""
+    from labkit.step.decision import skip_bad_loss
+
+    d = skip_bad_loss(1024.0, Verdict(skip="spike_loss", fields={"z_loss": 7.0}))
+    assert math.isnan(d.norm) and (d.coef, d.skip, d.scale, d.keep_scale) == (1.0, True, 1024.0, True)
+    assert (d.reason, d.fields, d.inv_scale) == ("spike_loss", {"z_loss": 7.0}, None)
+
+
+def test_a_deferred_record_names_a_dead_scale_as_a_per_step_one_does():
+    """sync_every changes when a record is read, never what it says: a scale set below float32's normal
+    range skips with reason dead_scale either way."""
+    from labkit.scaler import GradScaler
+
+    reasons = []
+    for sync_every in (None, 2):
+        scaler = GradScaler("cpu")
+        scaler.scale(torch.ones(()))
+        scaler.update(new_scale=1e-40)  # subnormal in float32: 1/scale is inf
+        step, task = _toy_step(scaler=scaler, sync_every=sync_every)
+        with pytest.warns(Warning, match="loss scale is dead"):  # the alarm says so too
+            reasons.append(step(*task.batch(0)).reason)
+    assert reasons == ["dead_scale", "dead_scale"]
+
+
+def test_a_deferred_flush_that_cannot_write_finishes_every_record_then_raises():
+    """A log write failing at the batched copy: every record is still kept, then LogWriteError is raised."""
+    from labkit import LogWriteError
+
+    step, task = _toy_step(log="/dev/full", sync_every=3)
+    records = [step(*task.batch(i)) for i in range(2)]
+    with pytest.raises(LogWriteError):
+        step(*task.batch(2))  # the third call copies the three records over and writes them
+    assert step.step_count == 3 and [r.step for r in step.log] == [0, 1, 2]
+    assert all(math.isfinite(r.loss) for r in records)
+
+
+def test_measured_fields_join_a_verdict_without_changing_what_it_asks():
+    """Verdict.measured adds the hooks' measures as fields; its skip, clip and reason stay as they were."""
+    v = Verdict(skip="spike_grad", clip_to=0.5, clip_reason="Mine", fields={"z_loss": 1.0})
+    m = v.measured([("z_grad", 3.0), ("z_loss", 2.0)])
+    assert m == Verdict("spike_grad", 0.5, "Mine", {"z_loss": 2.0, "z_grad": 3.0})
+    assert v.fields == {"z_loss": 1.0} and v.measured([]) is v
