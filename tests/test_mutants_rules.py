@@ -9,6 +9,7 @@ clipper's ``clip_with_norms_`` report against torch's clip.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import warnings
@@ -147,6 +148,47 @@ def test_a_second_spike_right_after_a_rewind_rewinds_to_the_same_snapshot():
     assert (first.step, first.to) == (9, 4)
     # the step after the rewind (step 4 again, at step_count 5) spikes: the snapshot of step 4 is kept
     assert second.to == 4
+
+
+def same(a, b):
+    """Equal state dicts: the same keys, and tensors equal element for element."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def test_two_rewinds_to_one_snapshot_restore_the_state_it_was_taken_with():
+    """A snapshot is restored as taken: the steps trained after a rewind (SGD's momentum updated in
+    place) leave it alone, so a second rewind to it restores the model and optimizer of its step."""
+    torch.manual_seed(0)
+    train = Train()
+    train.optimizer = torch.optim.SGD(train.model.parameters(), lr=0.1, momentum=0.9)
+    rewind = Rewind(back=4, skip=4)
+    rewind.attach(train)
+    taken, restored, pending = None, [], {9, 10}
+    while train.step_count < 14:
+        step = train.step_count
+        train.optimizer.zero_grad()
+        train.model(torch.full((1, 2), 1.0 + rewind.data_index(step))).sum().backward()
+        train.optimizer.step()
+        train.step_count += 1
+        if train.step_count == 4 and taken is None:
+            taken = copy.deepcopy((train.model.state_dict(), train.optimizer.state_dict()))
+        spike = step in pending
+        pending.discard(step)
+        record = StepRecord(step, 1.0, skipped=spike, reason="spike_grad" if spike else None)
+        event = rewind.after(train, record)
+        if event is not None:
+            now = (train.model.state_dict(), train.optimizer.state_dict())
+            restored.append((event.to, copy.deepcopy(now)))
+    assert [to for to, _ in restored] == [4, 4]
+    assert taken[1]["state"][0]["momentum_buffer"].abs().sum() > 0
+    for _, state in restored:
+        assert same(state, taken)
 
 
 # ------------------------------------------------------------------------------ blame
