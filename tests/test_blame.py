@@ -174,6 +174,7 @@ def test_a_plain_torch_loop_with_backward_order_alone():
     assert culprits == [None, None, "2", None]
     assert sorted(order.positions, key=lambda n: order.positions[n][0])[-2:] in (["0.bias", "0.weight"],
                                                                                ["0.weight", "0.bias"])
+    assert repr(order.positions) == repr(dict(order.positions)) and repr(order) == "BackwardOrder()"
     order.detach()
     order.pre_step(None, 4)
     model(task.batch(4)[0]).sum().backward()

@@ -161,6 +161,71 @@ def same(a, b):
     return a == b
 
 
+def spiked(train, rewind, steps, spikes, then=None):
+    """Run ``train`` (trained on each batch fed) up to ``steps``, spiking at ``spikes``; return the
+    batches fed at each step and the rewind events (``then(event)`` right after each)."""
+    fed, events = [], []
+    while train.step_count < steps:
+        step = train.step_count
+        fed.append(rewind.data_index(step))
+        train.optimizer.zero_grad()
+        train.model(torch.full((1, 2), 1.0 + fed[-1])).sum().backward()
+        train.optimizer.step()
+        train.step_count += 1
+        spike = step in spikes
+        spikes.discard(step)
+        record = StepRecord(step, 1.0, skipped=spike, reason="spike_grad" if spike else None)
+        event = rewind.after(train, record)
+        if event is not None:
+            events.append(event)
+            if then is not None:
+                then(event)
+    return fed, events
+
+
+def test_a_rewind_resumed_from_its_state_dict_goes_on_as_the_one_saved():
+    """``Rewind.state_dict`` holds the data offset, the rewinds made and the snapshots: a fresh Rewind
+    loaded with it (its rewinds as JSON reads them back, lists) feeds the same batches and rewinds alike."""
+    torch.manual_seed(0)
+    train = Train()
+    rewind = Rewind(back=4, skip=6)
+    rewind.attach(train)
+    spiked(train, rewind, 12, {9})
+    assert rewind.rewinds == [(9, 4)] and rewind.data_index(12) == 12 + 6
+    saved = rewind.state_dict()
+    model, step_count = copy.deepcopy(train.model.state_dict()), train.step_count
+    fed, events = spiked(train, rewind, 24, {16})
+    resumed = Rewind(back=4, skip=6)
+    resumed.load_state_dict({**saved, "offset": str(saved["offset"]), "rewinds": [[9, 4]]})
+    assert resumed.rewinds == [(9, 4)]
+    train.model.load_state_dict(model)
+    train.step_count = step_count
+    assert spiked(train, resumed, 24, {16}) == (fed, events)
+    assert resumed.rewinds == rewind.rewinds == [(9, 4), (16, 12)]
+
+
+def test_a_rewinds_saved_state_is_a_copy():
+    """What ``state_dict`` returns, and what ``load_state_dict`` was given, can be changed afterwards (a
+    checkpoint edited, or loaded twice) without changing the snapshot the live Rewind restores."""
+    torch.manual_seed(0)
+    train = Train()
+    rewind = Rewind(back=4, skip=6)
+    rewind.attach(train)
+    spiked(train, rewind, 6, set())
+    at_4 = copy.deepcopy(rewind.snapshots[-1].state["model"])
+    saved = rewind.state_dict()
+    given = copy.deepcopy(saved)
+    resumed = Rewind(back=4, skip=6)
+    resumed.load_state_dict(given)
+    for state in (saved, given):
+        for snap in state["snapshots"]:
+            for t in snap.state["model"].values():
+                t.zero_()
+    for r in (rewind, resumed):
+        r.restore(train, StepRecord(8, 1.0, skipped=True, reason="spike_grad"))
+        assert same(train.model.state_dict(), at_4) and train.step_count == 4
+
+
 def test_two_rewinds_to_one_snapshot_restore_the_state_it_was_taken_with():
     """A snapshot is restored as taken: the steps trained after a rewind (SGD's momentum updated in
     place) leave it alone, so a second rewind to it restores the model and optimizer of its step."""
@@ -169,24 +234,14 @@ def test_two_rewinds_to_one_snapshot_restore_the_state_it_was_taken_with():
     train.optimizer = torch.optim.SGD(train.model.parameters(), lr=0.1, momentum=0.9)
     rewind = Rewind(back=4, skip=4)
     rewind.attach(train)
-    taken, restored, pending = None, [], {9, 10}
-    while train.step_count < 14:
-        step = train.step_count
-        train.optimizer.zero_grad()
-        train.model(torch.full((1, 2), 1.0 + rewind.data_index(step))).sum().backward()
-        train.optimizer.step()
-        train.step_count += 1
-        if train.step_count == 4 and taken is None:
-            taken = copy.deepcopy((train.model.state_dict(), train.optimizer.state_dict()))
-        spike = step in pending
-        pending.discard(step)
-        record = StepRecord(step, 1.0, skipped=spike, reason="spike_grad" if spike else None)
-        event = rewind.after(train, record)
-        if event is not None:
-            now = (train.model.state_dict(), train.optimizer.state_dict())
-            restored.append((event.to, copy.deepcopy(now)))
-    assert [to for to, _ in restored] == [4, 4]
+    spiked(train, rewind, 4, set())
+    taken = copy.deepcopy((train.model.state_dict(), train.optimizer.state_dict()))
     assert taken[1]["state"][0]["momentum_buffer"].abs().sum() > 0
+    restored = []
+    spiked(train, rewind, 14, {9, 10},
+           lambda event: restored.append((event.to, copy.deepcopy((train.model.state_dict(),
+                                                                   train.optimizer.state_dict())))))
+    assert [to for to, _ in restored] == [4, 4]
     for _, state in restored:
         assert same(state, taken)
 
@@ -216,6 +271,15 @@ def test_the_uses_are_taken_in_backward_order_whatever_order_they_are_listed_in(
     listed = uses(("wte", 9, math.nan), ("mid", 5, math.inf), ("lm_head", 0, 1.0))
     out = placed(POSITIONS, listed, ["wte.weight"])
     assert out["wte.weight"] == (5, "mid")
+
+
+def test_the_first_use_is_the_first_in_backward_not_in_the_alphabet():
+    """A head named after its embedding in the alphabet ("head" > "emb") still comes first in backward: its
+    finite share leaves the NaN to the embedding's use."""
+    out = placed(POSITIONS, uses(("head", 0, 1.0), ("emb", 9, math.nan)), ["wte.weight"])
+    assert out["wte.weight"] == (9, "emb")
+    out = placed(POSITIONS, uses(("head", 0, math.nan), ("emb", 9, 1.0)), ["wte.weight"])
+    assert out["wte.weight"] == POSITIONS["wte.weight"]
 
 
 def test_a_weight_with_one_use_stays_where_backward_put_it():
