@@ -20,7 +20,7 @@ import labkit
 from labkit import SkipStreakWarning, StepRecord, ToyTask, TrainStep
 from labkit.alarms import REMEDIES, ClipAlarm, SkipAlarm
 from labkit.faults import Faults
-from labkit.hooks import DecisionView
+from labkit.hooks import DecisionView, Verdict
 from labkit.lab import describe
 from labkit.lab.defenses import OUTCOMES, ledger
 from labkit.reasons import Reason
@@ -303,3 +303,75 @@ def test_the_rerun_never_moves_the_runs_random_state_even_without_the_steps():
     before = torch.get_rng_state()
     assert triage(model, task.loss_fn, (x, y), precision="fp16") is Reason.FORWARD_OVERFLOW  # no rng given
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_model_without_parameters_is_triaged_on_the_cpu():
+    """A loss computed from the inputs alone (no parameters to say where the model lives) is triaged on the
+    CPU: NaN data, a fp32 forward that overflows by itself (1e30 squared), or a finite one."""
+    model, y = nn.Identity(), torch.zeros(1, 2)
+    assert triage(model, nn.functional.mse_loss, (torch.tensor([[NAN, 1.0]]), y), precision="fp16") \
+        is Reason.NONFINITE_INPUT
+    assert triage(model, nn.functional.mse_loss, (torch.full((1, 2), 1e30), y), precision="fp16") \
+        is Reason.NONFINITE_LOSS
+    assert triage(model, nn.functional.mse_loss, (torch.full((1, 2), 3.0), y), precision="fp16") \
+        is Reason.FORWARD_OVERFLOW
+
+
+def test_triages_fp32_rerun_sees_the_output_of_the_steps_own_dropout_masks():
+    """``triage(..., rng=rng_state(...))`` replays the step's forward with the random state from before it:
+    the loss function is handed the step's output again, to the bit (its dropout masks, not new ones)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5))
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append(out.detach().clone())
+        return (out - y).pow(2).mean()
+
+    x, y = torch.ones(2, 4), torch.zeros(2, 64)
+    rng = rng_state(None)
+    with torch.no_grad():
+        loss_fn(model(x), y)  # the step's forward (here in fp32: its output to compare with)
+    assert triage(model, loss_fn, (x, y), precision="fp16", rng=rng) is Reason.FORWARD_OVERFLOW
+    step, rerun = seen
+    assert (step == 0).any() and torch.equal(rerun, step)
+
+
+def test_the_hook_replays_the_steps_dropout_masks_in_both_reruns():
+    """``Triage.pre_step`` keeps the random state the step's forward draws from: the fp32 re-run and the
+    fp16 one that names the module drop the units the step dropped."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5), nn.Linear(64, 1))
+    with torch.no_grad():  # 32-odd kept units of 2 x 2 x 1e4: ~1e6, past fp16's 65504, finite in fp32
+        model[0].weight.fill_(0.5), model[0].bias.zero_(), model[2].weight.fill_(1e4)
+    dropped = []
+    model[1].register_forward_hook(lambda m, args, out: dropped.append(out.detach() == 0))
+    hook = Triage(model, nn.functional.mse_loss, "fp16")
+    x, y = torch.ones(2, 4), torch.zeros(2, 1)
+    hook.pre_step(None, 0)
+    with torch.autocast("cpu", dtype=torch.float16):  # the step's forward
+        loss = nn.functional.mse_loss(model(x), y)
+    assert not torch.isfinite(loss)
+    verdict = hook.on_decision(None, DecisionView(0, loss.item(), NAN, loss_bad=True, batch=(x, y)))
+    assert verdict.skip is Reason.FORWARD_OVERFLOW and verdict.fields == {"culprit_module": "2"}
+    step, fp32, fp16 = dropped
+    assert step.any() and torch.equal(fp32, step) and torch.equal(fp16, step)
+
+
+def test_an_overflow_in_the_loss_itself_names_no_module():
+    """No module's fp16 output went non-finite (400 is in range), the loss's square did (160000): the
+    verdict is the skip alone, with no ``culprit_module`` (None would stand for "no module" there too)."""
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(100.0), model.bias.zero_()
+    x = torch.full((1, 2), 2.0)
+
+    def loss_fn(out):
+        return (out * out).sum()
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model(x)).all() and not torch.isfinite(loss_fn(model(x)))
+    hook = Triage(model, loss_fn, "fp16")
+    hook.pre_step(None, 0)
+    verdict = hook.on_decision(None, DecisionView(0, math.inf, NAN, loss_bad=True, batch=(x, None)))
+    assert verdict == Verdict(skip=Reason.FORWARD_OVERFLOW)
