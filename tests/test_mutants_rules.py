@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from labkit.blame import placed
 from labkit.clippers import AGC, LockInWarning, NormClip, ZClip
 from labkit.clippers import base as clippers_base
-from labkit.hooks import DecisionView
+from labkit.hooks import DecisionView, Verdict
 from labkit.records import StepRecord
 from labkit.rewind import Rewind
 from labkit.spikes import SpikeDetector, rolling_z, spike_score
@@ -79,6 +79,46 @@ def test_the_detectors_clip_limit_is_mean_plus_z_std_of_its_window(norms, clip_z
         det.observe(1.0, n, admitted=True)
     want = statistics.fmean(norms) + clip_z * statistics.pstdev(norms)
     assert det.clip_limit() == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def detector_at_mean_1_std_1(skip_z=6.0, clip_z=3.0):
+    """A detector whose loss and norm windows are [0, 2] * 4: mean 1, population std 1, so z = x - 1."""
+    det = SpikeDetector(window=8, skip_z=skip_z, clip_z=clip_z, min_count=2)
+    for v in [0.0, 2.0] * 4:
+        det.observe(v, v, admitted=True)
+    return det
+
+
+def test_a_step_exactly_skip_z_or_clip_z_sigma_out_is_kept():
+    """OLMo-core's SkipStepOptimizer steps while ``x - mean <= k * std``: a value exactly ``skip_z`` sigma out
+    is not skipped, and one exactly ``clip_z`` out is not clipped; a hair beyond, it is."""
+    det = detector_at_mean_1_std_1()
+    assert det.score(7.0, 4.0) == (6.0, 3.0)
+    assert det.decide(6.0, 3.0) == (None, None)
+    assert det.decide(0.0, 6.0) == ("clip", "z_grad")  # not skipped at skip_z: past clip_z, clipped
+    assert det.on_decision(None, DecisionView(0, 7.0, 4.0)) == Verdict(fields={"z_loss": 6.0, "z_grad": 3.0})
+    assert det.decide(6.0 + 1e-9, 0.0) == ("skip", "spike_loss")
+    assert det.decide(0.0, 6.0 + 1e-9) == ("skip", "spike_grad")
+    assert det.decide(0.0, 3.0 + 1e-9) == ("clip", "z_grad")
+
+
+def test_a_gradient_spike_alone_skips_the_step_as_spike_grad():
+    """A norm 9 sigma out with a quiet loss: the verdict skips the step, saying ``spike_grad``; 4 sigma
+    (past clip_z, below skip_z) clips it to mean + clip_z * std = 4."""
+    det = detector_at_mean_1_std_1()
+    assert det.decide(0.0, 9.0) == ("skip", "spike_grad")
+    assert det.on_decision(None, DecisionView(0, 1.0, 10.0)) == Verdict(
+        skip="spike_grad", fields={"z_loss": 0.0, "z_grad": 9.0})
+    assert det.on_decision(None, DecisionView(0, 1.0, 5.0)) == Verdict(
+        clip_to=4.0, clip_reason="z_grad", fields={"z_loss": 0.0, "z_grad": 4.0})
+
+
+def test_a_step_whose_loss_was_bad_is_not_scored():
+    """A non-finite loss skips the step before backward: the detector says nothing of it, whatever norm the
+    view holds, nor of a finite loss with a non-finite norm (that step skips anyway)."""
+    det = detector_at_mean_1_std_1()
+    assert det.on_decision(None, DecisionView(0, math.nan, 50.0, loss_bad=True)) is None
+    assert det.on_decision(None, DecisionView(0, 50.0, math.inf)) is None
 
 
 # ------------------------------------------------------------------------------ rewind
