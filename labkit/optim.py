@@ -3,8 +3,8 @@
 Adam divides each coordinate's step by ``sqrt(v_hat)``, a running average of past squared
 gradients. When a gradient arrives that is large *for that average* (``v_hat`` under-estimates
 ``g**2``), the step is large however small the gradient's norm is. Wortsman et al. 2023b
-(*Stable and low-precision training for large-scale vision-language models*, arXiv 2304.13013,
-§3.4) measure that per tensor as ``RMS_t = sqrt(mean(g_t**2 / max(v_hat_t, eps**2)))``, find
+(*Stable and low-precision training for large-scale vision-language models*, arXiv 2304.13013)
+measure that per tensor as ``RMS_t = sqrt(mean(g_t**2 / max(v_hat_t, eps**2)))``, find
 loss spikes 1-8 steps after it jumps, and clip the update with it (Algorithm 2, StableAdamW:
 Adafactor's update clipping, Shazeer & Stern 2018, ported to AdamW). Because ``v_hat_t``
 already contains ``g_t``, ``(1 - beta2) * g_t**2 <= v_t`` caps every coordinate's ratio at

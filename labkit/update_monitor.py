@@ -1,12 +1,12 @@
 """Watch Adam's per-tensor RMS(g/sqrt(v_hat)) and the applied update, and warn on an RMS spike.
 
-Wortsman et al. 2023b (arXiv 2304.13013, §3.4) find loss spikes 1-8 steps after the per-tensor
-``RMS_t = sqrt(mean(g_t**2 / v_hat_t))`` of AdamW jumps: a gradient large *for Adam's running
-average* gives a large step however small its norm (``labkit.optim``). ``UpdateMonitor`` records
-that signal per parameter tensor, which tensor peaked, and the RMS of the update the optimizer
-applied (divided by the learning rate), and warns once per episode when the peak passes a
-threshold (3 by default: a probe of the memorisation regime lesson 08 runs saw
-RMS > 3 precede 67-85 % of loss-spike onsets against a 2-5 % base rate, AdamW beta2 0.99).
+Wortsman et al. 2023b (arXiv 2304.13013: its abstract, Algorithm 2) find loss spikes 1-8 steps
+after the per-tensor ``RMS_t = sqrt(mean(g_t**2 / v_hat_t))`` of AdamW jumps: a gradient large *for
+Adam's running average* gives a large step however small its norm (``labkit.optim``).
+``UpdateMonitor`` records that signal per parameter tensor, which tensor peaked, and the RMS of the
+update the optimizer applied (divided by the learning rate), and warns once per episode when the
+peak passes a threshold (3 by default: a probe of the memorisation regime lesson 08 runs saw RMS >
+3 precede 67-85 % of loss-spike onsets against a 2-5 % base rate, AdamW beta2 0.99).
 
 **The record is one step late.** ``RMS_t`` needs ``v_t``, which the optimizer writes in its
 step; the protocol reads a hook's device tensors only with the numbers the step reads anyway,
