@@ -121,6 +121,21 @@ def test_a_step_whose_loss_was_bad_is_not_scored():
     assert det.on_decision(None, DecisionView(0, 50.0, math.inf)) is None
 
 
+def test_a_resumed_detectors_window_still_holds_the_last_window_values():
+    """The windows read back keep their length: after ``window`` more steps the saved values are gone, and
+    the resumed detector scores as one that saw only those steps."""
+    det = SpikeDetector(window=4, skip_z=6.0, min_count=2)
+    for v in [50.0, 70.0, 90.0, 110.0]:
+        det.observe(v, v, admitted=True)
+    resumed, fresh = SpikeDetector(window=4, skip_z=6.0, min_count=2), SpikeDetector(window=4, min_count=2)
+    resumed.load_state_dict(det.state_dict())
+    for v in [0.0, 2.0] * 2:
+        resumed.observe(v, v, admitted=True)
+        fresh.observe(v, v, admitted=True)
+    assert resumed.state_dict() == fresh.state_dict() == {"losses": [0.0, 2.0] * 2, "norms": [0.0, 2.0] * 2}
+    assert resumed.score(7.0, 7.0) == (6.0, 6.0)
+
+
 # ------------------------------------------------------------------------------ rewind
 
 

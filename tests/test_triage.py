@@ -24,7 +24,7 @@ from labkit.hooks import DecisionView, Verdict
 from labkit.lab import describe
 from labkit.lab.defenses import OUTCOMES, ledger
 from labkit.reasons import Reason
-from labkit.triage import Triage, _fp32_loss, rng_state, triage
+from labkit.triage import Triage, _fp32_loss, nonfinite_input, overflow_module, rng_state, triage
 
 NAN = float("nan")
 
@@ -375,3 +375,87 @@ def test_an_overflow_in_the_loss_itself_names_no_module():
     hook.pre_step(None, 0)
     verdict = hook.on_decision(None, DecisionView(0, math.inf, NAN, loss_bad=True, batch=(x, None)))
     assert verdict == Verdict(skip=Reason.FORWARD_OVERFLOW)
+
+
+def test_nonfinite_input_is_a_0_dim_bool_for_any_batch():
+    """``nonfinite_input`` answers with a 0-dim bool tensor: for one tensor, several, and a batch of token
+    ids (no floating tensor: nothing can be non-finite)."""
+    for batch, want in [((torch.ones(2),), False), ((torch.tensor([1.0, NAN]),), True),
+                        ((torch.ones(2), {"y": torch.tensor([math.inf])}), True),
+                        ((torch.tensor([[1, 2]]), torch.tensor([3])), False)]:
+        got = nonfinite_input(*batch)
+        assert got.dtype == torch.bool and got.shape == () and bool(got) is want
+
+
+def test_bad_data_is_told_without_a_forward():
+    """``triage`` checks the batch first: NaN inputs read ``nonfinite_input`` and the model never runs."""
+    model = nn.Linear(2, 1, bias=False)  # one parameter
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    y = torch.zeros(1, 1)
+    assert triage(model, nn.functional.mse_loss, (torch.tensor([[NAN, 1.0]]), y), precision="fp16") \
+        is Reason.NONFINITE_INPUT
+    assert calls == []
+    assert triage(model, nn.functional.mse_loss, (torch.ones(1, 2), y), precision="fp16") \
+        is Reason.FORWARD_OVERFLOW and calls == [1]  # finite data: one fp32 re-run
+
+
+def test_triage_takes_a_steps_batch_a_mapping_or_a_bare_tensor():
+    """The batch ``triage`` is handed: the step's ``Batch`` (its micro-batches), inputs as a mapping
+    (``model(**x)``) or a bare tensor (``loss_fn(output)``), NaN in it or not."""
+    from labkit.step.batch import Batch
+
+    task = ToyTask()
+    model = overflowing_head(task)
+    x, y = task.batch(0)
+    cpu = torch.device("cpu")
+    assert triage(model, task.loss_fn, Batch(x, y, 2, cpu, None), precision="fp16") is Reason.FORWARD_OVERFLOW
+    bad = x.clone()
+    bad[-1, 0] = NAN  # in the second micro-batch
+    assert triage(model, task.loss_fn, Batch(bad, y, 2, cpu, None), precision="fp16") \
+        is Reason.NONFINITE_INPUT
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = overflowing_head(task)
+
+        def forward(self, x):
+            return self.net(x)
+
+    def mean_square(out):
+        return out.pow(2).mean()
+
+    kw = Keyword()
+    assert triage(kw, mean_square, {"x": x}, precision="fp16") is Reason.FORWARD_OVERFLOW
+    assert triage(kw, mean_square, {"x": bad}, precision="fp16") is Reason.NONFINITE_INPUT
+    assert triage(model, mean_square, x, precision="fp16") is Reason.FORWARD_OVERFLOW
+    assert triage(model, mean_square, bad, precision="fp16") is Reason.NONFINITE_INPUT
+
+
+def test_overflow_module_names_the_layer_whose_output_overflowed():
+    """Called on its own: the Linear whose fp16 output passed 65504 (4e5) from finite inputs, not the ReLU
+    or the Linear after it; None when no module's output went non-finite."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    batch = (torch.ones(1, 2), torch.zeros(1, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(1.0), net[0].bias.zero_()
+    assert overflow_module(net, nn.functional.mse_loss, batch, precision="fp16") is None
+    with torch.no_grad():
+        net[1].weight.fill_(1e5)
+    assert overflow_module(net, nn.functional.mse_loss, batch, precision="fp16") == "1"
+
+
+def test_the_hooks_verdict_on_bad_data_or_bad_weights_is_the_reason_alone():
+    """``Triage.on_decision`` skips with the reason and names no module when the forward did not overflow."""
+    task = ToyTask()
+    model = task.model()
+    hook = Triage(model, task.loss_fn, "fp16")
+    x, y = task.batch(0)
+    hook.pre_step(None, 0)
+    view = DecisionView(0, NAN, NAN, loss_bad=True, batch=(x * NAN, y))
+    assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_INPUT)
+    with torch.no_grad():
+        model[0].weight.fill_(NAN)
+    view = DecisionView(0, NAN, NAN, loss_bad=True, batch=(x, y))
+    assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
