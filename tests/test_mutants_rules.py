@@ -136,6 +136,17 @@ def test_a_resumed_detectors_window_still_holds_the_last_window_values():
     assert resumed.score(7.0, 7.0) == (6.0, 6.0)
 
 
+def test_the_detector_admits_a_record_as_the_step_was_taken():
+    """``on_record`` admits the loss and the norm the optimizer stepped with: a z clip's own cut (its
+    post-clip norm), another clipper's pre-clip norm (the spike it judges), and nothing of a skipped step."""
+    det = SpikeDetector(window=8, skip_z=6.0, clip_z=3.0, min_count=2)
+    det.on_record(None, StepRecord(0, 1.0, grad_norm=10.0, clip_coef=0.4, clip_reason="z_grad"))
+    det.on_record(None, StepRecord(1, 2.0, grad_norm=10.0, clip_coef=0.4, clip_reason="NormClip"))
+    det.on_record(None, StepRecord(2, 3.0, grad_norm=10.0))
+    det.on_record(None, StepRecord(3, 50.0, grad_norm=90.0, skipped=True, reason="spike_grad"))
+    assert det.state_dict() == {"losses": [1.0, 2.0, 3.0], "norms": [4.0, 10.0, 10.0]}
+
+
 # ------------------------------------------------------------------------------ rewind
 
 

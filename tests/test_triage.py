@@ -459,3 +459,24 @@ def test_the_hooks_verdict_on_bad_data_or_bad_weights_is_the_reason_alone():
         model[0].weight.fill_(NAN)
     view = DecisionView(0, NAN, NAN, loss_bad=True, batch=(x, y))
     assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
+
+
+def test_what_the_hook_was_given_wins_over_the_trainers():
+    """``attach`` takes from the trainer only what was not given: a model, loss function and precision
+    passed to ``Triage`` stay (an fp16 overflow is triaged as fp16 even on an fp32 trainer)."""
+    from types import SimpleNamespace
+
+    task = ToyTask()
+    model, other, loss_fn = overflowing_head(task), task.model(), task.loss_fn
+    x, y = task.batch(0)
+    trainer = SimpleNamespace(model=other, loss_fn=lambda out, y: out.sum() * NAN, precision="fp32",
+                              process_group=None)
+    given = Triage(model, loss_fn, "fp16")
+    given.attach(trainer)
+    assert given.model is model and given.loss_fn is loss_fn and given.precision == "fp16"
+    given.pre_step(None, 0)
+    view = DecisionView(0, math.inf, NAN, loss_bad=True, batch=(x, y))
+    assert given.on_decision(None, view).skip is Reason.FORWARD_OVERFLOW
+    taken = Triage()
+    taken.attach(trainer)
+    assert taken.model is other and taken.loss_fn is trainer.loss_fn and taken.precision == "fp32"
