@@ -315,6 +315,10 @@ def test_a_model_without_parameters_is_triaged_on_the_cpu():
         is Reason.NONFINITE_LOSS
     assert triage(model, nn.functional.mse_loss, (torch.full((1, 2), 3.0), y), precision="fp16") \
         is Reason.FORWARD_OVERFLOW
+    hook = Triage(model, nn.functional.mse_loss, "fp16")
+    hook.pre_step(None, 0)  # the CPU's random state: no parameter says where else the forward runs
+    view = DecisionView(0, math.inf, NAN, loss_bad=True, batch=(torch.full((1, 2), 1e30), y))
+    assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
 
 
 def test_triages_fp32_rerun_sees_the_output_of_the_steps_own_dropout_masks():
@@ -459,6 +463,8 @@ def test_the_hooks_verdict_on_bad_data_or_bad_weights_is_the_reason_alone():
         model[0].weight.fill_(NAN)
     view = DecisionView(0, NAN, NAN, loss_bad=True, batch=(x, y))
     assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
+    # a loop that never calls pre_step: the re-run draws fresh masks, and still reads the weights
+    assert Triage(model, task.loss_fn, "fp16").on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
 
 
 def test_what_the_hook_was_given_wins_over_the_trainers():
