@@ -32,7 +32,7 @@ def equivalents(path: Path) -> list[str]:
 
 
 def module(name: str) -> str:
-    """Return the module of a mutant name: ``labkit.step.batch.x_split__mutmut_2`` -> ``labkit.step.batch``."""
+    """Return a mutant's module: ``labkit.step.batch.x_split__mutmut_2`` -> ``labkit.step.batch``."""
     return name.split(".x_")[0].split(".xǁ")[0]
 
 
@@ -59,7 +59,8 @@ def main(root: Path = Path(".")) -> int:
             else:
                 c["other"] += 1
     total = Counter()
-    print(f"{'module':34} {'score':>7} {'killed':>7} {'survived':>8} {'no tests':>8} {'unrun':>6} {'equiv':>6}")
+    print(f"{'module':34} {'score':>7} {'killed':>7} {'survived':>8} {'no tests':>8} {'unrun':>6} "
+          f"{'equiv':>6}")
     for mod in sorted(counts):
         c = counts[mod]
         total += c

@@ -1,11 +1,12 @@
-"""Steps per second of the GPT task's default config on this machine (the issue's budget: 200 fp16 steps <= 10 s on 2 CPU cores).
+"""Steps per second of the GPT task's default config on this machine, against the issue's budget.
 
     python benchmarks/bench_gpt.py [--steps 200] [--options] [--panel]
 
-Each row is one ``run_experiment`` of ``ExperimentConfig(task="gpt")`` at the default size for
-the device (``GPTTask.for_device``), after a 5-step warm-up (on a CPU ``run_experiment`` uses one
-intra-op thread: a second costs more than it saves on matrices this small); wall and process CPU time are both
-printed, since on a shared machine the wall time says more about the neighbours than the code.
+The issue's budget: 200 fp16 steps <= 10 s on 2 CPU cores. Each row is one ``run_experiment`` of
+``ExperimentConfig(task="gpt")`` at the default size for the device (``GPTTask.for_device``),
+after a 5-step warm-up (on a CPU ``run_experiment`` uses one intra-op thread: a second costs more
+than it saves on matrices this small); wall and process CPU time are both printed, since on a
+shared machine the wall time says more about the neighbours than the code.
 
 ``--options`` times each stability option of ``GPTTask`` (qk-layernorm, z-loss, soft-caps,
 the explicit attention path) and the logit measurements themselves (``measure=False`` is the
@@ -100,12 +101,12 @@ def main() -> None:
     machine = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     print(f"torch {torch.__version__}, {device}: {machine}, {torch.get_num_threads()} cores for torch, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"GPT {task.n_layer} layers, width {task.n_embd}, context {task.block_size}, batch {task.batch_size}; "
-          f"data sha256 {task.fingerprint[:16]}")
+    print(f"GPT {task.n_layer} layers, width {task.n_embd}, context {task.block_size}, "
+          f"batch {task.batch_size}; data sha256 {task.fingerprint[:16]}")
     print(f"{'precision':10s} {'steps':>6s} {'wall s':>8s} {'cpu s':>8s} {'steps/s':>8s}")
     for precision in ("fp32", "fp16", "bf16"):
-        config = ExperimentConfig(task="gpt", precision=precision, optimizer="adam", lr=3e-3, growth_interval=50,
-                                  steps=args.steps, device=device)
+        config = ExperimentConfig(task="gpt", precision=precision, optimizer="adam", lr=3e-3,
+                                  growth_interval=50, steps=args.steps, device=device)
         run_experiment(dataclasses.replace(config, steps=5))  # warm-up: lazy imports, allocator
         wall, cpu = time.perf_counter(), time.process_time()
         run_experiment(config)

@@ -1,6 +1,7 @@
-"""Time grading a class of each problem set: seconds per submission, and is 300 in <= 30 min on 2 cores in reach?
+"""Time grading a class of each problem set: seconds per submission; is 300 in <= 30 min on 2 cores in reach?
 
-    python benchmarks/bench_grading.py [--sets ps1,ps2,ps3,ps4] [--students 300] [--jobs 2] [--one-by-one 5] [--label "idle"]
+    python benchmarks/bench_grading.py [--sets ps1,ps2,ps3,ps4] [--students 300] [--jobs 2]
+        [--one-by-one 5] [--label "idle"]
 
 For each set of notebooks/exercises/ builds a class of ``--students`` submissions in
 nbgrader's layout (the instructor's solutions, and in three of four of them one classic bug,
@@ -26,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 EXERCISES = ROOT / "notebooks" / "exercises"
-SETS = {"ps1": EXERCISES / "ps1_clipping_and_scaling.ipynb", "ps2": EXERCISES / "ps2_instabilities_and_spikes.ipynb",
+SETS = {"ps1": EXERCISES / "ps1_clipping_and_scaling.ipynb",
+        "ps2": EXERCISES / "ps2_instabilities_and_spikes.ipynb",
         "ps3": EXERCISES / "ps3_precision_beyond_fp16.ipynb", "ps4": EXERCISES / "ps4_optimizer_spikes.ipynb"}
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -35,11 +37,14 @@ from grading_answers import BUGS as SET_BUGS  # noqa: E402
 from labkit.grading.notebook import read, release  # noqa: E402
 
 PS1_BUGS = {  # answer grade_id -> a wrong body that a course sees
-    "grad_norm_answer": "def global_grad_norm(parameters):\n    return torch.sqrt(sum((p.grad ** 2).sum() for p in "
-                        "parameters if p.grad is not None)).float()",
-    "skip_answer": "def skip_reason(loss, parameters):\n    return 'nonfinite_loss' if torch.isnan(loss) else None",
+    "grad_norm_answer": "def global_grad_norm(parameters):\n"
+                        "    return torch.sqrt(sum((p.grad ** 2).sum() for p in parameters "
+                        "if p.grad is not None)).float()",
+    "skip_answer": "def skip_reason(loss, parameters):\n"
+                   "    return 'nonfinite_loss' if torch.isnan(loss) else None",
     "scale_answer": "def next_scale(scale, growth_tracker, hysteresis_left, found_inf, config):\n"
-                    "    return (scale / 2, 0, 0) if found_inf else (scale, growth_tracker + 1, hysteresis_left)",
+                    "    return (scale / 2, 0, 0) if found_inf "
+                    "else (scale, growth_tracker + 1, hysteresis_left)",
 }
 
 
@@ -81,27 +86,30 @@ def bench(name: str, source: Path, args: argparse.Namespace, env: dict[str, str]
         folder = Path(tmp)
         make_class(source, folder, args.students)
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(source), str(folder / "submitted"),
-                        "--out", str(folder / "grades"), "--jobs", str(args.jobs)], env=env, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(source),
+                        str(folder / "submitted"), "--out", str(folder / "grades"), "--jobs", str(args.jobs)],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - start
         book = json.loads((folder / "grades" / "gradebook.json").read_text())
         same = 0
         for entry in book["students"][: args.one_by_one]:
             alone = folder / f"{entry['student']}.json"
             notebook = folder / "submitted" / entry["student"] / source.stem.split("_")[0] / source.name
-            subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(source), str(notebook), "--json",
-                            str(alone), "--seed", str(entry["seed"]), "--include-manual"], env=env, check=True,
-                           stdout=subprocess.DEVNULL)
-            batch = json.loads((folder / "grades" / "results" / f"{entry['student']}.json").read_text())["parts"]
+            subprocess.run([sys.executable, "-m", "labkit.grading", "grade", str(source), str(notebook),
+                            "--json", str(alone), "--seed", str(entry["seed"]), "--include-manual"],
+                           env=env, check=True, stdout=subprocess.DEVNULL)
+            batch = json.loads(
+                (folder / "grades" / "results" / f"{entry['student']}.json").read_text()
+            )["parts"]
             same += json.loads(alone.read_text())["parts"] == batch
     scores = sorted({s["score"] for s in book["students"]})
     per = wall / args.students
-    print(f"{name}: {args.students} submissions, --jobs {args.jobs}: {wall:.1f} s wall, {per:.2f} s per submission "
-          f"(goal <= 4); 300 would take {300 * per / 60:.1f} min (goal <= 30); scores seen: {scores}")
+    print(f"{name}: {args.students} submissions, --jobs {args.jobs}: {wall:.1f} s wall, {per:.2f} s per "
+          f"submission (goal <= 4); 300 would take {300 * per / 60:.1f} min (goal <= 30); scores seen: "
+          f"{scores}")
     if args.one_by_one:
-        print(f"{name}: graded alone with the batch's seed: {same} of {args.one_by_one} got the batch's grade part by "
-              "part")
+        print(f"{name}: graded alone with the batch's seed: {same} of {args.one_by_one} got the batch's "
+              "grade part by part")
 
 
 def main() -> None:
@@ -118,7 +126,9 @@ def main() -> None:
         parser.error(f"unknown set(s) {unknown}; choose from {', '.join(SETS)}")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "labkit.grading", "--help"], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "labkit.grading", "--help"], env=env, check=True, capture_output=True
+    )
     cli = time.perf_counter() - start
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())

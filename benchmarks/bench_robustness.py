@@ -32,15 +32,16 @@ def best_of(fn, repeat: int = 7, number: int = 200) -> float:
 def main() -> None:
     torch.manual_seed(0)
     task = labkit.ToyTask()
-    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64),
-                          nn.ReLU(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64),
+                          nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
     step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01), task.loss_fn,
                             hooks=[ClipAlarm(None)])
     x, y = task.batch(0)
     params = best_of(step._named_params, number=2000)
     snapshot = best_of(lambda: [b.detach().clone() for b in model.buffers()], number=2000)
     whole = best_of(lambda: step(x, y), number=50)
-    print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}")
     print(f"params from optimizer.param_groups: {params * 1e6:8.2f} us/step")
     print(f"buffer snapshot (2 BatchNorm1d(64)): {snapshot * 1e6:8.2f} us/step")
     print(f"whole TrainStep (fp32, same model):  {whole * 1e6:8.2f} us/step "

@@ -143,7 +143,10 @@ def make_setup(width, fused, device, steps, batch=64):
     model = Wide(width).to(device) if width else labkit.ToyTask().model(device)
     inputs = 16 if width else labkit.ToyTask().in_features
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
-    batches = [(torch.randn(batch, inputs, device=device), torch.randn(batch, 1, device=device)) for _ in range(steps)]
+    batches = [
+        (torch.randn(batch, inputs, device=device), torch.randn(batch, 1, device=device))
+        for _ in range(steps)
+    ]
     return model, opt, batches
 
 
@@ -174,7 +177,8 @@ def bench_step(width, fused, precision, device, steps, repeat, sync_every):
             return timed(lambda b: trainstep_loop(model, opt, b, precision, every, step=step), batches[1:])
         return run
 
-    fns = {"torch": run_textbook, "labkit": run_ours(None), f"labkit sync_every={sync_every}": run_ours(sync_every)}
+    fns = {"torch": run_textbook, "labkit": run_ours(None),
+           f"labkit sync_every={sync_every}": run_ours(sync_every)}
     return interleaved(fns, repeat, device, self_timed=True)
 
 
@@ -183,7 +187,8 @@ def bench_step(width, fused, precision, device, steps, repeat, sync_every):
 
 class SyncCounter:
     NAMES = ("item", "__bool__", "tolist", "__float__", "__int__", "cpu", "numpy")
-    COUNTED = ("labkit", "torch.amp", __name__, "torch.nn.utils.clip_grad")  # __name__: the textbook loop here
+    # __name__: the textbook loop here
+    COUNTED = ("labkit", "torch.amp", __name__, "torch.nn.utils.clip_grad")
 
     def __init__(self) -> None:
         self.count, self._real = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
@@ -240,7 +245,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="reduced sizes (2M gradients, a ~1M-parameter MLP)")
     ap.add_argument("--precision", choices=list(labkit.step.PRECISIONS),
-                    help="default fp16 on a GPU, fp32 on a CPU (most emulate fp16: the MLP would take an hour)")
+                    help="default fp16 on a GPU, fp32 on a CPU (most emulate fp16: the MLP would take "
+                         "an hour)")
     ap.add_argument("--models", default="toy,mlp", help="(b)'s models: toy, mlp or both")
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run, e.g. --parts a")
@@ -252,7 +258,8 @@ def main() -> None:
         ap.error(f"--models takes toy, mlp or toy,mlp; got {args.models!r}")
     numel, width, repeat = (2_000_000, 512, 5) if args.quick else (50_000_000, 4096, 9)
     if device.type == "cpu":
-        torch.set_num_threads(1 if args.quick else torch.get_num_threads())  # --quick: 1 thread, steadier on a shared machine
+        # --quick: 1 thread, steadier on a shared machine
+        torch.set_num_threads(1 if args.quick else torch.get_num_threads())
     where = torch.cuda.get_device_name() if device.type == "cuda" else cpu_name()
     print(f"# {where}; torch {torch.__version__}; {torch.get_num_threads()} threads; medians, interleaved")
 
@@ -267,7 +274,8 @@ def main() -> None:
 def clip_part(numel, device, repeat):
     t = bench_clip(numel, device, repeat)
     print(f"\n(a) unscale+check+clip, {numel / 1e6:g}M fp32 gradients in 50 tensors")
-    print(f"    labkit {t['labkit'] * 1e3:8.2f} ms   torch {t['torch'] * 1e3:8.2f} ms   floor {t['floor'] * 1e3:8.2f} ms")
+    print(f"    labkit {t['labkit'] * 1e3:8.2f} ms   torch {t['torch'] * 1e3:8.2f} ms   "
+          f"floor {t['floor'] * 1e3:8.2f} ms")
     print(f"    torch/labkit = {t['torch'] / t['labkit']:.2f}x faster (goal >= 1.5)   "
           f"labkit/floor = {t['labkit'] / t['floor']:.2f} (goal <= 1.15)")
 
@@ -291,7 +299,10 @@ def sync_part(args, device):
     print("\n(c) host syncs per step (toy model)")
     for fused in (False, True):
         s = syncs_per_step(fused, args.precision, device, args.sync_every)
-        print(f"    AdamW {'fused  ' if fused else 'foreach'}  " + "   ".join(f"{k}: {v:g}" for k, v in s.items()))
+        print(
+            f"    AdamW {'fused  ' if fused else 'foreach'}  "
+            + "   ".join(f"{k}: {v:g}" for k, v in s.items())
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["CORE", "Field", "RewindEvent", "StepRecord", "declare", "declared", "parse_line", "put", "read_line"]
+__all__ = ["CORE", "Field", "RewindEvent", "StepRecord", "declare", "declared", "parse_line", "put",
+           "read_line"]
 
 # Strict JSON has no NaN/Infinity (JavaScript's JSON.parse rejects Python's bare NaN): non-finite
 # floats are written as these strings, and read back from them or from the bare tokens.
@@ -95,8 +96,8 @@ def declare(owner: str, fields: Mapping[str, Field]) -> None:
             raise TypeError(f"{owner} declares {name!r} as {f!r}: give labkit.records.Field(default).")
         known = _DECLARED.get(name)
         if known is not None and known[0] != f and not (_is_nan(known[0].default) and _is_nan(f.default)):
-            raise ValueError(f"{owner} declares the record field {name!r}, which {known[1]} declares otherwise "
-                             f"({known[0]}): give it another name.")
+            raise ValueError(f"{owner} declares the record field {name!r}, which {known[1]} declares "
+                             f"otherwise ({known[0]}): give it another name.")
         _DECLARED.setdefault(name, (f, owner))
 
 
@@ -110,7 +111,7 @@ def _is_nan(x: Any) -> bool:
 
 
 def put(fields: MutableMapping[str, Any], name: str, value: Any) -> None:
-    """Set a declared field in ``fields`` (a record's ``fields``): ``name``, or ``name/key`` for one entry of a per-layer one.
+    """Set a declared field in a record's ``fields``: ``name``, or ``name/key`` (an entry of a per-layer one).
 
     The one check of a hook's field: a name nobody declared, or ``/key`` on a field that is not
     per layer, raises before anything is set.
@@ -157,8 +158,9 @@ class StepRecord:
 
     def __init__(self, step: int, loss: float, grad_norm: float = math.nan, clip_coef: float = 1.0,
                  clipped: bool = False, scale: float = 1.0, next_scale: float = 1.0, skipped: bool = False,
-                 reason: str | None = None, *, lr: float = math.nan, lrs: list[float] | tuple[float, ...] = (),
-                 fields: Mapping[str, Any] | None = None, **more: Any) -> None:
+                 reason: str | None = None, *, lr: float = math.nan,
+                 lrs: list[float] | tuple[float, ...] = (), fields: Mapping[str, Any] | None = None,
+                 **more: Any) -> None:
         set_ = object.__setattr__  # the core's one write: __setattr__ refuses every later one
         set_(self, "step", step)
         set_(self, "loss", loss)
@@ -188,9 +190,10 @@ class StepRecord:
         if known is not None:
             return copy.copy(known[0].default)  # a fresh {} or []: no shared mutable default
         if name in _LEGACY:
-            raise AttributeError(f"record.{name}: a rewind is an event in the log now, not a mark on records: "
-                                 "read log.rewound (a flag per record), log.rewound_steps, log.kept() or "
-                                 "log.rewinds (RewindEvent: step, to, reason, data_from, data_to).")
+            raise AttributeError(f"record.{name}: a rewind is an event in the log now, not a mark on "
+                                 "records: read log.rewound (a flag per record), log.rewound_steps, "
+                                 "log.kept() or log.rewinds (RewindEvent: step, to, reason, data_from, "
+                                 "data_to).")
         raise AttributeError(f"StepRecord has no field {name!r}: it holds {sorted(fields)}, the core "
                              f"{list(CORE)} and the fields declared by the hooks imported "
                              f"({sorted(_DECLARED)}); record.get({name!r}) reads None for a field never set.")
@@ -242,7 +245,8 @@ class StepRecord:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __reduce__(self) -> tuple[Any, ...]:  # copy and pickle: the core cannot be set one attribute at a time
+    # copy and pickle: the core cannot be set one attribute at a time
+    def __reduce__(self) -> tuple[Any, ...]:
         return (StepRecord.from_dict, (self.to_dict(),))
 
     def __repr__(self) -> str:
@@ -275,7 +279,7 @@ class RewindEvent:
 
     @property
     def undone(self) -> range:
-        """The step numbers whose records it undid (one branch: records of earlier branches may share them)."""
+        """The step numbers whose records it undid (one branch; earlier branches' records may share them)."""
         return range(self.to, self.step + 1)
 
     def to_json(self) -> str:
@@ -283,7 +287,7 @@ class RewindEvent:
 
 
 def read_line(line: str) -> list[StepRecord | RewindEvent]:
-    """Return what one JSONL line holds: a record, an event, or (an older labkit's trigger) a record and its event.
+    """Read one JSONL line: a record, an event, or (an older labkit's trigger) a record and its event.
 
     >>> [type(x).__name__ for x in read_line('{"step": 4, "loss": 1.0, "rewound": true, "rewind_to": 2}')]
     ['StepRecord', 'RewindEvent']

@@ -86,12 +86,13 @@ class Rewind(Hook):
         check_int("max_rewinds", max_rewinds, 1)
         every = check_int("every", back if every is None else every, 1, back, hint="(back)")
         if 0 < skip < back:
-            warnings.warn(f"Rewind(back={back}, skip={skip}): a skip shorter than the steps undone would feed "
-                          "the batches that caused the spike again, so each rewind skips at least past the "
-                          "spike's batch (PaLM rewound ~100 steps and skipped 200-500 batches). Pass skip >= "
-                          "back to skip a window of your own, or skip=0 to replay the same batches.",
+            warnings.warn(f"Rewind(back={back}, skip={skip}): a skip shorter than the steps undone would "
+                          "feed the batches that caused the spike again, so each rewind skips at least past "
+                          "the spike's batch (PaLM rewound ~100 steps and skipped 200-500 batches). Pass "
+                          "skip >= back to skip a window of your own, or skip=0 to replay the same batches.",
                           LabkitWarning, stacklevel=2)
-        self.back, self.skip, self.every, self.trigger, self.max_rewinds = back, skip, every, trigger, max_rewinds
+        self.back, self.skip, self.every = back, skip, every
+        self.trigger, self.max_rewinds = trigger, max_rewinds
         self.offset = 0
         self.snapshots: list[Snapshot] = []
         self.rewinds: list[tuple[int, int]] = []  # (from step, to step)
@@ -123,7 +124,7 @@ class Rewind(Hook):
             del self.snapshots[: old[-1]]
 
     def after(self, train: Any, record: StepRecord) -> RewindEvent | None:
-        """Rewind or snapshot after each record (``step_count`` already advanced); return the rewind, if any."""
+        """Rewind or snapshot after each record (``step_count`` has advanced); return the rewind, if any."""
         want = bool(self.trigger(record))
         if is_distributed():
             flag = torch.tensor([int(want)], device=train.device)
@@ -131,9 +132,10 @@ class Rewind(Hook):
         if want and len(self.rewinds) >= self.max_rewinds:
             if not self._gave_up and rank() == 0:
                 done = ", ".join(f"{a}->{b}" for a, b in self.rewinds)
-                warnings.warn(f"Rewind: step {record.step} asked for a rewind ({record.reason}), but max_rewinds="
-                              f"{self.max_rewinds} were made (steps {done}); the run goes on without rewinding. "
-                              "Look at the data around those steps, or raise max_rewinds.", LabkitWarning,
+                warnings.warn(f"Rewind: step {record.step} asked for a rewind ({record.reason}), but "
+                              f"max_rewinds={self.max_rewinds} were made (steps {done}); the run goes on "
+                              "without rewinding. Look at the data around those steps, or raise "
+                              "max_rewinds.", LabkitWarning,
                               stacklevel=5)
             self._gave_up, want = True, False
         if want and self.snapshots:
@@ -143,7 +145,7 @@ class Rewind(Hook):
         return None
 
     def restore(self, train: Any, record: StepRecord) -> RewindEvent:
-        """Return ``train`` to the newest snapshot at least ``back`` steps before ``record.step``; move the data on."""
+        """Return ``train`` to the newest snapshot >= ``back`` steps before ``record.step``; move data on."""
         fit = [s for s in self.snapshots if record.step - s.step >= self.back - 1]
         target = fit[-1] if fit else self.snapshots[0]
         state = copy.deepcopy(target.state)
@@ -162,7 +164,8 @@ class Rewind(Hook):
         return RewindEvent(record.step, target.step, record.reason, data_from=start, data_to=resume)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"offset": self.offset, "rewinds": list(self.rewinds), "snapshots": copy.deepcopy(self.snapshots)}
+        return {"offset": self.offset, "rewinds": list(self.rewinds),
+                "snapshots": copy.deepcopy(self.snapshots)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.offset, self.rewinds = int(state["offset"]), [tuple(x) for x in state["rewinds"]]

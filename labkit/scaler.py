@@ -72,11 +72,13 @@ MIN_BACKOFF = 2.0**-24
 def check_init_scale(scale: float, name: str = "init_scale") -> float:
     """Return ``scale`` if it is a float32 normal number > 0, else raise ``ValueError`` saying why."""
     if not 0.0 < scale <= F32.max:
-        raise ValueError(f"{name} must be a float32-finite number > 0, got {scale!r}; torch's default is 2.0**16.")
+        raise ValueError(
+            f"{name} must be a float32-finite number > 0, got {scale!r}; torch's default is 2.0**16."
+        )
     if scale < F32.tiny:
         raise ValueError(
-            f"{name} {scale!r} is below float32's normal range ({F32.tiny:.3g}): 1/scale overflows and every step "
-            "would skip. torch's default is 2.0**16."
+            f"{name} {scale!r} is below float32's normal range ({F32.tiny:.3g}): 1/scale overflows and every "
+            "step would skip. torch's default is 2.0**16."
         )
     return scale
 
@@ -84,11 +86,15 @@ def check_init_scale(scale: float, name: str = "init_scale") -> float:
 def check_device(device: Any) -> torch.device:
     """Return ``torch.device(device)``, or raise ``ValueError`` naming the valid forms."""
     if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str such as 'cpu' or 'cuda' or a torch.device, got {type(device).__name__}.")
+        raise TypeError(
+            f"device must be a str such as 'cpu' or 'cuda' or a torch.device, got {type(device).__name__}."
+        )
     try:
         return torch.device(device)
     except RuntimeError:
-        raise ValueError(f"device must name a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}.") from None
+        raise ValueError(
+            f"device must name a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}."
+        ) from None
 
 
 @functools.lru_cache(maxsize=64)  # a constant of the config: not recomputed every update()
@@ -121,13 +127,17 @@ class ScalerConfig:
             if getattr(self, name) is not None:
                 real(name, getattr(self, name))
         if not self.growth_factor > 1.0 or math.isinf(self.growth_factor):
-            raise ScalerValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}; torch's default is 2.0.")
+            raise ScalerValueError("growth_factor must be a finite number > 1.0, got "
+                                   f"{self.growth_factor!r}; torch's default is 2.0.")
         if not 0.0 < self.backoff_factor < 1.0:
-            raise ScalerValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; torch's default is 0.5.")
+            raise ScalerValueError(
+                f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; torch's default is 0.5."
+            )
         if self.backoff_factor < MIN_BACKOFF:
             raise ScalerValueError(
-                f"backoff_factor {self.backoff_factor!r} is below 2**-24: one overflow would drop the scale by more "
-                "than fp16's whole range. Use 0.5 (torch's default); to reset the scale call update(new_scale)."
+                f"backoff_factor {self.backoff_factor!r} is below 2**-24: one overflow would drop the scale "
+                "by more than fp16's whole range. Use 0.5 (torch's default); to reset the scale call "
+                "update(new_scale)."
             )
         for name in ("growth_interval", "hysteresis"):
             check_int(name, getattr(self, name), 1, INT32_MAX)  # the counters are int32 on the device
@@ -135,8 +145,8 @@ class ScalerConfig:
             value = getattr(self, name)
             if value is not None and not (F32.tiny <= value <= F32.max):
                 raise ValueError(
-                    f"{name} must be None or a number > 0 in float32's normal range [{F32.tiny:.3g}, {F32.max:.3g}], "
-                    f"got {value!r}; the scale is a float32."
+                    f"{name} must be None or a number > 0 in float32's normal range [{F32.tiny:.3g}, "
+                    f"{F32.max:.3g}], got {value!r}; the scale is a float32."
                 )
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale}).")
@@ -245,11 +255,14 @@ class GradScaler:
     ) -> None:
         self.process_group = process_group
         self._device = check_device(device) if device is not None else None
-        if enabled and self._device is not None and self._device.type == "cuda" and not torch.cuda.is_available():
+        if (enabled and self._device is not None and self._device.type == "cuda"
+                and not torch.cuda.is_available()):
             warnings.warn("GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2)
             enabled = False
         self._enabled = bool(enabled)
-        self.config = ScalerConfig(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        self.config = ScalerConfig(
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
         check_init_scale(real("init_scale", init_scale))
         lo, hi = min_scale or 0.0, max_scale or math.inf
         if not lo <= init_scale <= hi:
@@ -281,12 +294,15 @@ class GradScaler:
     def _require_state(self, funcname: str) -> dict[str, Tensor]:
         if self._state is None:
             raise ScalerUsageError(
-                f"Attempted {funcname}() before scale(): call scaler.scale(loss).backward() first in this iteration."
+                f"Attempted {funcname}() before scale(): call scaler.scale(loss).backward() first in this "
+                "iteration."
             )
         return self._state
 
     def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self._per_optimizer.setdefault(id(optimizer), {"stage": Stage.READY, "found_inf": None, "has_grads": False})
+        return self._per_optimizer.setdefault(
+            id(optimizer), {"stage": Stage.READY, "found_inf": None, "has_grads": False}
+        )
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales (a disabled one passes everything through)."""
@@ -313,7 +329,9 @@ class GradScaler:
         state = self._require_state("unscale_")
         opt_state = self._opt_state(optimizer)
         if opt_state["stage"] == Stage.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
         if opt_state["stage"] == Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         scale = state["scale"]
@@ -329,7 +347,8 @@ class GradScaler:
                         "Attempting to unscale FP16 gradients: keep the parameters in float32 and run "
                         "the forward under torch.autocast(dtype=torch.float16) instead of model.half()."
                     )
-                g = p.grad._values() if p.grad.is_sparse else local_tensor(p.grad)  # a view: unscaled in place
+                # a view: unscaled in place
+                g = p.grad._values() if p.grad.is_sparse else local_tensor(p.grad)
                 grads.append(g)
         opt_state["has_grads"] = bool(grads)
         with torch.no_grad():
@@ -347,7 +366,9 @@ class GradScaler:
         opt_state["found_inf"] = found_inf
         opt_state["stage"] = Stage.UNSCALED
 
-    def inf_check_(self, optimizer: torch.optim.Optimizer, found_inf: Tensor | bool, *, unscaled: bool) -> None:
+    def inf_check_(
+        self, optimizer: torch.optim.Optimizer, found_inf: Tensor | bool, *, unscaled: bool
+    ) -> None:
         """Record ``found_inf`` for ``optimizer`` from a check made elsewhere, instead of ``unscale_``'s pass.
 
         ``TrainStep`` reads the per-tensor norms of the *scaled* gradients once: a NaN/inf
@@ -359,20 +380,24 @@ class GradScaler:
         and ``step`` then need no sync.
 
         >>> s = GradScaler("cpu"); w = torch.ones(1, requires_grad=True); opt = torch.optim.SGD([w], lr=1.0)
-        >>> s.scale(w.sum()).backward(); s.inf_check_(opt, torch.tensor(1.0), unscaled=False); s.update(); s.get_scale()
+        >>> s.scale(w.sum()).backward(); s.inf_check_(opt, torch.tensor(1.0), unscaled=False)
+        >>> s.update(); s.get_scale()
         32768.0
         """
         if self._enabled:  # disabled, it still records: a disabled scaler still skips on what TrainStep found
             self._require_state("inf_check_")
         opt_state = self._opt_state(optimizer)
         if opt_state["stage"] != Stage.READY:
-            raise RuntimeError(f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage'].value}.")
+            raise RuntimeError(
+                f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage'].value}."
+            )
         if isinstance(found_inf, bool):
             device = self._state["scale"].device if self._state is not None else torch.device("cpu")
             opt_state["host"] = found_inf
             found = self._flag(device, found_inf)  # update() moves the scale on the device
         else:
-            found = found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0 else found_inf.float().reshape(())
+            found = (found_inf if found_inf.dtype == torch.float32 and found_inf.dim() == 0
+                     else found_inf.float().reshape(()))
             all_reduce_(found, "max", self.process_group)
         opt_state.update(found_inf=found, has_grads=True, stage=Stage.UNSCALED if unscaled else Stage.CHECKED)
 
@@ -442,11 +467,14 @@ class GradScaler:
         if opt_state["stage"] == Stage.READY:
             self.unscale_(optimizer)
         elif opt_state["stage"] == Stage.CHECKED:
-            raise RuntimeError("inf_check_(unscaled=False) is only for optimizers that unscale themselves (fused=True).")
+            raise RuntimeError(
+                "inf_check_(unscaled=False) is only for optimizers that unscale themselves (fused=True)."
+            )
         if not opt_state["has_grads"]:
             raise ScalerUsageError(
-                "No inf checks were recorded for this optimizer: none of its parameters has a gradient. "
-                "Call scaler.scale(loss).backward() before step(), and check the optimizer holds the model's parameters."
+                "No inf checks were recorded for this optimizer: none of its parameters has a gradient. Call "
+                "scaler.scale(loss).backward() before step(), and check the optimizer holds the model's "
+                "parameters."
             )
         found_inf = opt_state["found_inf"]
         if not self.will_skip(optimizer):  # host sync: a plain optimizer can only be skipped from the host
@@ -464,14 +492,15 @@ class GradScaler:
         self._per_optimizer = {}
 
     def _fused_step(
-        self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any], scale: Tensor | None, args: tuple, kwargs: dict
+        self, optimizer: torch.optim.Optimizer, opt_state: dict[str, Any], scale: Tensor | None,
+        args: tuple, kwargs: dict
     ) -> Tensor:
         """torch's contract for ``_step_supports_amp_scaling`` optimizers (``torch.amp.GradScaler.step``)."""
         if _takes_grad_scaler(getattr(optimizer.step, "__func__", optimizer.step)):  # torch's older contract
             warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the "
-                "near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed "
-                "optimizer and let the optimizer use them directly.",
+                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. "
+                "In the near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the "
+                "passed optimizer and let the optimizer use them directly.",
                 FutureWarning,
                 stacklevel=3,
             )
@@ -518,15 +547,18 @@ class GradScaler:
         all_reduce_(found_inf, "max", self.process_group)
         opt_state.update(found_inf=found_inf, has_grads=bool(groups), stage=Stage.CHECKED)
 
-    def update(self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | bool | None = None) -> None:
+    def update(
+        self, new_scale: float | Tensor | None = None, *, keep_if: Tensor | bool | None = None
+    ) -> None:
         """Back off, keep or grow the scale from this iteration's inf checks (see ``update_scale``).
 
         ``keep_if`` (labkit's): a 0-dim device bool, or a Python bool; where true the state is
         left exactly as it was, without a host sync (``TrainStep`` passes "the loss was NaN/inf": a
-        bad batch is no scaling problem; ``True``: a hook's skip). ``new_scale`` sets the scale instead; a deliberate
-        difference from torch, which takes any value: it must be a number > 0 that is finite in
-        float32, else ``ScalerValueError`` (a scale <= 0 zeroes or flips the sign of every
-        gradient, an inf or NaN one skips every step). Checking a tensor costs one host read.
+        bad batch is no scaling problem; ``True``: a hook's skip). ``new_scale`` sets the scale
+        instead; a deliberate difference from torch, which takes any value: it must be a number > 0
+        that is finite in float32, else ``ScalerValueError`` (a scale <= 0 zeroes or flips the sign
+        of every gradient, an inf or NaN one skips every step). Checking a tensor costs one host
+        read.
 
         >>> s = GradScaler("cpu"); _ = s.scale(torch.ones(())); s.update(new_scale=-1.0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -544,7 +576,9 @@ class GradScaler:
         if new_scale is not None:
             value = torch.as_tensor(new_scale, dtype=torch.float32).to(state["scale"].device)
             if value.numel() != 1 or value.requires_grad:
-                raise ScalerValueError("new_scale must be a float or a 1-element tensor that does not require grad.")
+                raise ScalerValueError(
+                    "new_scale must be a float or a 1-element tensor that does not require grad."
+                )
             checked = float(value.reshape(()))  # host read: a reset is rare, and a bad one must fail here
             if not 0.0 < checked < math.inf:
                 raise ScalerValueError(
@@ -554,14 +588,17 @@ class GradScaler:
                 )
             state["scale"] = value.reshape(()).clone()  # a new tensor, as every update() gives
         else:
-            found = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None and s["has_grads"]]
+            found = [s["found_inf"] for s in self._per_optimizer.values()
+                     if s["found_inf"] is not None and s["has_grads"]]
             if not found:
                 raise ScalerUsageError(
                     "No inf checks were recorded prior to update(): call scaler.unscale_(optimizer) or "
                     "scaler.step(optimizer) after backward and before update()."
                 )
             device = state["scale"].device
-            found_inf = found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
+            found_inf = (
+                found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
+            )
             new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
                                self.config)
             skipped = found_inf.ne(constant(0.0, device, found_inf.dtype))
@@ -581,7 +618,7 @@ class GradScaler:
         return initial if self._state is None else self._state[key].item()
 
     def get_scale_async(self) -> Tensor:
-        """Return the current scale as a 0-dim float32 tensor on its device, without a sync (1.0 when disabled).
+        """Return the current scale as a 0-dim float32 tensor on its device, with no sync (1.0 when disabled).
 
         ``update()`` puts a new tensor in its place and never writes into this one: it stays the
         scale this iteration ran with (torch's ``_scale`` is updated in place).
@@ -674,9 +711,12 @@ class GradScaler:
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"GradScaler state_dict must be a dict, got {type(state_dict).__name__}.")
-        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - state_dict.keys()
+        missing = ({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+                   - state_dict.keys())
         if missing:
-            raise KeyError(f"GradScaler state_dict lacks {sorted(missing)}; pass what GradScaler.state_dict() returned.")
+            raise KeyError(
+                f"GradScaler state_dict lacks {sorted(missing)}; pass what GradScaler.state_dict() returned."
+            )
         hysteresis = state_dict.get("hysteresis", 1)
         config = ScalerConfig(
             real("state_dict['growth_factor']", state_dict["growth_factor"]),
@@ -692,7 +732,9 @@ class GradScaler:
         tracker = min(check_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, INT32_MAX),
                       config.growth_interval - 1)
         # a hysteresis_left above hysteresis would postpone the back-off (10**9: never back off)
-        left = check_int("state_dict['_hysteresis_left']", state_dict.get("_hysteresis_left", hysteresis), 0, hysteresis)
+        left = check_int(
+            "state_dict['_hysteresis_left']", state_dict.get("_hysteresis_left", hysteresis), 0, hysteresis
+        )
         count = check_int("state_dict['skip_count']", state_dict.get("skip_count", 0), 0, 2**63 - 1)
         streak = check_int("state_dict['skip_streak']", state_dict.get("skip_streak", 0), 0, count)
         return config, (scale, tracker, left, count, streak)

@@ -49,7 +49,7 @@ def rolling_z(window: Sequence[float], x: float, min_count: int) -> float:
 
 
 def spike_score(values: Iterable[float], window: int = 1000, k: float = 7.0, min_count: int = 20) -> float:
-    """Return OLMo 2's spike score: the % of values at least ``k`` sigma from the rolling mean of the last ``window``.
+    """Return OLMo 2's spike score: % of values >= ``k`` sigma from the rolling mean of the last ``window``.
 
     Non-finite values are left out (they are counted as skips elsewhere). OLMo 2 (arXiv
     2501.00656) reports it for the loss and the gradient norm, with ``window=1000, k=7``.
@@ -115,7 +115,9 @@ class SpikeDetector(Hook):
         for name, z in (("skip_z", skip_z), ("clip_z", clip_z)):
             check_number(name, z, 0, low_open=True, none="off", noun="a number of standard deviations")
         if skip_z is not None and clip_z is not None and clip_z >= skip_z:
-            raise ValueError(f"clip_z ({clip_z}) must be below skip_z ({skip_z}): clip moderate spikes, skip the big ones.")
+            raise ValueError(
+                f"clip_z ({clip_z}) must be below skip_z ({skip_z}): clip moderate spikes, skip the big ones."
+            )
         self.window, self.skip_z, self.clip_z = window, skip_z, clip_z
         self.min_count = window // 2 if min_count is None else min_count
         self.losses: deque[float] = deque(maxlen=window)
@@ -126,7 +128,10 @@ class SpikeDetector(Hook):
         return rolling_z(self.losses, loss, self.min_count), rolling_z(self.norms, norm, self.min_count)
 
     def decide(self, z_loss: float, z_grad: float) -> tuple[str | None, str | None]:
-        """Return ``(action, reason)``: ``("skip", "spike_loss"|"spike_grad")``, ``("clip", "z_grad")`` or ``(None, None)``."""
+        """Return ``(action, reason)``: a skip, a clip, or ``(None, None)``.
+
+        A skip is ``("skip", "spike_loss"|"spike_grad")``, a clip ``("clip", "z_grad")``.
+        """
         if self.skip_z is not None:
             if z_loss > self.skip_z:
                 return "skip", Reason.SPIKE_LOSS.value
@@ -150,7 +155,10 @@ class SpikeDetector(Hook):
             self.norms.append(float(norm))
 
     def on_decision(self, trainer: Any, view: DecisionView) -> Verdict | None:
-        """Score this step and return the verdict: skip (``spike_loss``/``spike_grad``), clip, or the scores alone."""
+        """Score this step and return the verdict: a skip, a clip, or the scores alone.
+
+        A skip's reason is ``spike_loss`` or ``spike_grad``.
+        """
         if view.loss_bad or not math.isfinite(view.norm):  # nothing to score: the step skips anyway
             return None
         z_loss, z_grad = self.score(view.loss, view.norm)

@@ -680,7 +680,8 @@ def test_property_clipping_is_idempotent(values, norm_type, max_norm):
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(x=st.floats(allow_nan=False) | st.sampled_from([3.4028235e38, 3.40282357e38, 3.4028236e38, 1e-46, -1e39]))
+@given(x=st.floats(allow_nan=False)
+       | st.sampled_from([3.4028235e38, 3.40282357e38, 3.4028236e38, 1e-46, -1e39]))
 def test_property_round_to_float32_is_torchs_cast(x):
     from labkit.clip import round_to
     assert round_to(x, torch.float32) == torch.tensor(x, dtype=torch.float64).float().item()
@@ -735,7 +736,9 @@ def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch
     def counting(workers):
         pool = real(workers)
         submit = pool.submit
-        return type("Pool", (), {"submit": lambda self, fn, part: handed.append(len(part)) or submit(fn, part)})()
+        return type(
+            "Pool", (), {"submit": lambda self, fn, part: handed.append(len(part)) or submit(fn, part)}
+        )()
 
     monkeypatch.setattr(clip_module, "_pool", counting)
     torch.manual_seed(0)
@@ -745,7 +748,9 @@ def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch
     grads = [p.grad for p in params]
     acc = torch.float32 if dtype == torch.float16 else None
     ours = clip_module.foreach_norm(grads, 2.0, acc)
-    assert handed and sum(handed) < len(grads), "the list was not split: the test would not see the threaded path"
+    assert handed and sum(handed) < len(grads), (
+        "the list was not split: the test would not see the threaded path"
+    )
     assert [t.dtype for t in ours] == [acc or dtype] * len(grads)
     assert all(torch.equal(a, b) for a, b in zip(ours, torch._foreach_norm(grads, 2.0, dtype=acc)))
     if dtype != torch.float16:  # (torch's own fp16 norm is the deliberate deviation tested above)
@@ -768,10 +773,13 @@ def test_split_norms_keep_the_callers_grad_mode(two_threads):
 def test_small_lists_one_thread_and_spinning_openmp_threads_are_not_split(monkeypatch):
     from labkit import clip as clip_module
 
-    monkeypatch.setattr(clip_module, "_pool", lambda workers: pytest.fail("a small list was handed to a thread"))
+    monkeypatch.setattr(
+        clip_module, "_pool", lambda workers: pytest.fail("a small list was handed to a thread")
+    )
     monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", True)
     grads = [torch.ones(1000), torch.ones(1000)]
-    assert [t.item() for t in clip_module.foreach_norm(grads, 2.0)] == [pytest.approx(math.sqrt(1000), rel=1e-6)] * 2
+    assert ([t.item() for t in clip_module.foreach_norm(grads, 2.0)]
+            == [pytest.approx(math.sqrt(1000), rel=1e-6)] * 2)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,4 +1,4 @@
-"""The clipping family: each rule against a hand-written reference, NaN safety, exact resume, no sync, lock-in."""
+"""The clippers: each rule against a hand-written reference, NaN safety, exact resume, no sync, lock-in."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def test_autoclip_rule_matches_numpy_percentile(series, q, history):
 @FAST
 @given(norms_st, st.integers(2, 8), st.floats(0.5, 4.0))
 def test_update_norm_rule_matches_the_reference(series, window, k):
-    clip, w, got = UpdateNormClip(window=window, k=k, max_consecutive_clips=None), torch.nn.Parameter(torch.zeros(1)), []
+    clip, w, got = (UpdateNormClip(window=window, k=k, max_consecutive_clips=None),
+                    torch.nn.Parameter(torch.zeros(1)), [])
     for u in series:
         clip.begin_([w])
         before = w.item()
@@ -127,7 +128,10 @@ def agc_reference(w: np.ndarray, g: np.ndarray, clipping: float, eps: float) -> 
 @given(st.integers(0, 10_000), st.floats(0.001, 0.5))
 def test_agc_matches_timm_reference(seed, clipping):
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))]
+    params = [
+        torch.nn.Parameter(torch.randn(4, 3, generator=gen)),
+        torch.nn.Parameter(torch.randn(5, generator=gen)),
+    ]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen) * 0.1
     expected = [agc_reference(p.detach().numpy(), p.grad.numpy(), clipping, 1e-3) for p in params]
@@ -137,7 +141,9 @@ def test_agc_matches_timm_reference(seed, clipping):
 
 
 def adagc_reference(steps, beta, lambda_rel, lambda_abs, warmup, eps):
-    """pytorch_optimizer's AdaGC clipping (optimizer/adagc.py), per tensor, float64; steps: list of norm lists."""
+    """pytorch_optimizer's AdaGC clipping (optimizer/adagc.py), per tensor, in float64.
+
+    ``steps``: a list of norm lists."""
     gamma, out = None, []
     for t, norms in enumerate(steps):
         total = math.sqrt(sum(n * n for n in norms))
@@ -153,7 +159,8 @@ def adagc_reference(steps, beta, lambda_rel, lambda_abs, warmup, eps):
 
 
 @FAST
-@given(st.lists(st.tuples(st.floats(0.05, 5.0), st.floats(0.05, 5.0)), min_size=1, max_size=25), st.integers(1, 5))
+@given(st.lists(st.tuples(st.floats(0.05, 5.0), st.floats(0.05, 5.0)), min_size=1, max_size=25),
+       st.integers(1, 5))
 def test_adagc_rule_matches_the_reference(steps, warmup):
     clip = AdaGC(warmup=warmup, max_consecutive_clips=None)
     got = []
@@ -172,7 +179,10 @@ def test_adagc_rule_matches_the_reference(steps, warmup):
 @given(st.integers(0, 10_000), st.floats(0.01, 3.0), st.booleans())
 def test_clip_grad_value_matches_torch(seed, value, poison):
     gen = torch.Generator().manual_seed(seed)
-    ours = [torch.nn.Parameter(torch.randn(3, 4, generator=gen)), torch.nn.Parameter(torch.randn(7, generator=gen))]
+    ours = [
+        torch.nn.Parameter(torch.randn(3, 4, generator=gen)),
+        torch.nn.Parameter(torch.randn(7, generator=gen)),
+    ]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     for a, b in zip(ours, theirs):
         a.grad = torch.randn(a.shape, generator=gen) * 3
@@ -407,7 +417,8 @@ def test_trainstep_takes_a_clipper_and_a_float_still_means_normclip():
         records = [step(*task.batch(i)) for i in range(8)]
     assert all(math.isinf(r.threshold) for r in records[:3]) and math.isfinite(records[3].threshold)
     assert records[6].clipped and records[6].clip_reason == "ZClip"
-    assert records[6].grad_norm * records[6].clip_coef < records[6].threshold  # adaptive scaling cuts below it
+    # adaptive scaling cuts below it
+    assert records[6].grad_norm * records[6].clip_coef < records[6].threshold
     assert not any(r.clipped for r in records[:3])
     state = step.state_dict()
     assert set(state["clipper"]) >= {"mean", "var", "buffer", "count"}

@@ -30,7 +30,10 @@ def test_scaler_trajectory_matches_torch_on_cuda():
     model = torch.nn.Linear(8, 1).cuda()
     ref = copy.deepcopy(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
-    ours, theirs = labkit.GradScaler("cuda", growth_interval=2), torch.amp.GradScaler("cuda", growth_interval=2)
+    ours, theirs = (
+        labkit.GradScaler("cuda", growth_interval=2),
+        torch.amp.GradScaler("cuda", growth_interval=2),
+    )
     for i in range(12):
         x = torch.randn(4, 8, device="cuda")
         for m, opt, s in ((model, opts[0], ours), (ref, opts[1], theirs)):

@@ -43,7 +43,9 @@ def test_a_rewound_experiment_ends_at_its_step_count_and_shows_every_outcome():
     assert {"stepped", "rewound", "skip: loss not finite", "skip: z-score spike"} <= set(outcomes)
     [(i, [event])] = log.events_after().items()
     trigger = log[i]
-    assert trigger.step == event.step == 25 and event.to == 20 and (event.data_from, event.data_to) == (20, 28)
+    assert (
+        trigger.step == event.step == 25 and event.to == 20 and (event.data_from, event.data_to) == (20, 28)
+    )
     lines = describe(trigger, None)
     assert lines[0].startswith("step   25  SKIP  spike_") and "sigma" in lines[0]
     assert describe_rewind(event) == \
@@ -63,9 +65,11 @@ def test_each_run_gets_its_own_panel_and_the_guard_is_marked_where_it_fired():
     shift = dict(method="zclip", threshold=2.5, window=8, shift_step=12, shift_size=30.0, feed="clipped")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        logs = {name: run_experiment(ExperimentConfig(precision="fp32", optimizer="adam", lr=0.003, steps=30,
-                                                      defenses=Defenses(max_consecutive_clips=bound, **shift)))
-                for name, bound in (("locked", None), ("guarded", 6))}
+        logs = {
+            name: run_experiment(ExperimentConfig(precision="fp32", optimizer="adam", lr=0.003, steps=30,
+                                                  defenses=Defenses(max_consecutive_clips=bound, **shift)))
+            for name, bound in (("locked", None), ("guarded", 6))
+        }
     fired = [r.step for r in logs["guarded"] if r.lockin]
     assert fired and not any(r.lockin for r in logs["locked"])
     fig = plot_defenses(logs, window=8)
@@ -95,11 +99,13 @@ def test_the_explorer_gives_each_method_its_own_knob_and_never_raises(monkeypatc
         assert (knob.description, knob.value, [v for _, v in knob.options]) == (name, default, list(options))
         assert ex.error is None and ex.status.value == ""
         assert ex.controls["feed"].disabled == (method in ("norm", "agc"))
-        assert ex.figure.texts[0].get_text() == ex.title() and ex.title().startswith(f"{method} {name}={default:g}")
+        assert ex.figure.texts[0].get_text() == ex.title() and ex.title().startswith(
+            f"{method} {name}={default:g}"
+        )
     assert ex.defenses().clipper() is not None
     ex.controls["method"].value = "zclip"
     ex.controls["window"].value = 14  # longer than the run before the spike: ZClip is still warming up there
     assert ex.error is None and not ex.log[12].clipped
-    assert ex.status.value == ("ZClip warms up for window=14 steps: at the spike (step 12) it is still warming up "
-                               "and cannot clip it; choose a window below 12.")
+    assert ex.status.value == ("ZClip warms up for window=14 steps: at the spike (step 12) it is still "
+                               "warming up and cannot clip it; choose a window below 12.")
     assert "\n" not in ex.status.value and "Traceback" not in ex.status.value

@@ -14,7 +14,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "labkit", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 def test_demo_cli_writes_logs_and_figure_and_reports_every_event(tmp_path):
@@ -42,7 +44,10 @@ def test_demo_cli_writes_logs_and_figure_and_reports_every_event(tmp_path):
     grew = [r.step for r in log if r.next_scale > r.scale]
     assert grew == [49, 99, 150]
     assert "step   50  CLIP" in proc.stdout
-    assert "step  120  SKIP  nonfinite_input: loss is not finite, an input holds NaN/inf (bad data)" in proc.stdout
+    assert (
+        "step  120  SKIP  nonfinite_input: loss is not finite, an input holds NaN/inf (bad data)"
+        in proc.stdout
+    )
     assert proc.stdout.count("(backoff)") == 5
     assert "skipped     6 (nonfinite_loss 0, nonfinite_grad 5, nonfinite_input 1)" in proc.stdout
     csv_lines = (out / "log.csv").read_text().splitlines()
@@ -136,16 +141,18 @@ def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed()
     from labkit.lab import describe
     from labkit.records import StepRecord
 
-    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad", first_nonfinite="4.weight",
-                       culprit_module="4")
+    named = StepRecord(7, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad",
+                       first_nonfinite="4.weight", culprit_module="4")
     tied = StepRecord(9, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad",
                       first_nonfinite="wte.weight", culprit_module="lm_head")
     overflowed = StepRecord(8, 1.0, grad_norm=math.inf, skipped=True, reason="nonfinite_grad")
-    assert describe(named, 1.0) == ["step    7  SKIP  nonfinite_grad: gradient not finite (first in backward: 4.weight)"]
+    assert describe(named, 1.0) == [
+        "step    7  SKIP  nonfinite_grad: gradient not finite (first in backward: 4.weight)"
+    ]
     assert describe(tied, 1.0) == ["step    9  SKIP  nonfinite_grad: gradient not finite (first in backward: "
                                    "wte.weight, as used by lm_head)"]
-    assert describe(overflowed, 1.0) == ["step    8  SKIP  nonfinite_grad: gradient norm not finite, every gradient "
-                                         "finite: their sum of squares overflowed float32"]
+    assert describe(overflowed, 1.0) == ["step    8  SKIP  nonfinite_grad: gradient norm not finite, "
+                                         "every gradient finite: their sum of squares overflowed float32"]
 
 
 @pytest.mark.parametrize(
@@ -158,7 +165,9 @@ def test_a_skip_names_the_first_nonfinite_gradient_or_says_the_norm_overflowed()
     ],
     ids=["init-scale beyond float32", "out not writable", "out is a file", "max-norm inf"],
 )
-def test_bad_settings_exit_2_with_a_message_and_leave_nothing_behind(args, message, tmp_path, capsys, monkeypatch):
+def test_bad_settings_exit_2_with_a_message_and_leave_nothing_behind(
+    args, message, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "FILE").write_text("mine")
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -195,7 +204,9 @@ def test_a_fault_past_the_last_step_is_reported_and_a_run_with_every_step_skippe
     out = capsys.readouterr().out
     log = StepLog.read_jsonl(tmp_path / "huge" / "log.jsonl")
     assert len(log.skipped_steps) == 20 and all(math.isfinite(r.loss) for r in log)
-    assert "final loss  none: every step was skipped, the model never stepped; the last finite loss was" in out
+    assert (
+        "final loss  none: every step was skipped, the model never stepped; the last finite loss was" in out
+    )
     assert "nan" not in out.split("summary")[1]
 
 
@@ -211,7 +222,9 @@ def test_scales_print_as_powers_of_two_once_they_are_long():
     from labkit.lab.text import describe, format_scale
     from labkit.records import StepRecord
 
-    assert describe(StepRecord(3, 1.0, scale=2.0**24, next_scale=2.0**23), 1.0) == ["step    3  SCALE 2^24 -> 2^23 (backoff)"]
+    assert describe(StepRecord(3, 1.0, scale=2.0**24, next_scale=2.0**23), 1.0) == [
+        "step    3  SCALE 2^24 -> 2^23 (backoff)"
+    ]
     assert format_scale(4096.0) == "4096"
 
 
@@ -220,15 +233,16 @@ def test_a_fault_on_another_rank_keeps_its_tag_and_the_title_says_how_many_ranks
     from labkit.lab.text import describe, title
     from labkit.records import StepRecord
 
-    skipped = StepRecord(120, math.nan, skipped=True, reason="nonfinite_loss")  # rank 0's record: no fault of its own
+    # rank 0's record: no fault of its own
+    skipped = StepRecord(120, math.nan, skipped=True, reason="nonfinite_loss")
     assert describe(skipped, 1.0, fault="nan on rank 1")[0].endswith("[fault nan on rank 1]")
     assert title(ExperimentConfig(fault_rank=1, parallel="fsdp2"), world=2) == \
         "labkit demo: fp16, max_norm 1, 2 ranks (fsdp2, faults on rank 1)"
 
 
 def test_help_answers_without_importing_torch():
-    code = ("import sys\nfrom labkit.__main__ import main\ntry:\n    main(['demo', '--help'])\nexcept SystemExit:\n"
-            "    pass\nprint('torch' in sys.modules)")
+    code = ("import sys\nfrom labkit.__main__ import main\ntry:\n    main(['demo', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("False"), proc.stderr
     for flag in ("--precision", "--steps", "--lr", "--seed", "--device", "--out"):

@@ -81,7 +81,9 @@ def scenario_ddp(rank, out):
     result = {}
     for precision, accumulation in (("fp32", 1), ("fp16", 1), ("fp32", 2)):
         model, name = DDP(ToyTask().model()), f"{precision}x{accumulation}"
-        result[name] = fault_run(model, rank, precision, out, f"ddp_{name}.jsonl", accumulation_steps=accumulation)
+        result[name] = fault_run(
+            model, rank, precision, out, f"ddp_{name}.jsonl", accumulation_steps=accumulation
+        )
         result[name]["params"] = {k.removeprefix("module."): v for k, v in full_params(model).items()}
     return result
 
@@ -101,7 +103,8 @@ def scenario_fsdp(rank, out):
     task = ToyTask()
     model = fully_sharded(task.model())
     task.loss_fn(model(shard(task.batch(0), rank)[0]), shard(task.batch(0), rank)[1]).backward()
-    local = labkit.get_total_norm([p.grad.to_local() for p in model.parameters()])  # this rank's shards only (grad_norm used to return 0 here)
+    # this rank's shards only (grad_norm used to return 0 here)
+    local = labkit.get_total_norm([p.grad.to_local() for p in model.parameters()])
     calls, all_reduce = [], dist.all_reduce
     dist.all_reduce = lambda *a, **k: (calls.append(1), all_reduce(*a, **k))[1]
     try:
@@ -184,8 +187,8 @@ def scenario_rewind(rank, out):
         index = rewind.data_index(step.step_count)
         x, y = shard(task.batch(index), rank)
         step(x * 1000.0 if rank == 1 and index == REWIND_SPIKE else x, y)
-    return {"records": [r.to_dict() for r in step.log], "rewinds": rewind.rewinds, "rewound": step.log.rewound,
-            "events": [vars(e) for e in step.log.rewinds],
+    return {"records": [r.to_dict() for r in step.log], "rewinds": rewind.rewinds,
+            "rewound": step.log.rewound, "events": [vars(e) for e in step.log.rewinds],
             "params": {k.removeprefix("module."): v for k, v in full_params(model).items()}}
 
 
@@ -284,12 +287,13 @@ def monitor_run(model, rank=None):
 
 
 def scenario_monitor(rank, out):
-    """UpdateMonitor under FSDP2: each rank holds shards of g, v and theta; the record holds whole tensors'."""
+    """UpdateMonitor under FSDP2: each rank holds shards of g, v, theta; the record holds whole tensors'."""
     return monitor_run(fully_sharded(ToyTask().model()), rank)
 
 
-SCENARIOS = {"monitor": scenario_monitor, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "scaler": scenario_scaler, "groups": scenario_groups,
-             "rewind": scenario_rewind, "diagnosis": scenario_diagnosis, "gpt": scenario_gpt}
+SCENARIOS = {"monitor": scenario_monitor, "ddp": scenario_ddp, "fsdp": scenario_fsdp,
+             "scaler": scenario_scaler, "groups": scenario_groups, "rewind": scenario_rewind,
+             "diagnosis": scenario_diagnosis, "gpt": scenario_gpt}
 
 
 def worker(rank, port, out):
@@ -423,7 +427,8 @@ def test_fsdp_norm_is_the_global_norm_of_the_single_process_batch(ranks):
 
 def test_fsdp_a_nan_in_one_ranks_shard_is_seen_and_named_by_every_rank(ranks):
     (r0, r1), _ = ranks
-    assert (r0["fsdp"]["local_culprit"], r1["fsdp"]["local_culprit"]) == (None, "0.bias")  # rank 0's shard is clean
+    # rank 0's shard is clean
+    assert (r0["fsdp"]["local_culprit"], r1["fsdp"]["local_culprit"]) == (None, "0.bias")
     assert r0["fsdp"]["culprit"] == r1["fsdp"]["culprit"] == "0.bias"
     for norms in (r0["fsdp"]["nan_norms"], r1["fsdp"]["nan_norms"]):
         assert [math.isfinite(v) for v in norms] == [i != 1 for i in range(6)]
@@ -473,7 +478,8 @@ def test_a_spike_on_one_rank_rewinds_every_rank_together(ranks):
     assert repr(a["records"]) == repr(b["records"])  # the same decisions, z-scores and marks on both ranks
     assert a["events"] == b["events"] and len(a["events"]) == 1
     spike = a["events"][0]
-    assert spike["reason"] in ("spike_loss", "spike_grad") and (spike["step"], spike["to"]) == (REWIND_SPIKE, 8)
+    assert (spike["reason"] in ("spike_loss", "spike_grad")
+            and (spike["step"], spike["to"]) == (REWIND_SPIKE, 8))
     assert a["rewound"] == b["rewound"]
     steps = [r["step"] for r in a["records"]]
     assert [s for s, gone in zip(steps, a["rewound"]) if gone] == list(range(8, REWIND_SPIKE + 1))
@@ -490,7 +496,8 @@ def test_triage_on_one_ranks_bad_step_gives_every_rank_the_same_reason(ranks):
     a, b = r0["diagnosis"]["toy"], r1["diagnosis"]["toy"]
     assert [r["reason"] for r in a] == [None, "nonfinite_input", "forward_overflow", "nonfinite_grad"]
     assert repr(a) == repr(b)  # the same decisions, reasons, culprits and scales on both ranks
-    assert [(r["scale"], r["next_scale"]) for r in a[1:3]] == [(a[0]["next_scale"],) * 2] * 2  # scale untouched
+    # scale untouched
+    assert [(r["scale"], r["next_scale"]) for r in a[1:3]] == [(a[0]["next_scale"],) * 2] * 2
 
 
 def test_ranks_agree_on_where_a_nonfinite_gradient_started(ranks):
@@ -498,7 +505,10 @@ def test_ranks_agree_on_where_a_nonfinite_gradient_started(ranks):
     # DDP: rank 1's NaN in the middle layer's gradient, all-reduced into both ranks' gradients
     for r in (r0, r1):  # DDP's parameters are named module.*
         toy = r["diagnosis"]["toy"][3]
-        assert toy["first_nonfinite"] in ("module.2.weight", "module.2.bias") and toy["culprit_module"] == "module.2"
+        assert (
+            toy["first_nonfinite"] in ("module.2.weight", "module.2.bias")
+            and toy["culprit_module"] == "module.2"
+        )
     # a tied GPT: on rank 0 every use of the tied weight saw finite gradients; both ranks still name the block
     gpt = [r["diagnosis"]["gpt"] for r in (r0, r1)]
     assert repr(gpt[0]) == repr(gpt[1])
@@ -575,7 +585,9 @@ def test_demo_under_torchrun_reports_rank_1s_nan_once(tmp_path):
            f"--master_port={free_port()}", "-m", "labkit", "demo", "--steps", "125", "--fault-rank", "1",
            "--no-progress", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = StepLog.read_jsonl(out / "log.jsonl")
     assert len(log) == 125 and log.skipped_steps == [120] and log[120].reason == "nonfinite_input"
@@ -598,4 +610,7 @@ def test_the_update_monitor_under_fsdp_records_the_whole_tensors_values_on_every
         for name, value in theirs["update_rms"].items():
             assert math.isclose(mine["update_rms"][name], value, rel_tol=1e-4), (name, mine, theirs)
         assert math.isclose(mine["applied_update_rms"], theirs["applied_update_rms"], rel_tol=1e-4)
-        assert mine["update_rms_peak"] == theirs["update_rms_peak"] and mine["update_step"] == theirs["update_step"]
+        assert (
+            mine["update_rms_peak"] == theirs["update_rms_peak"]
+            and mine["update_step"] == theirs["update_step"]
+        )

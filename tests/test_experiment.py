@@ -53,7 +53,9 @@ def test_equal_configs_give_equal_logs_and_on_record_sees_every_record_in_order(
 
 
 def test_settings_reach_the_run():
-    log = quiet(ExperimentConfig(precision="fp16", steps=12, init_scale=256.0, growth_interval=4, max_norm=None))
+    log = quiet(
+        ExperimentConfig(precision="fp16", steps=12, init_scale=256.0, growth_interval=4, max_norm=None)
+    )
     assert log[0].scale == 256.0 and log[3].next_scale == 512.0 and log[7].next_scale == 1024.0
     assert not any(log.column("clipped"))
     clipped = quiet(ExperimentConfig(precision="fp32", steps=5, max_norm=0.01))
@@ -161,7 +163,9 @@ def test_a_cpu_run_trains_on_one_thread_and_puts_the_setting_back():
 
 def test_the_quickstart_run_shows_the_scale_back_off_and_grow_back():
     # 00_quickstart's text promises it; its first code cell, as committed, must show it
-    cells = json.loads((Path(__file__).parent.parent / "notebooks" / "00_quickstart.ipynb").read_text())["cells"]
+    cells = json.loads(
+        (Path(__file__).parent.parent / "notebooks" / "00_quickstart.ipynb").read_text()
+    )["cells"]
     source = "".join(next(c for c in cells if c["cell_type"] == "code")["source"])
     namespace: dict = {}
     before = torch.get_num_threads()

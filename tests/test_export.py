@@ -68,7 +68,9 @@ def want_all(records):
 def need(name):
     if importlib.util.find_spec(PACKAGES[name]) is None:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but {name} is not installed: .ci/run must install requirements-trackers.txt")
+            pytest.fail(
+                f"CI=true but {name} is not installed: .ci/run must install requirements-trackers.txt"
+            )
         pytest.skip(f"{name} is not installed (pip install -r requirements-trackers.txt); CI runs this test")
 
 
@@ -100,10 +102,14 @@ def live_run(tracker_env):
     out, elsewhere = tracker_env / "live", tracker_env / "cwd"
     out.mkdir()
     elsewhere.mkdir()
-    config = ExperimentConfig(precision="fp16", steps=24, max_norm=0.5, faults=["3:nan", "8-16:overflow", "20:spike:50"])
+    config = ExperimentConfig(
+        precision="fp16", steps=24, max_norm=0.5, faults=["3:nan", "8-16:overflow", "20:spike:50"]
+    )
     with pytest.warns(SkipStreakWarning), pytest.MonkeyPatch.context() as mp:
         mp.chdir(elsewhere)  # the process's folder: a default store must not land there (./mlruns)
-        log = run_experiment(config, log_path=out / "log.jsonl", log_to=",".join(TRACKERS), histogram_every=10)
+        log = run_experiment(
+            config, log_path=out / "log.jsonl", log_to=",".join(TRACKERS), histogram_every=10
+        )
     assert (out / "mlflow.db").is_file() and (out / "mlflow-artifacts").is_dir()
     assert list(elsewhere.iterdir()) == []
     return out, read_records(out / "log.jsonl"), log
@@ -130,7 +136,8 @@ def read_tensorboard(log_dir):
             elif plugin == HISTOGRAMS:
                 hists[(e.step, tag)] = value  # rows of (left edge, right edge, count)
             else:
-                assert value.dtype == np.float64, tag  # written in double precision, not TensorBoard's float32
+                # written in double precision, not TensorBoard's float32
+                assert value.dtype == np.float64, tag
                 scalars[(e.step, tag)] = value.item()
     return scalars, texts, hists
 
@@ -200,7 +207,8 @@ def wandb_records(path):
 
 def read_wandb(out, run_name):
     (path,) = [p for p in glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))
-               if any(r.WhichOneof("record_type") == "run" and r.run.display_name == run_name for r in wandb_records(p))]
+               if any(r.WhichOneof("record_type") == "run" and r.run.display_name == run_name
+                      for r in wandb_records(p))]
     scalars, texts, hists, alerts = {}, {}, {}, []
     for r in wandb_records(path):
         kind = r.WhichOneof("record_type")
@@ -208,7 +216,9 @@ def read_wandb(out, run_name):
             alerts.append((r.alert.title, r.alert.text))
         if kind != "history":
             continue
-        items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        items = {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item
+        }
         step = items.pop("train/step")
         for k, v in items.items():
             if k.startswith("_"):
@@ -277,7 +287,8 @@ def test_wandb_offline_run_file_reads_back_every_value_bit_for_bit_and_holds_the
     scalars, texts, hists, alerts = read_wandb(out, "live")
     assert_same_bits(scalars, want_all(records), "wandb")
     assert texts[(3, "amp/skip_reason")] == "nonfinite_input"
-    assert len(alerts) == 1 and alerts[0][0] == "SkipStreakWarning" and alerts[0][1].startswith("step 15: 8 steps")
+    assert (len(alerts) == 1 and alerts[0][0] == "SkipStreakWarning"
+            and alerts[0][1].startswith("step 15: 8 steps"))
     assert sorted(s for s, t in hists if t == "layers/0.weight/log2_abs_grad") == [0, 20]
     counts, edges = hists[(20, "layers/0.weight/log2_abs_grad")]
     assert edges == list(LOG2_EDGES) and len(counts) == len(LOG2_EDGES) - 1 and sum(counts) > 0
@@ -290,7 +301,8 @@ def test_the_trackers_with_histograms_hold_the_same_log2_counts(live_run):
         tb = read_tensorboard(out / "tensorboard" / "live")[2][(step, tag)]
         tk = read_trackio("labkit", "live")[2][(step, tag)]
         wb_counts, _ = read_wandb(out, "live")[2][(step, tag)]
-        by_exponent = {int(right) - 1: int(count) for _, right, count in tb if count}  # TensorBoard drops empty buckets
+        # TensorBoard drops empty buckets
+        by_exponent = {int(right) - 1: int(count) for _, right, count in tb if count}
         assert by_exponent == {e: c for e, c in zip(LOG2_EDGES, tk["values"]) if c}
         assert wb_counts == tk["values"] and 0 < sum(wb_counts) <= 64 * 64
 
@@ -311,9 +323,11 @@ def test_export_cli_replays_the_jsonl_with_the_clipping_alarm_too(live_run, tmp_
 
 
 def test_a_rewind_is_marked_not_erased_and_extra_fields_get_their_names(tracker_env, tmp_path):
-    """Steps 0-5, then a rewind to 3 (an older labkit's records, which marked the undone ones ``rewound``): the
-    JSONL keeps all 9, TensorBoard purges the abandoned branch (purge_step), trackio keeps both, marked."""
-    recs = [StepRecord(i, 1.0 + i).to_dict() for i in range(6)] + [StepRecord(i, 10.0 + i).to_dict() for i in (3, 4, 5)]
+    """Steps 0-5, then a rewind to 3 (an older labkit's records, which marked the undone ones
+    ``rewound``): the JSONL keeps all 9, TensorBoard purges the abandoned branch (purge_step), trackio
+    keeps both, marked."""
+    recs = ([StepRecord(i, 1.0 + i).to_dict() for i in range(6)]
+            + [StepRecord(i, 10.0 + i).to_dict() for i in (3, 4, 5)])
     for r in recs[3:6]:
         r["rewound"] = True
     for r in recs:
@@ -326,13 +340,18 @@ def test_a_rewind_is_marked_not_erased_and_extra_fields_get_their_names(tracker_
     assert texts[(3, "events/rewind")] == "rewound to step 3 (the run had reached step 5)"
     assert scalars[(4, "spikes/z_loss")] == 2.0 and scalars[(4, "spikes/z_grad")] == -1.25
     assert scalars[(4, "precision/stale_fraction/0.weight")] == 0.125
-    assert (4, "spikes/rewound") not in scalars  # the kept branch has no mark; the rewound 1.0 was purged with its branch
+    # the kept branch has no mark; the rewound 1.0 was purged with its branch
+    assert (4, "spikes/rewound") not in scalars
     from trackio.sqlite_storage import SQLiteStorage
 
     # trackio keeps every row: the abandoned branch, marked, and the kept one
-    rows = [(e["step"], e["train/loss"], e.get("spikes/rewound")) for e in SQLiteStorage.get_logs("labkit", "rewound")]
-    assert rows == [(0, 1.0, None), (1, 2.0, None), (2, 3.0, None), (3, 4.0, 1.0), (4, 5.0, 1.0), (5, 6.0, 1.0),
-                    (3, 13.0, None), (4, 14.0, None), (5, 15.0, None)]  # only the marked records carry it
+    rows = [
+        (e["step"], e["train/loss"], e.get("spikes/rewound"))
+        for e in SQLiteStorage.get_logs("labkit", "rewound")
+    ]
+    # only the marked records carry it
+    assert rows == [(0, 1.0, None), (1, 2.0, None), (2, 3.0, None), (3, 4.0, 1.0), (4, 5.0, 1.0),
+                    (5, 6.0, 1.0), (3, 13.0, None), (4, 14.0, None), (5, 15.0, None)]
 
 
 # ------------------------------------------------------------------------------------------- missing packages
@@ -362,12 +381,14 @@ def test_unknown_tracker_names_are_refused_with_the_choices(capsys, tmp_path):
 # ------------------------------------------------------------------------------------------- the schema
 
 def test_row_names_every_field_once_from_a_record_or_its_jsonl():
-    r = StepRecord(7, 0.25, grad_norm=3.0, clip_coef=1 / 3, clipped=True, scale=512.0, next_scale=512.0, lr=0.1,
-                   fault="spike:10", top_grads=[("fc.weight", 2.5), ("fc.bias", 1.0)])
+    r = StepRecord(7, 0.25, grad_norm=3.0, clip_coef=1 / 3, clipped=True, scale=512.0, next_scale=512.0,
+                   lr=0.1, fault="spike:10", top_grads=[("fc.weight", 2.5), ("fc.bias", 1.0)])
     for source in (r, json.loads(json.dumps(r.to_dict()))):
         got = row(source)
         assert got.step == 7
-        assert {k: bits(v) for k, v in got.scalars.items()} == {k: bits(v) for k, v in expected_scalars(r.to_dict()).items()}
+        assert {k: bits(v) for k, v in got.scalars.items()} == {
+            k: bits(v) for k, v in expected_scalars(r.to_dict()).items()
+        }
         assert got.texts == {"train/fault": "spike:10"}
         assert got.scalars["grad/norm_postclip"] == r.post_clip_norm
 
@@ -422,7 +443,8 @@ def test_mlflow_default_store_is_sqlite_under_out_and_a_second_run_joins_it(live
                         "--name", "exported"]) == 0
     got, files, _ = read_mlflow(out, "exported")
     want = want_all(recs)
-    assert want[(1, "train/loss")] == math.inf and got[(1, "train/loss")] == sys.float_info.max  # SQLite's clamp
+    # SQLite's clamp
+    assert want[(1, "train/loss")] == math.inf and got[(1, "train/loss")] == sys.float_info.max
     assert_same_bits(got, sqlite_clamped(want), "mlflow sqlite")
     assert "nonfinite_loss" in files["events.txt"]
     assert sorted(p.name for p in out.glob("mlflow*")) == ["mlflow-artifacts", "mlflow.db"]

@@ -67,7 +67,8 @@ def test_fault_default_magnitude():
 
 @pytest.mark.parametrize(
     "kind, magnitude",
-    [("boom", 1000.0), ("NaN", 1000.0), ("spike", 0.0), ("spike", -3.0), ("spike", math.inf), ("spike", math.nan)],
+    [("boom", 1000.0), ("NaN", 1000.0), ("spike", 0.0), ("spike", -3.0), ("spike", math.inf),
+     ("spike", math.nan)],
     ids=["unknown-kind", "case-sensitive", "spike-0", "spike-negative", "spike-inf", "spike-nan"],
 )
 def test_bad_faults(kind, magnitude):
@@ -317,7 +318,8 @@ def test_overflow_in_fp16_skips_and_backs_off(task, backoff):
     assert record.next_scale == record.scale * backoff == 2.0**10 * backoff
     bad = [n for n, p in step.model.named_parameters() if not torch.isfinite(p.grad).all()]
     assert bad[0] == "0.weight"  # the inf spread back to the input layer...
-    assert record.first_nonfinite in bad and record.culprit_module == "4"  # ...from the output layer, where it began
+    # ...from the output layer, where it began
+    assert record.first_nonfinite in bad and record.culprit_module == "4"
     for n, p in step.model.named_parameters():
         assert torch.equal(p, params[n])
 

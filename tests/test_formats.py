@@ -1,4 +1,4 @@
-"""The precision figures show what the casts did: points where the format puts a value, live explorer numbers."""
+"""The precision figures show what the casts did: where a format puts a value, live explorer numbers."""
 
 import math
 
@@ -23,7 +23,8 @@ def test_format_values_are_every_bit_pattern_and_agree_with_finfo():
         v = format_values(name)
         assert v.max().item() == torch.finfo(dtype).max
         assert v.min().item() == torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
-    assert len(format_values("e4m3")) == 126 and len(format_values("e5m2")) == 123  # 2**7 minus 0, and NaN / inf
+    # 2**7 minus 0, and NaN / inf
+    assert len(format_values("e4m3")) == 126 and len(format_values("e5m2")) == 123
     assert format_values("fp16").max().item() == 65504.0
     with pytest.raises(ValueError, match="name must be one of"):
         format_values("fp8")
@@ -34,7 +35,8 @@ def test_number_line_cursor_shows_where_each_format_puts_the_value():
     ax = fig.axes[0]
     cursor_points = [line for line in ax.get_lines() if line.get_marker() == "o"]
     labels = [t.get_text() for t in ax.texts]
-    assert labels == [f"{round_trip(math.inf, name):g}" for name in NUMBER_LINE] == ["6", "448", "inf", "inf", "inf"]
+    assert (labels == [f"{round_trip(math.inf, name):g}" for name in NUMBER_LINE]
+            == ["6", "448", "inf", "inf", "inf"])
     assert [p.get_ydata()[0] for p in cursor_points] == list(range(len(NUMBER_LINE)))
     assert [t.get_text() for t in ax.get_yticklabels()] == list(NUMBER_LINE)
 
@@ -46,9 +48,12 @@ def test_granularity_explorer_slider_recomputes_and_redraws():
     explorer.slider.value = 1e5
     assert explorer.image.value != before and explorer.image.value[:4] == b"\x89PNG"
     tensor, row, tile, mx = (r["flushed"] for r in explorer.rows)
-    assert tensor > 0.3 and tile < tensor / 4 and mx < tensor / 16  # 8 tiles, 32 MX blocks per row: one holds the outlier
+    # 8 tiles, 32 MX blocks per row: one holds the outlier
+    assert tensor > 0.3 and tile < tensor / 4 and mx < tensor / 16
     assert f"outlier x100000: per tensor {100 * tensor:.2f}%" in explorer.figure.texts[0].get_text()
-    assert [p.get_height() for p in explorer.ax_flush.patches] == pytest.approx([100 * r["flushed"] for r in explorer.rows])
+    assert [p.get_height() for p in explorer.ax_flush.patches] == pytest.approx(
+        [100 * r["flushed"] for r in explorer.rows]
+    )
 
 
 def test_stagnation_and_scaling_figures_plot_the_runs():
@@ -77,7 +82,9 @@ def test_the_explorers_bars_are_never_cut_and_its_map_has_a_colour_bar():
     explorer = GranularityExplorer(rows=16, cols=1024, outlier=1e6)
     assert [r["flushed"] > 0.6 for r in explorer.rows][0]  # beyond the 60 % the axis used to stop at
     for ax, key, scale in ((explorer.ax_flush, "flushed", 100), (explorer.ax_err, "rel_err", 1)):
-        assert max(p.get_height() for p in ax.patches) == pytest.approx(max(scale * r[key] for r in explorer.rows))
+        assert max(p.get_height() for p in ax.patches) == pytest.approx(
+            max(scale * r[key] for r in explorer.rows)
+        )
         assert ax.get_ylim()[1] >= max(p.get_height() for p in ax.patches)
     assert [a.get_ylabel() for a in explorer.figure.axes if a not in (explorer.ax_map, explorer.ax_flush,
                                                                     explorer.ax_err)] == ["log10 |x|"]

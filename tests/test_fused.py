@@ -29,7 +29,9 @@ def task():
 def make_optimizer(kind, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, **({"fused": True} if kind == "adamw-fused" else {"foreach": True}))
+    return torch.optim.AdamW(
+        params, lr=1e-2, **({"fused": True} if kind == "adamw-fused" else {"foreach": True})
+    )
 
 
 def textbook(task, kind, max_norm, steps=STEPS, init_scale=2.0**16):
@@ -74,7 +76,7 @@ def params_bits(model):
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "no-clip"])
 def test_three_pass_equals_textbook_bitwise(task, max_norm):
-    """Power-of-two scale, nothing overflows: the same parameters to the bit, norms within 1e-6, same skips."""
+    """Power-of-two scale, nothing overflows: same parameters to the bit, norms within 1e-6, same skips."""
     ref, norms, scales, skipped = textbook(task, "sgd", max_norm)
     model, records, _ = labkit_run(task, "sgd", max_norm)
     assert [r.skipped for r in records] == skipped
@@ -198,10 +200,13 @@ def test_a_step_read_to_go_ahead_hands_the_kernel_no_flag(task):
 @pytest.mark.parametrize(
     "kind, precision, sync_every, expected",
     [
-        ("sgd", "fp16", None, [3] * 4),            # loss check, the norm and scale (the step decision), the next scale
-        ("adamw-fused", "fp16", None, [3] * 4),    # the same on a CPU, where a read costs nothing (on a GPU: 2, the
-                                                   # loss check and the record's row: the fused kernel skips itself)
-        ("sgd", "fp32", None, [2] * 4),            # loss check, the norm: a disabled scaler's scale needs no read
+        ("sgd", "fp16", None, [3] * 4),            # loss check, the norm and scale (the step decision),
+                                                   # the next scale
+        ("adamw-fused", "fp16", None, [3] * 4),    # the same on a CPU, where a read costs nothing (on a
+                                                   # GPU: 2, the loss check and the record's row: the fused
+                                                   # kernel skips itself)
+        ("sgd", "fp32", None, [2] * 4),            # loss check, the norm: a disabled scaler's scale needs
+                                                   # no read
         ("sgd", "fp16", 4, [1, 1, 1, 2]),          # the step decision; the 4th also copies the 4 records
         ("adamw-fused", "fp16", 4, [0, 0, 0, 1]),  # nothing per step; one batched copy every 4 steps
     ],
@@ -209,8 +214,8 @@ def test_a_step_read_to_go_ahead_hands_the_kernel_no_flag(task):
 def test_host_syncs_per_step(task, monkeypatch, kind, precision, sync_every, expected):
     torch.manual_seed(0)
     model = task.model()
-    train = labkit.TrainStep(model, make_optimizer(kind, model.parameters()), task.loss_fn, precision=precision,
-                             max_norm=1e6, sync_every=sync_every)
+    train = labkit.TrainStep(model, make_optimizer(kind, model.parameters()), task.loss_fn,
+                             precision=precision, max_norm=1e6, sync_every=sync_every)
     train(*task.batch(0))  # warm-up: the scaler's state is created on the first call
     train.flush()
     counter = SyncCounter(monkeypatch)
@@ -248,14 +253,16 @@ def test_the_step_clips_with_the_clipper_of_this_step(task, change):
         if limit is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), limit)
         ref_opt.step()
-    assert [r.clipped for r in records] == ([False, True, True, True] if change != "none" else [True, False, False, False])
+    assert [r.clipped for r in records] == (
+        [False, True, True, True] if change != "none" else [True, False, False, False]
+    )
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_fused_step_under_a_float64_default_dtype(task, precision):
-    """grad_scale and found_inf are float32 whatever torch's default dtype: torch's fused kernels take no other."""
+    """grad_scale and found_inf are float32 whatever the default dtype: the fused kernels take no other."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -327,9 +334,10 @@ def test_clip_coef_takes_a_device_threshold():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU count is test_host_syncs_per_step")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU; the CPU count is test_host_syncs_per_step")
 def test_fused_deferred_step_never_syncs_on_cuda(task):
-    """torch's own sync detector: with a fused optimizer and sync_every, no step synchronizes until the copy."""
+    """torch's own sync detector: with a fused optimizer and sync_every, no step syncs until the copy."""
     torch.manual_seed(0)
     model = task.model("cuda")
     train = labkit.TrainStep(model, make_optimizer("adamw-fused", model.parameters()), task.loss_fn,
@@ -355,7 +363,8 @@ def test_deferred_records_keep_the_observer(task):
         torch.manual_seed(0)
         model = task.model().to(torch.bfloat16)
         train = labkit.TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1e-3), task.loss_fn,
-                                 precision="bf16", sync_every=sync_every, hooks=[StaleMonitor(patience=100, every=2)])
+                                 precision="bf16", sync_every=sync_every,
+                                 hooks=[StaleMonitor(patience=100, every=2)])
         return [train(*(t.to(torch.bfloat16) for t in task.batch(i))) for i in range(4)]
 
     per_step, deferred = run(None), run(4)

@@ -31,16 +31,18 @@ NAN, INF = float("nan"), float("inf")
 
 
 def assert_clear(exc):
-    """A clear labkit error: raised by labkit's own checks (not deep in torch), with a message that says why."""
+    """A clear labkit error: raised by labkit's own checks (not deep in torch), with a message saying why."""
     assert isinstance(exc, CLEAR), f"{type(exc).__name__}: {exc}"
     where = traceback.extract_tb(exc.__traceback__)[-1].filename
     assert where.startswith(LABKIT), f"raised in {where}, not by labkit: {type(exc).__name__}: {exc}"
     assert len(str(exc)) > 25, f"too terse: {exc}"
 
 
-ODD = [None, True, "2", "nan", [], {}, object(), NAN, INF, -INF, -1, 0, 0.0, 1e-300, 1e-45, 2**31, 2**63, 1e300,
-       torch.tensor(0.5), 1.5, 3]
-numbers = st.one_of(st.sampled_from(ODD), st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 2**33))
+ODD = [None, True, "2", "nan", [], {}, object(), NAN, INF, -INF, -1, 0, 0.0, 1e-300, 1e-45, 2**31, 2**63,
+       1e300, torch.tensor(0.5), 1.5, 3]
+numbers = st.one_of(
+    st.sampled_from(ODD), st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 2**33)
+)
 
 
 # ---------------------------------------------------------------- GradScaler: torch is the reference
@@ -100,11 +102,15 @@ def test_scaler_load_state_dict_is_atomic(key, value):
     except Exception as e:  # noqa: BLE001
         assert_clear(e)
         assert scaler.state_dict() == good  # nothing was written
-        assert drive(scaler, [False, True, False]) == drive(ref, [False, True, False])  # next valid call = reference
+        # next valid call = reference
+        assert drive(scaler, [False, True, False]) == drive(ref, [False, True, False])
         return
     state = scaler.state_dict()
     assert F32.tiny <= state["scale"] <= F32.max and 0 <= state["_growth_tracker"] < state["growth_interval"]
-    assert 0 <= state["_hysteresis_left"] <= state["hysteresis"] and 0 <= state["skip_streak"] <= state["skip_count"]
+    assert (
+        0 <= state["_hysteresis_left"] <= state["hysteresis"]
+        and 0 <= state["skip_streak"] <= state["skip_count"]
+    )
 
 
 # ---------------------------------------------------------------- FaultSchedule.parse: a reference parser
@@ -127,7 +133,8 @@ def reference_parse(specs):
 
 
 spec_text = st.one_of(
-    st.builds(lambda a, n, k: f"{a}{'-' + str(a + n) if n else ''}:{k}", st.integers(0, 60), st.integers(0, 30),
+    st.builds(lambda a, n, k: f"{a}{'-' + str(a + n) if n else ''}:{k}", st.integers(0, 60),
+              st.integers(0, 30),
               st.sampled_from(["nan", "inf", "overflow", "spike", "spike:10", "spike:-1", "boom", "nan:3"])),
     st.text(alphabet="0123456789-:naspike ", max_size=12),
 )
@@ -149,9 +156,10 @@ def test_fault_specs_parse_like_the_grammar_or_refuse(specs):
 
 
 @FUZZ
-@given(field=st.sampled_from(["seed", "lr", "loss_weight", "init_scale", "steps", "growth_interval", "max_norm",
-                              "fault_rank", "device", "faults", "precision"]),
-       value=st.one_of(numbers, st.sampled_from(["cpu", "cuda", "gpu", "fp16", ["5:nan"], ("1-2:inf",), "5:nan"])))
+@given(field=st.sampled_from(["seed", "lr", "loss_weight", "init_scale", "steps", "growth_interval",
+                              "max_norm", "fault_rank", "device", "faults", "precision"]),
+       value=st.one_of(numbers, st.sampled_from(["cpu", "cuda", "gpu", "fp16", ["5:nan"], ("1-2:inf",),
+                                                 "5:nan"])))
 def test_experiment_config_is_valid_or_refuses(field, value):
     try:
         config = ExperimentConfig(**{field: value})
@@ -182,13 +190,14 @@ SETTINGS = {
     "skip_alarm": [None, 1, 8, 0, 1.5],
     "clip_alarm": [None, 0.5, 1.0, -0.1, "x"],
     "clip_window": [1, 100, 0, None],
-    "faults": [None, {}, ["1:nan"], {1: "overflow"}, "1:nan", [1], {1: 5}, {-1: "nan"}, ["0-1000000000:spike"]],
+    "faults": [None, {}, ["1:nan"], {1: "overflow"}, "1:nan", [1], {1: 5}, {-1: "nan"},
+               ["0-1000000000:spike"]],
     "log": [None, "log.jsonl", "nope/log.jsonl", 7],
 }
 
 
 def spelled(kwargs):
-    """Return TrainStep's keywords for a draw: the norm order in its NormClip, the alarms and faults as hooks."""
+    """Return TrainStep's keywords for a draw: the norm order in a NormClip, alarms and faults as hooks."""
     out = {k: kwargs[k] for k in ("precision", "max_norm", "accumulation_steps", "log") if k in kwargs}
     if "norm_type" in kwargs:
         limit = out.pop("max_norm", 1.0)
@@ -226,7 +235,9 @@ def test_trainstep_construction_refuses_clearly_or_trains_like_its_canonical_twi
         if kwargs.get(key) is not None:
             canon[key] = float(kwargs[key])
     ref_model = bn_model()
-    ref = TrainStep(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05), task.loss_fn, **spelled(canon))
+    ref = TrainStep(
+        ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05), task.loss_fn, **spelled(canon)
+    )
     if kwargs.get("accumulation_steps", 1) > task.batch_size:  # only a batch can refuse it: at the call
         with pytest.raises(ValueError, match="need at least accumulation_steps") as e:
             step(*task.batch(0))
@@ -280,7 +291,10 @@ def state_of(step):
 def assert_same_state(a, b):
     assert a["step"] == b["step"] and a["records"] == b["records"]
     for part in ("model", "opt"):
-        flat_a, flat_b = torch.utils._pytree.tree_flatten(a[part])[0], torch.utils._pytree.tree_flatten(b[part])[0]
+        flat_a, flat_b = (
+            torch.utils._pytree.tree_flatten(a[part])[0],
+            torch.utils._pytree.tree_flatten(b[part])[0],
+        )
         for u, v in zip(flat_a, flat_b):
             assert (torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v), part
 
@@ -313,7 +327,8 @@ def test_trainstep_calls_refuse_without_changing_state_and_then_match_the_refere
             step(*args)
         except Exception as e:  # noqa: BLE001
             if call not in ("raising-loss", "targets-none", "dict-targets", "wrong-width", "int-inputs"):
-                assert_clear(e)  # labkit's own check; the others are the user's model's/loss's errors, unchanged
+                # labkit's own check; the others are the user's model's/loss's errors, unchanged
+                assert_clear(e)
             elif call == "raising-loss":
                 assert str(e) == "the user's loss broke"
         else:

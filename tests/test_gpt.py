@@ -94,7 +94,9 @@ def test_an_untied_head_has_its_own_weight_and_leaves_every_other_weight_as_the_
     head = untied.lm_head.weight
     assert not torch.equal(head, untied.wte.weight) and head.std().item() == pytest.approx(0.02, rel=0.1)
     # a step moves the head and the embedding apart: the head's gradient is the head's own
-    log = run_experiment(ExperimentConfig(task=untied_task, device="cpu", steps=3, optimizer="adamw", lr=1e-2))
+    log = run_experiment(
+        ExperimentConfig(task=untied_task, device="cpu", steps=3, optimizer="adamw", lr=1e-2)
+    )
     assert len(log) == 3 and all(math.isfinite(r.loss) for r in log)
     with pytest.raises(ValueError, match="tie_head must be True or False"):
         GPTTask(tie_head=0)
@@ -104,7 +106,9 @@ def test_the_untrained_loss_is_log_vocab_and_matches_torch():
     x, y = SMALL.batch(0)
     logits = SMALL.model()(x)
     loss = SMALL.loss_fn(logits, y)
-    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item())
+    assert loss.item() == pytest.approx(
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    )
     assert loss.item() == pytest.approx(math.log(SMALL.corpus.vocab_size), abs=0.1)
 
 
@@ -139,7 +143,9 @@ def test_the_sawtooth_fp16_overflows_by_itself_backs_off_and_grows_again():
     log, _ = run(precision="fp16", optimizer="adam", lr=3e-3, steps=40, init_scale=2.0**16, growth_interval=2)
     skips = [r for r in log if r.skipped]
     assert len(skips) >= 3
-    assert all(r.reason == "nonfinite_grad" and r.fault is None and r.next_scale == r.scale / 2 for r in skips)
+    assert all(
+        r.reason == "nonfinite_grad" and r.fault is None and r.next_scale == r.scale / 2 for r in skips
+    )
     after_first = [r for r in log if r.step > skips[0].step and r.next_scale > r.scale]
     assert after_first, "the scale never grew back"
 
@@ -151,7 +157,8 @@ def test_underflow_without_a_scaler_is_measured_and_slows_the_loss():
                           "scaled": {"precision": "fp16", "init_scale": 2.0**16}}.items():
         log, probe = run(optimizer="adam", lr=1e-2, steps=40, loss_weight=weight, **changes)
         val[name], flushed[name] = SMALL.val_loss(probe.model), statistics.mean(probe.zero_fraction)
-        assert probe.loss_scale[-1] == log[-1].scale * weight  # the probe reads the scale off the loss's gradient
+        # the probe reads the scale off the loss's gradient
+        assert probe.loss_scale[-1] == log[-1].scale * weight
     assert flushed["raw"] > 0.5 and flushed["fp32"] < 0.01 and flushed["scaled"] < 0.02
     assert val["raw"] > val["fp32"] + 0.05
     assert val["scaled"] == pytest.approx(val["fp32"], abs=0.02)
@@ -162,7 +169,9 @@ def test_a_too_high_learning_rate_diverges_unclipped_and_the_clipped_run_ends_lo
     # and the run does not come back; clipped, it never does
     def spike(log):
         n = log.column("grad_norm")
-        return max(n[i] / statistics.median(n[max(0, i - 20):i]) for i in range(5, len(n)) if math.isfinite(n[i]))
+        return max(
+            n[i] / statistics.median(n[max(0, i - 20):i]) for i in range(5, len(n)) if math.isfinite(n[i])
+        )
 
     unclipped, probe = run(precision="fp32", optimizer="sgd", lr=0.8, steps=60, max_norm=None)
     clipped, _ = run(precision="fp32", optimizer="sgd", lr=0.8, steps=60, max_norm=1.0)
@@ -180,7 +189,10 @@ def test_a_too_high_learning_rate_diverges_unclipped_and_the_clipped_run_ends_lo
 
 
 def test_demo_runs_the_gpt_task_without_faults_and_prints_the_fingerprint(tmp_path, capsys):
-    assert main(["--task", "gpt", "--steps", "4", "--no-progress", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["--task", "gpt", "--steps", "4", "--no-progress", "--device", "cpu", "--out", str(tmp_path)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"data sha256 {make_task('gpt').fingerprint}" in out
     log = StepLog.read_jsonl(tmp_path / "log.jsonl")

@@ -27,9 +27,11 @@ from labkit.steplog import StepLog
 
 def test_histogram_bands_sit_at_fp16_and_bf16_limits():
     f16 = torch.finfo(torch.float16)
-    assert (math.log2(f16.smallest_normal * f16.eps), math.log2(f16.smallest_normal), math.log2(f16.max)) == FP16_RANGE
+    assert (math.log2(f16.smallest_normal * f16.eps), math.log2(f16.smallest_normal),
+            math.log2(f16.max)) == FP16_RANGE
     assert FP16_RANGE[:2] == (-24.0, -14.0) and BF16_RANGE[1] == -126.0
-    assert 2.0 ** FP16_RANGE[0] == torch.tensor(2.0**-24, dtype=torch.float16).item()  # the smallest subnormal
+    # the smallest subnormal
+    assert 2.0 ** FP16_RANGE[0] == torch.tensor(2.0**-24, dtype=torch.float16).item()
     h = GradHistogram(torch.tensor([1.0]))
     spans = {label: patch.get_x() for label, patch in h.bands.items()}
     widths = {label: patch.get_width() for label, patch in h.bands.items()}
@@ -47,7 +49,9 @@ def test_fractions_are_what_torchs_fp16_cast_does(values, k):
     nonzero = g != 0
     h = (g.double() * 2.0**k).half()
     n = max(1, int(nonzero.sum()))
-    expected = (float(((h == 0) & nonzero).sum()) / n, float(h.isinf().sum()) / n) if nonzero.any() else (0.0, 0.0)
+    expected = (
+        (float(((h == 0) & nonzero).sum()) / n, float(h.isinf().sum()) / n) if nonzero.any() else (0.0, 0.0)
+    )
     assert flush_fractions(g, k) == expected
 
 
@@ -77,10 +81,14 @@ def test_the_slider_shifts_the_histogram_and_says_what_is_lost():
 
 def test_u_curve_sawtooth_and_heatmap_show_what_the_run_did():
     log = StepLog([StepRecord(0, 1.0, scale=2.0**10, next_scale=2.0**11),
-                   StepRecord(1, 1.0, scale=2.0**11, next_scale=2.0**10, skipped=True, reason="nonfinite_grad")])
+                   StepRecord(1, 1.0, scale=2.0**11, next_scale=2.0**10, skipped=True,
+                              reason="nonfinite_grad")])
     saw = plot_sawtooth(log).axes[0]
-    assert saw.get_lines()[1].get_xdata().tolist() == [1] and "1" in saw.get_legend().get_texts()[1].get_text()
-    u = plot_u_curve(torch.tensor([1.0, 2.0**-40]), trajectory=log.column("scale"), backoffs=[2.0**11]).axes[0]
+    assert (
+        saw.get_lines()[1].get_xdata().tolist() == [1] and "1" in saw.get_legend().get_texts()[1].get_text()
+    )
+    u = plot_u_curve(torch.tensor([1.0, 2.0**-40]), trajectory=log.column("scale"),
+                     backoffs=[2.0**11]).axes[0]
     assert [line.get_label() for line in u.get_lines()] == ["flushed to 0", "overflow (inf)", "lost"]
     assert u.collections[0].get_offsets()[:, 0].tolist() == [10.0, 11.0]
     p = GradientProbe.holding([0, 1], layer_norms={"wte": [1.0, 1000.0], "h.0.attn.c_attn": [0.1, 0.1]})
@@ -93,7 +101,9 @@ def test_a_root_parameter_is_one_layer_the_root_module_with_torchs_norm():
     probe = GradientProbe()
     probe.attach(model)
     probe.begin(0)
-    probe.loss_hook(model(torch.randn(5, 4, generator=torch.Generator().manual_seed(0))).square().sum()).backward()
+    probe.loss_hook(
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(0))).square().sum()
+    ).backward()
     probe.close()
     assert probe.layers == [""]  # one layer, not "weight" and "bias" as two
     expected = torch.linalg.vector_norm(torch.cat([model.weight.grad.flatten(), model.bias.grad.flatten()]))
@@ -121,7 +131,9 @@ class _Middle(torch.nn.Module):
 
 def test_the_trace_is_in_backward_order_and_blames_where_the_inf_started_not_the_input_layer():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), _Middle(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), _Middle(), torch.nn.Linear(8, 2)
+    )
     probe = GradientProbe()
     probe.attach(model)
     probe.begin(0)
@@ -142,22 +154,26 @@ def test_an_fp16_sawtooth_overflows_in_a_weight_gradient_and_the_probe_names_it(
 
     probe = GradientProbe()
     task = GPTTask(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
-    log = run_experiment(ExperimentConfig(task=Probed(task, probe), device="cpu", precision="fp16", optimizer="adam",
-                                          lr=3e-3, init_scale=2.0**16, growth_interval=1, steps=8))
+    log = run_experiment(ExperimentConfig(task=Probed(task, probe), device="cpu", precision="fp16",
+                                          optimizer="adam", lr=3e-3, init_scale=2.0**16, growth_interval=1,
+                                          steps=8))
     backoffs = [r.step for r in log if r.next_scale < r.scale]
     assert backoffs and [s for s, name in zip(probe.steps, probe.first_nonfinite) if name] == backoffs
-    for step in backoffs:  # a weight gradient (a sum over the batch's tokens) overflowed; no activation gradient
+    # a weight gradient (a sum over the batch's tokens) overflowed; no activation gradient
+    for step in backoffs:
         bad = [g for g in probe.trace[step] if not math.isfinite(g.amax)]
         assert bad and all(g.kind == "weight" for g in bad)
         assert probe.first_nonfinite[step] in {g.name for g in bad}
     tied = next(g for g in probe.trace[0] if g.name.startswith("wte.weight"))
-    assert tied.name == "wte.weight = lm_head.weight" and not tied.linear  # its .grad adds the fp32 embedding's
+    # its .grad adds the fp32 embedding's
+    assert tied.name == "wte.weight = lm_head.weight" and not tied.linear
     assert next(g for g in probe.trace[0] if g.name == "lm_head.weight (this use)").linear
     ax = plot_headroom(probe).axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
     held = [max(g.amax * s for g in stats if g.kind == "weight" and g.linear) for stats, s in
             zip(probe.trace, probe.loss_scale)]
-    assert all(h < 65520 for h, step in zip(held, probe.steps) if step not in backoffs)  # no overflow, below the line
+    # no overflow, below the line
+    assert all(h < 65520 for h, step in zip(held, probe.steps) if step not in backoffs)
     drawn = lines["weight gradients"].get_ydata().tolist()
     assert [d for d, step in zip(drawn, probe.steps) if step not in backoffs] == \
         [h for h, step in zip(held, probe.steps) if step not in backoffs]
@@ -211,7 +227,9 @@ def test_a_held_probe_reads_back_what_it_was_given_and_refuses_a_step_count_that
     assert (p.steps, p.layers, p.layer_norms, p.loss_scale, p.zero_fraction) == (
         [3, 4], ["w"], {"w": [1.0, 2.0]}, [8.0, 4.0], [0.25, 0.5])
     assert p.trace == stats and p.first_nonfinite == [None, "w"]
-    with pytest.raises(ValueError, match=r"one value per step \(2 steps\), got \{\"layer_norms\['w'\]\": 1\}"):
+    with pytest.raises(
+        ValueError, match=r"one value per step \(2 steps\), got \{\"layer_norms\['w'\]\": 1\}"
+    ):
         GradientProbe.holding([0, 1], layer_norms={"w": [1.0]})
 
 
@@ -223,7 +241,8 @@ def test_a_tied_weights_linear_use_is_measured_apart_and_equals_the_untied_heads
     task = GPTTask(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
     tied = task.model()
     untied = copy.deepcopy(tied)
-    untied.lm_head.weight = torch.nn.Parameter(untied.wte.weight.detach().clone())  # the oracle: its own tensor
+    # the oracle: its own tensor
+    untied.lm_head.weight = torch.nn.Parameter(untied.wte.weight.detach().clone())
     x, y = task.batch(0)
     task.loss_fn(untied(x), y).backward()
     probe = GradientProbe()
@@ -231,7 +250,7 @@ def test_a_tied_weights_linear_use_is_measured_apart_and_equals_the_untied_heads
     probe.begin(0)
     probe.loss_hook(task.loss_fn(tied(x), y)).backward()
     stats = {g.name: g for g in probe.trace[0]}
-    assert stats["lm_head.weight (this use)"].amax == pytest.approx(untied.lm_head.weight.grad.abs().max().item(),
-                                                                     rel=1e-5)
+    assert stats["lm_head.weight (this use)"].amax == pytest.approx(
+        untied.lm_head.weight.grad.abs().max().item(), rel=1e-5)
     assert stats["wte.weight = lm_head.weight"].amax == pytest.approx(
         (untied.lm_head.weight.grad + untied.wte.weight.grad).abs().max().item(), rel=1e-5)

@@ -1,4 +1,4 @@
-"""Submissions that attack the grader: none earns a point it did not, reaches outside its sandbox, or survives.
+"""Submissions that attack the grader: none earns a point it did not, escapes its sandbox, or survives.
 
 Attacks the grader reads and refuses (tampering) cost no sandbox run; the ones that get past
 that reading run for real, grouped so one sandboxed run shows several.
@@ -21,7 +21,9 @@ from labkit.grading.notebook import grade, release
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grading import AUTOGRADED, SOURCE, sandboxed, solution, source, submission  # noqa: E402
 
-SOLVED = {a: solution(a) for a in ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")}
+SOLVED = {
+    a: solution(a) for a in ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")
+}
 LABKIT_FILE = Path(notebook.__file__).parents[1] / "clip.py"
 
 # each would have given full marks (11/11) to the instructor's solutions plus this one cell, or more to less
@@ -34,17 +36,21 @@ TAMPERING = {
                             "line 1: imports builtins (the builtins)", "line 2: reads __import__"),
     "an input transformer": ("get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])",
                              "line 1: uses get_ipython"),
-    "sys.modules": ("import sys\nnorm = sys.modules['labkit.clip'].grad_norm", "line 1: imports sys (the interpreter)"),
+    "sys.modules": ("import sys\nnorm = sys.modules['labkit.clip'].grad_norm",
+                    "line 1: imports sys (the interpreter)"),
     "the grader's command line": ("import os\nprint(open(f'/proc/{os.getppid()}/cmdline').read())",
                                   "line 1: imports os (the process)", "line 2: uses open"),
     "the instructor's solutions": ("exec(open('notebooks/exercises/ps1_clipping_and_scaling.ipynb').read())",
                                    "line 1: uses exec", "line 1: uses open"),
     "a shell escape": ("!cat /proc/1/cmdline", "line 1: uses get_ipython"),
     "a cell magic": ("%%writefile /tmp/x.py\nprint(1)", "line 1: uses get_ipython"),
-    "the wrapper's insides": ("import labkit\nnorm = labkit.grad_norm.__wrapped__", "line 2: reads __wrapped__"),
-    "a name built at run time": ("import labkit\nnorm = getattr(labkit, 'grad' + '_norm')", "line 2: uses getattr"),
+    "the wrapper's insides": ("import labkit\nnorm = labkit.grad_norm.__wrapped__",
+                              "line 2: reads __wrapped__"),
+    "a name built at run time": ("import labkit\nnorm = getattr(labkit, 'grad' + '_norm')",
+                                 "line 2: uses getattr"),
     "frames": ("try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    up = e.__traceback__.tb_frame.f_back",
-               "line 4: reads __traceback__", "line 4: reads f_back (a frame)", "line 4: reads tb_frame (a frame)"),
+               "line 4: reads __traceback__", "line 4: reads f_back (a frame)",
+               "line 4: reads tb_frame (a frame)"),
     "the alarm": ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)",
                   "line 1: imports signal (the grader's timers)"),
     "an attribute named in a string": ("from operator import attrgetter\ng = attrgetter('__globals__')",
@@ -80,7 +86,9 @@ def test_an_attack_in_an_answer_cell_loses_its_part_and_is_not_run():
     assert by_id["grad_norm_tests"].status == "tampering"
     label = report.tampering[0].split(", line")[0]
     assert label.endswith("'grad_norm_answer'") and len(report.tampering) == 1
-    assert report.tampering[0] == f"{label}, line {attack.count(chr(10))}: imports labkit.grading (the grader)"
+    assert (
+        report.tampering[0] == f"{label}, line {attack.count(chr(10))}: imports labkit.grading (the grader)"
+    )
     assert by_id["grad_norm_tests"].message.startswith(f"not scored: {label} was not run")
     assert report.format().startswith(f"TAMPERING (not scored): {label}, line")
 
@@ -88,7 +96,8 @@ def test_an_attack_in_an_answer_cell_loses_its_part_and_is_not_run():
 # one line an honest student wrote in ps2's z-clipper (issue 32, point 23): it cost every part, 0/12
 HONEST_GETATTR = ("    def state_dict(self):",
                   "    def state_dict(self):\n"
-                  "        return {k: getattr(self, k).clone() for k in ('mean', 'var', 'buffer', 'count')}\n\n"
+                  "        return {k: getattr(self, k).clone() "
+                  "for k in ('mean', 'var', 'buffer', 'count')}\n\n"
                   "    def _unused_state_dict(self):")
 
 
@@ -117,7 +126,7 @@ def test_honest_work_with_one_banned_line_scores_every_other_part():
 
 
 def _shell_output(cells, capsys):
-    """Run ``cells`` in a fresh IPython shell, as a notebook's kernel does; return what the last one printed."""
+    """Run ``cells`` in a fresh IPython shell, as a kernel does; return what the last one printed."""
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell()
@@ -131,41 +140,53 @@ def _shell_output(cells, capsys):
 
 
 def test_the_visible_test_names_the_banned_line_and_why(capsys):
-    """What the student sees when the grader would withhold the part: the line, what it reaches, what instead."""
+    """What the student sees when the grader would withhold the part: the line, what it reaches, what
+    instead."""
     answer, line = _getattr_answer()
     seen = _shell_output(["import math\nimport torch\nimport labkit", answer,
-                          "from labkit.grading import check_zscore_clipper\ncheck_zscore_clipper(ZScoreClipper)"],
+                          "from labkit.grading import check_zscore_clipper\n"
+                          "check_zscore_clipper(ZScoreClipper)"],
                          capsys)
-    assert seen == ("AssertionError: ZScoreClipper's cell cannot be graded as written: the grader never runs a cell "
-                    "that could reach into it, so this part would score 0 (the other parts are graded as usual). "
-                    f"line {line}: uses getattr ({static.NAMES['getattr']}; instead, {static.INSTEAD['getattr']}).")
+    assert seen == ("AssertionError: ZScoreClipper's cell cannot be graded as written: the grader never runs "
+                    "a cell that could reach into it, so this part would score 0 (the other parts are graded "
+                    f"as usual). line {line}: uses getattr ({static.NAMES['getattr']}; instead, "
+                    f"{static.INSTEAD['getattr']}).")
 
 
 def test_the_visible_test_reads_the_cells_of_the_helpers_too(capsys):
-    """A helper in a cell of its own is read too: a flagged cell outside every answer costs the whole notebook."""
+    """A helper in a cell of its own is read too: a flagged cell outside every answer costs the whole
+    notebook."""
     helper = "def square(t):\n    return getattr(t, 'pow')(2)"
-    norm = "def global_grad_norm(parameters):\n    return square(torch.cat([p.grad.flatten() for p in parameters])).sum()"
+    norm = ("def global_grad_norm(parameters):\n"
+            "    return square(torch.cat([p.grad.flatten() for p in parameters])).sum()")
     seen = _shell_output(["import torch", helper, norm,
-                          "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"], capsys)
-    assert seen.startswith("AssertionError: the cell that defines square (which global_grad_norm uses) cannot be "
-                           "graded as written: the grader never runs a cell that could reach into it, so the part it "
-                           "answers would score 0, or, outside every answer, the whole notebook. line 2: uses getattr")
+                          "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
+                         capsys)
+    assert seen.startswith("AssertionError: the cell that defines square (which global_grad_norm uses) "
+                           "cannot be graded as written: the grader never runs a cell that could reach into "
+                           "it, so the part it answers would score 0, or, outside every answer, the whole "
+                           "notebook. line 2: uses getattr")
 
 
 def test_a_stub_shows_one_line_not_the_graders_frames(capsys):
     """Issue 32, point 25: a stub's NotImplementedError printed 20 lines through grading/checks/core.py."""
     stub = "def global_grad_norm(parameters):\n    # YOUR CODE HERE\n    raise NotImplementedError()"
-    seen = _shell_output([stub, "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
+    seen = _shell_output([stub,
+                          "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
                          capsys)
-    assert seen == ("AssertionError: global_grad_norm is not implemented yet: replace `raise NotImplementedError()` "
-                    "with your code.")
+    assert seen == ("AssertionError: global_grad_norm is not implemented yet: replace `raise "
+                    "NotImplementedError()` with your code.")
     # the student's own error keeps its frame (their line), not the grader's
-    bug = "import torch\ndef global_grad_norm(parameters):\n    return torch.stack([p.grad for p in parameters]).norm()"
-    seen = _shell_output([bug, "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
+    bug = ("import torch\ndef global_grad_norm(parameters):\n"
+           "    return torch.stack([p.grad for p in parameters]).norm()")
+    seen = _shell_output([bug,
+                          "from labkit.grading import check_grad_norm\ncheck_grad_norm(global_grad_norm)"],
                          capsys).split("\n")
     assert seen[0] == "Traceback of your code (the grader's own frames left out):"
     assert "in global_grad_norm" in seen[1] and "grading" not in "\n".join(seen[:-1])
-    assert seen[-1].startswith("AssertionError: global_grad_norm raised RuntimeError: stack expects each tensor")
+    assert seen[-1].startswith(
+        "AssertionError: global_grad_norm raised RuntimeError: stack expects each tensor"
+    )
 
 
 # ---------------------------------------------------------------- past the reading: the traps and the harness
@@ -186,10 +207,13 @@ BANNED = {
     return torch_clip(parameters, max_norm)""",
     # right answers, but labkit's rule is named in the cell (on a path the cases never take)
     "scale_answer": solution("scale_answer").replace(
-        "    if found_inf:", "    if config is None:\n        return labkit.update_scale(scale)\n    if found_inf:", 1),
-    "step_answer": """def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):
+        "    if found_inf:",
+        "    if config is None:\n        return labkit.update_scale(scale)\n    if found_inf:", 1),
+    "step_answer": """def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets,
+                 max_norm):
     return Step(model, optimizer, loss_fn, precision="fp16", max_norm=max_norm, scaler=scaler,
-                scheduler=scheduler, hooks=[labkit.SkipAlarm(None), labkit.ClipAlarm(None)])(inputs, targets)""",
+                scheduler=scheduler,
+                hooks=[labkit.SkipAlarm(None), labkit.ClipAlarm(None)])(inputs, targets)""",
     "skip_answer": solution("skip_answer"),
 }
 
@@ -204,12 +228,18 @@ def test_library_calls_a_part_bans_earn_nothing_however_they_are_reached(banned_
     by_id = {p.grade_id: p for p in banned_report.parts}
     assert {g: by_id[g].points for g in AUTOGRADED} == {
         "grad_norm_tests": 0, "clip_tests": 0, "skip_tests": 2, "scale_tests": 0, "step_tests": 0}
-    assert "called labkit.grad_norm: this part asks you to compute the norm yourself" in by_id["grad_norm_tests"].message
+    assert (
+        "called labkit.grad_norm: this part asks you to compute the norm yourself"
+        in by_id["grad_norm_tests"].message
+    )
     assert "called torch.nn.utils.clip_grad_norm_: this part asks you to write the clipping yourself" in \
         by_id["clip_tests"].message
-    assert by_id["scale_tests"].message == ("uses what this part asks you to write yourself: cell 14 'scale_answer', "
-                                            "line 4: labkit.update_scale")
-    assert "called labkit.TrainStep: this part asks you to write the step yourself" in by_id["step_tests"].message
+    assert by_id["scale_tests"].message == ("uses what this part asks you to write yourself: cell 14 "
+                                            "'scale_answer', line 4: labkit.update_scale")
+    assert (
+        "called labkit.TrainStep: this part asks you to write the step yourself"
+        in by_id["step_tests"].message
+    )
     assert banned_report.tampering == []
 
 
@@ -244,7 +274,8 @@ try:  # a server the test listens with on the host's loopback: reachable unless 
 except OSError as e:
     found["network"] = False
     found["network_error"] = e.strerror
-found["limits"] = [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)]
+found["limits"] = [resource.getrlimit(r)[0]
+                   for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)]
 try:
     hog = bytearray(8 << 30)
     found["8 GiB"] = True
@@ -295,7 +326,8 @@ def connections(server):
 
 
 def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path, listener):
-    """No instructor file, other submission, gradebook, network or writable labkit; limits; nothing survives."""
+    """No instructor file, other submission, gradebook, network or writable labkit; limits; nothing
+    survives."""
     sandboxed()
     other = tmp_path / "submitted" / "bob" / "ps1" / "ps1.ipynb"
     other.parent.mkdir(parents=True)
@@ -320,7 +352,9 @@ def test_the_sandbox_holds_and_its_wall_clock_kills_everything(tmp_path, listene
     assert found["network"] is False and connections(listener) == 0, found.get("network_error")
     assert found["uid"] == (sandbox.NOBODY if os.geteuid() == 0 else os.geteuid())
     assert max(found["pids"]) < 50  # its own PID namespace: the grader's processes are not there
-    assert found["limits"] == [limits.memory, limits.processes, int(limits.wall) + 5] and found["8 GiB"] is False
+    assert (
+        found["limits"] == [limits.memory, limits.processes, int(limits.wall) + 5] and found["8 GiB"] is False
+    )
     assert len(outcome.output.encode()) <= limits.output  # 3 MiB printed, 1 MiB kept
     assert hashlib.sha256(LABKIT_FILE.read_bytes()).hexdigest() == labkit_sha
     assert not Path("/tmp/labkit-sandbox-marker").exists()
@@ -356,12 +390,16 @@ def test_no_sandbox_runs_the_same_harness_in_its_own_session(tmp_path, listener)
 
 
 def test_a_sandbox_that_cannot_start_stops_grading_instead_of_giving_zeros(monkeypatch):
-    monkeypatch.setattr(sandbox, "command", lambda job, out, limits: ["sh", "-c", "echo 'bwrap: No permissions'; exit 1"])
-    with pytest.raises(sandbox.SandboxError, match=r"did not start the harness \(exit code 1\): bwrap: No permissions"):
+    monkeypatch.setattr(
+        sandbox, "command", lambda job, out, limits: ["sh", "-c", "echo 'bwrap: No permissions'; exit 1"]
+    )
+    with pytest.raises(
+        sandbox.SandboxError, match=r"did not start the harness \(exit code 1\): bwrap: No permissions"
+    ):
         grade(source(), submission(SOLVED))
 
 
-# ---------------------------------------------------------------- problem sets 2, 3 and 4: one part each, past the reading
+# --------------------------------------------------- problem sets 2, 3 and 4: one part each, past the reading
 
 import grading_answers as ga  # noqa: E402
 
@@ -388,10 +426,12 @@ PS2_BANNED = {
     "read_run_answer": ga.solutions(ga.PS2)["read_run_answer"].replace(
         "z = (r.grad_norm - mean) / std if std > 0 else (math.inf if r.grad_norm > mean else 0.0)",
         "z = z_of(recent, r.grad_norm, window)"),
-    # right answers, but labkit's rule is named in a class, on a path the cases never take: the reading sees it
+    # right answers, but labkit's rule is named in a class, on a path the cases never take: the reading
+    # sees it
     "detector_answer": ga.solutions(ga.PS2)["detector_answer"].replace(
-        "        if std == 0:", "        if self.window < 0:\n            return labkit.spikes.rolling_z(values, x, 1)\n"
-                               "        if std == 0:"),
+        "        if std == 0:",
+        "        if self.window < 0:\n            return labkit.spikes.rolling_z(values, x, 1)\n"
+        "        if std == 0:"),
 }
 PS3_SAVED = "import functools\nimport labkit.formats.fp8, labkit.formats.bf16\n"
 PS3_BANNED = {
@@ -400,8 +440,9 @@ PS3_BANNED = {
     "fp8_answer": "quantize_tiles = functools.partial(labkit.formats.fp8.quantize, granularity='tile128')",
     # the trap raised in a try that swallows it, with an honest fallback that would pass
     "stale_answer": ga.solutions(ga.PS3)["stale_answer"].replace(
-        "    toward = ", "    try:\n        return labkit.formats.bf16.stale_fraction(update, weight, mask=update != 0)\n"
-                        "    except BaseException:\n        pass\n    toward = ", 1),
+        "    toward = ",
+        "    try:\n        return labkit.formats.bf16.stale_fraction(update, weight, mask=update != 0)\n"
+        "    except BaseException:\n        pass\n    toward = ", 1),
 }
 
 PS4_SAVED = "import labkit.optim, labkit.update_monitor\n"
@@ -454,22 +495,22 @@ def set_submission(path, answers, prepend):
 
 
 @pytest.mark.parametrize("path, banned, prepend, lost", [
-    (ga.PS2, PS2_BANNED, PS2_SAVED, {"zclip_tests": "called labkit.clippers.ZClip: this part asks you to write the "
-                                                     "clipper yourself",
-                                     "read_run_tests": "called labkit.spikes.rolling_z: this part asks you to compute "
-                                                       "the z-scores yourself",
-                                     "detector_tests": "uses what this part asks you to write yourself: cell 15 "
-                                                       "'detector_answer', line 34: labkit.spikes.rolling_z"}),
-    (ga.PS3, PS3_BANNED, PS3_SAVED, {"kahan_tests": "called labkit.formats.bf16.kahan_add: this part asks you to write "
-                                                    "the compensated update yourself",
-                                     "fp8_tests": "called labkit.formats.fp8.quantize: this part asks you to write the cast "
-                                                  "yourself",
-                                     "stale_tests": "called labkit.formats.bf16.stale_fraction: this part asks you to "
-                                                    "count the lost updates yourself"}),
+    (ga.PS2, PS2_BANNED, PS2_SAVED, {
+        "zclip_tests": "called labkit.clippers.ZClip: this part asks you to write the clipper yourself",
+        "read_run_tests": "called labkit.spikes.rolling_z: this part asks you to compute the z-scores "
+                          "yourself",
+        "detector_tests": "uses what this part asks you to write yourself: cell 15 'detector_answer', "
+                          "line 34: labkit.spikes.rolling_z"}),
+    (ga.PS3, PS3_BANNED, PS3_SAVED, {
+        "kahan_tests": "called labkit.formats.bf16.kahan_add: this part asks you to write the compensated "
+                       "update yourself",
+        "fp8_tests": "called labkit.formats.fp8.quantize: this part asks you to write the cast yourself",
+        "stale_tests": "called labkit.formats.bf16.stale_fraction: this part asks you to count the lost "
+                       "updates yourself"}),
     (ga.PS4, PS4_BANNED, PS4_SAVED, {
         "rms_tests": "called labkit.optim.read_update_rms: this part asks you to compute the RMS yourself",
-        "stable_tests": "called labkit.optim.StableAdamW: this part asks you to write the update-clipped step "
-                        "yourself"}),
+        "stable_tests": "called labkit.optim.StableAdamW: this part asks you to write the update-clipped "
+                        "step yourself"}),
 ], ids=["ps2", "ps3", "ps4"])
 def test_the_new_sets_bans_hold_however_the_library_is_reached(path, banned, prepend, lost):
     sandboxed()
@@ -478,7 +519,9 @@ def test_the_new_sets_bans_hold_however_the_library_is_reached(path, banned, pre
                    student="mallory")
     assert report.tampering == [], report.tampering
     by_id = {p.grade_id: p for p in report.parts if not p.manual}
-    assert {g: p.points for g, p in by_id.items()} == {g: 0 if g in lost else v for g, v in ga.PARTS[path].items()}
+    assert {g: p.points for g, p in by_id.items()} == {
+        g: 0 if g in lost else v for g, v in ga.PARTS[path].items()
+    }
     for gid, message in lost.items():
         assert message in by_id[gid].message, by_id[gid].message
 

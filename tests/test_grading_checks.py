@@ -110,7 +110,8 @@ def make_step(clip_before_unscale=False, scheduler_on_skip=False, backward_on_ba
         return labkit.StepRecord(
             step, loss.item(), grad_norm=log_norm(norm), scale=scaler.get_scale() if scale_after else scale,
             next_scale=scaler.get_scale(), skipped=not stepped,
-            reason=None if stepped else ("nonfinite_grad" if math.isfinite(loss.item()) else "nonfinite_loss"))
+            reason=None if stepped
+            else ("nonfinite_grad" if math.isfinite(loss.item()) else "nonfinite_loss"))
 
     return guarded_step
 
@@ -167,7 +168,8 @@ def norm_bf16(ps):
 
 
 NORM_BUGS = {
-    "fp16 squares": (norm_fp16_squares, "your norm overflowed to inf on fp16 gradients: accumulate in float32"),
+    "fp16 squares": (norm_fp16_squares,
+                     "your norm overflowed to inf on fp16 gradients: accumulate in float32"),
     "fp16 stack": (norm_fp16_stack, "your norm overflowed to inf on fp16 gradients"),
     "no sqrt": (lambda ps: sum((p.grad.float() ** 2).sum() for p in ps if p.grad is not None),
                 "did you forget the square root?"),
@@ -176,8 +178,10 @@ NORM_BUGS = {
     "max norm": (lambda ps: max(p.grad.float().norm() for p in ps if p.grad is not None),
                  "that is the largest per-tensor norm"),
     "None grads": (lambda ps: torch.stack([p.grad.float().norm() for p in ps]).norm(),
-                   "raised AttributeError", "Some parameters have no .grad (None: frozen or unused): skip them."),
-    "python float": (lambda ps: math.sqrt(sum((p.grad.float() ** 2).sum().item() for p in ps if p.grad is not None)),
+                   "raised AttributeError",
+                   "Some parameters have no .grad (None: frozen or unused): skip them."),
+    "python float": (lambda ps: math.sqrt(sum((p.grad.float() ** 2).sum().item() for p in ps
+                                              if p.grad is not None)),
                      "returned a float", "host sync"),
     "float16 result": (lambda ps: good_norm(ps).half(), "returned a torch.float16 norm", "return float32"),
     "nan filtered": (lambda ps: torch.stack([torch.nan_to_num(p.grad.float(), 0.0, 0.0, 0.0).norm()
@@ -185,10 +189,12 @@ NORM_BUGS = {
                      "a NaN gradient must give a NaN or inf norm"),
     "empty": (lambda ps: torch.stack([p.grad.float().norm() for p in ps if p.grad is not None]).norm(),
               "With no gradients at all the norm is 0: return torch.tensor(0.0)"),
-    "calls labkit": (lambda ps: labkit.grad_norm(ps), "called labkit.grad_norm: this part asks you to compute the norm yourself"),
+    "calls labkit": (lambda ps: labkit.grad_norm(ps),
+                     "called labkit.grad_norm: this part asks you to compute the norm yourself"),
     "calls torch": (lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]),
                     "called torch.nn.utils.get_total_norm"),
-    "in place": (lambda ps: torch.stack([p.grad.pow_(2).sum() for p in ps if p.grad is not None]).sum().sqrt().float(),
+    "in place": (lambda ps: torch.stack([p.grad.pow_(2).sum() for p in ps
+                                         if p.grad is not None]).sum().sqrt().float(),
                  "changed p.grad", "a norm only reads"),
 }
 
@@ -240,12 +246,15 @@ CLIP_BUGS = {
                        "used a tensor as a Python bool", "torch.clamp(max_norm / (norm + 1e-6), max=1.0)"),
     "min()": (clip_with(lambda n, m: min(1.0, m / (n + 1e-6))), "synced with the host"),
     ".item()": (clip_with(lambda n, m: min(1.0, m / (n.item() + 1e-6))), "called .item() on a tensor"),
-    "no clamp": (clip_with(lambda n, m: torch.where(torch.isfinite(n), m / (n + 1e-6), 1.0)), "clip only ever shrinks"),
+    "no clamp": (clip_with(lambda n, m: torch.where(torch.isfinite(n), m / (n + 1e-6), 1.0)),
+                 "clip only ever shrinks"),
     "NaN not kept out": (clip_with(lambda n, m: torch.clamp(m / (n + 1e-6), max=1.0)),
-                         "a non-finite norm must leave them untouched", "torch.where(torch.isfinite(norm), coef, 1.0)"),
+                         "a non-finite norm must leave them untouched",
+                         "torch.where(torch.isfinite(norm), coef, 1.0)"),
     "post-clip norm returned": (clip_with(CLAMPED, returns="post"), "that is the norm after clipping"),
     "not in place": (clip_with(CLAMPED, inplace=False), "replaced p.grad with a new tensor", "clip in place"),
-    "torch's clip": (lambda ps, m: torch.nn.utils.clip_grad_norm_(ps, m), "called torch.nn.utils.clip_grad_norm_"),
+    "torch's clip": (lambda ps, m: torch.nn.utils.clip_grad_norm_(ps, m),
+                     "called torch.nn.utils.clip_grad_norm_"),
     "labkit's clip": (lambda ps, m: labkit.clip_grad_norm_(ps, m), "called labkit.clip_grad_norm_"),
 }
 
@@ -281,11 +290,13 @@ ANY_BAD = lambda gs: not all(torch.isfinite(g).all() for g in gs)  # noqa: E731
 SKIP_BUGS = {
     "only NaN counts": (skip_if(lambda loss: bool(torch.isnan(loss)), ANY_BAD), "expected 'nonfinite_loss'",
                         "NaN, +inf and -inf are all not finite"),
-    "gradients first": (skip_if(lambda loss: not torch.isfinite(loss), ANY_BAD, loss_first=False), "check the loss first"),
+    "gradients first": (skip_if(lambda loss: not torch.isfinite(loss), ANY_BAD, loss_first=False),
+                        "check the loss first"),
     "fp16 norm": (skip_if(lambda loss: not torch.isfinite(loss),
                           lambda gs: not torch.isfinite(torch.stack([g.norm() for g in gs]).norm())),
                   "every gradient is finite, but an fp16 norm of them overflows"),
-    "first gradient only": (skip_if(lambda loss: not torch.isfinite(loss), lambda gs: not torch.isfinite(gs[0]).all()),
+    "first gradient only": (skip_if(lambda loss: not torch.isfinite(loss),
+                                    lambda gs: not torch.isfinite(gs[0]).all()),
                             "expected 'nonfinite_grad'", "check every .grad that exists"),
     "returns a bool": (lambda loss, ps: False, "returned False", "return None to step"),
 }
@@ -344,15 +355,19 @@ def test_the_scale_rule_is_shown_on_visible_cases_too():
 STEP_BUGS = {
     "clip before unscale": ({"clip_before_unscale": True},
                             ["[clipping", "differs by a factor of ~", "did you clip before unscaling?"]),
-    "scheduler on a skip": ({"scheduler_on_skip": True}, ["[skipped steps", "the scheduler advanced on a skipped step"]),
+    "scheduler on a skip": ({"scheduler_on_skip": True},
+                            ["[skipped steps", "the scheduler advanced on a skipped step"]),
     "backward on a NaN loss": ({"backward_on_bad_loss": True}, ["the loss scale changed on a NaN/inf loss"]),
     "no clipping": ({"clip": False}, ["too large", "clip the unscaled gradients to max_norm"]),
     "stepping on a skip": ({"step_on_skip": True}, ["the parameters changed on a skipped step"]),
-    "no update on a skip": ({"update_on_skip": False}, ["call scaler.update() once per step that ran backward"]),
-    "scale logged after update": ({"scale_after": True}, ["log scaler.get_scale() before the step and after update()"]),
+    "no update on a skip": ({"update_on_skip": False},
+                            ["call scaler.update() once per step that ran backward"]),
+    "scale logged after update": ({"scale_after": True},
+                                  ["log scaler.get_scale() before the step and after update()"]),
     # a tensor in the log used to skip the comparison: now its value is compared
     "post-clip norm logged as a tensor": ({"log_norm": lambda norm: torch.clamp(norm, max=0.05)},
-                                          ["logged grad_norm=0.05", "log the global norm of the unscaled gradients"]),
+                                          ["logged grad_norm=0.05",
+                                           "log the global norm of the unscaled gradients"]),
     "norm logged as a string": ({"log_norm": lambda norm: "big"},
                                 ["logged grad_norm=big", "as a number"]),
 }
@@ -371,8 +386,9 @@ def test_two_bugs_in_one_step_get_both_hints_one_per_scenario():
 
 
 def test_a_step_that_raises_ships_as_data_the_grader_can_load(tmp_path):
-    """What an honest step raised used to be shipped as the exception object itself (labkit's ScalerUsageError):
-    ``torch.load(weights_only=True)`` refused it and the grader reported the student as tampering, 0 points."""
+    """What an honest step raised used to be shipped as the exception object itself (labkit's
+    ScalerUsageError): ``torch.load(weights_only=True)`` refused it and the grader reported the student as
+    tampering, 0 points."""
     from labkit.grading import checks
 
     def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, targets, max_norm):

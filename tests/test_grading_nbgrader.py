@@ -32,9 +32,9 @@ from test_grading import (  # noqa: E402
 pytestmark = [pytest.mark.nbgrader, pytest.mark.timeout(600)]
 ANSWERS = ("grad_norm_answer", "clip_answer", "skip_answer", "scale_answer", "step_answer")
 
-# correct, but not the instructor's way: a norm scaled by the largest gradient (NaN, not inf, for an inf gradient:
-# the spec allows either), the student's own norm in the clip, a Python loop with math.isfinite, the rule written
-# the other way round, labkit.clip_grad_norm_ after unscale_
+# correct, but not the instructor's way: a norm scaled by the largest gradient (NaN, not inf, for an
+# inf gradient: the spec allows either), the student's own norm in the clip, a Python loop with
+# math.isfinite, the rule written the other way round, labkit.clip_grad_norm_ after unscale_
 OTHER_FORMS = {
     "grad_norm_answer": '''
 def global_grad_norm(parameters):
@@ -99,8 +99,9 @@ def guarded_step(step, model, optimizer, scaler, scheduler, loss_fn, inputs, tar
     if stepped:
         scheduler.step()
     scaler.update()
-    return labkit.StepRecord(step, loss.item(), grad_norm=norm.item(), scale=scale, next_scale=scaler.get_scale(),
-                             skipped=not stepped, reason=None if stepped else "nonfinite_grad")
+    return labkit.StepRecord(step, loss.item(), grad_norm=norm.item(), scale=scale,
+                             next_scale=scaler.get_scale(), skipped=not stepped,
+                             reason=None if stepped else "nonfinite_grad")
 ''',
 }
 SKIP_NAN_ONLY = '''
@@ -112,18 +113,22 @@ def skip_reason(loss, parameters):
 def students():
     """Each student's answers by grade_id, and the points each autograded part is worth to them."""
     solved = {a: solution(a) for a in ANSWERS}
-    no_unscale = "\n".join(line for line in solved["step_answer"].split("\n") if "scaler.unscale_(" not in line)
+    no_unscale = "\n".join(
+        line for line in solved["step_answer"].split("\n") if "scaler.unscale_(" not in line
+    )
     every = dict(AUTOGRADED)
     return {
         "ada": (solved, every),  # the instructor's code
         "bo": (OTHER_FORMS, every),
-        # the norm's squares in fp16 (overflow: only the hidden cases have large fp16 gradients, so nbgrader's 0 on
-        # this part shows it ran them); backs off on every overflow, whatever the hysteresis
+        # the norm's squares in fp16 (overflow: only the hidden cases have large fp16
+        # gradients, so nbgrader's 0 on this part shows it ran them); backs off on every
+        # overflow, whatever the hysteresis
         "cy": ({**solved, "grad_norm_answer": NORM_IN_FP16, "scale_answer": STALE_SCALE},
                {**every, "grad_norm_tests": 0, "scale_tests": 0}),
-        # only a NaN loss skips; clips the scaled gradients (no unscale_ before the norm; on a skipped step it calls
-        # scaler.update() with no inf check recorded and labkit's GradScaler raises ScalerUsageError: labkit used to
-        # ship that exception object, the grader could not load it and reported tampering, 0/11, where nbgrader gave 6)
+        # only a NaN loss skips; clips the scaled gradients (no unscale_ before the norm; on a
+        # skipped step it calls scaler.update() with no inf check recorded and labkit's GradScaler
+        # raises ScalerUsageError: labkit used to ship that exception object, the grader could not
+        # load it and reported tampering, 0/11, where nbgrader gave 6)
         "di": ({**solved, "skip_answer": SKIP_NAN_ONLY, "step_answer": no_unscale},
                {**every, "skip_tests": 0, "step_tests": 0}),
     }
@@ -131,7 +136,8 @@ def students():
 
 @pytest.fixture
 def autograded(nbgrader_env):  # noqa: F811 (the fixture imported above)
-    """nbgrader's autograde of the class ({student: {grade_id: points}}), and labkit's ({student: {grade_id: Part}})."""
+    """nbgrader's autograde of the class ({student: {grade_id: points}}), and labkit's
+    ({student: {grade_id: Part}})."""
     sandboxed()
     course, env = nbgrader_env
     env["PYTHONPATH"] = str(Path(__file__).parents[1])  # the kernels nbgrader starts import this labkit

@@ -50,7 +50,10 @@ def test_jsonl_is_strict_json_that_any_reader_accepts(tmp_path):
     path = tmp_path / "log.jsonl"
     StepLog(records(4)).to_jsonl(path)
     text = path.read_text()
-    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in the file")) for line in text.splitlines()]
+    strict = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in the file"))
+        for line in text.splitlines()
+    ]
     assert strict[1]["grad_norm"] == "Infinity" and strict[0]["top_grads"] == [["w", "NaN"]]
     assert strict[0]["lrs"] == [0.1, "-Infinity"]
     back = StepLog.read_jsonl(path)
@@ -301,8 +304,9 @@ def test_a_new_run_never_appends_to_another_runs_log(task, tmp_path):
     first = path.read_bytes()
     second = fresh(task, path)
     assert path.read_bytes() == first  # nothing happens to it before the new run logs
-    with pytest.warns(LabkitWarning, match=r"log.jsonl holds the records of another run \(steps 0-4\): moved it "
-                                           r"to '.*log.jsonl.1', and this run's records start"):
+    with pytest.warns(LabkitWarning,
+                      match=r"log.jsonl holds the records of another run \(steps 0-4\): moved it "
+                            r"to '.*log.jsonl.1', and this run's records start"):
         run_to(second, task, 3)
     assert (tmp_path / "log.jsonl.1").read_bytes() == first
     assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1, 2]
@@ -321,7 +325,8 @@ def test_a_resumed_run_continues_its_own_log_and_only_its_own(task, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a resume: no file moved, nothing cut
         run_to(fresh(task, path, copy.deepcopy(state)), task, 6)
-    assert [r.step for r in StepLog.read_jsonl(path)] == list(range(6)) and not (tmp_path / "log.jsonl.1").exists()
+    assert ([r.step for r in StepLog.read_jsonl(path)] == list(range(6))
+            and not (tmp_path / "log.jsonl.1").exists())
     # the same checkpoint on another run's file (a new run wrote log.jsonl since): that file is not continued
     run_to(fresh(task, path), task, 2)  # a new run: moves the resumed run's file to log.jsonl.1
     with pytest.warns(LabkitWarning, match="not the checkpoint's last record"):

@@ -7,7 +7,10 @@ to the norm: a drop-in that subtracts it gives other gradients), and the scaler'
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -109,3 +112,282 @@ def test_inf_check_takes_a_device_tensor(found):
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == (512.0 if found else 2048.0)
+
+
+# ---------------------------------------------------------------- the scaler's setters, repr and fused path
+
+
+def two_scalers(**kwargs):
+    return torch.amp.GradScaler("cpu", **kwargs), GradScaler("cpu", **kwargs)
+
+
+def scaled_step(scaler, opt, w, grad):
+    """One iteration on one parameter whose scaled gradient is ``grad`` (inf: an overflow)."""
+    scaler.scale(w.sum())
+    w.grad = torch.tensor(grad, dtype=torch.float32)
+    stepped = scaler.step(opt)
+    scaler.update()
+    return stepped
+
+
+def test_set_growth_and_backoff_factor_move_the_scale_as_torchs_setters_do():
+    """set_growth_factor/set_backoff_factor take effect at the next update(), as torch's, bit for bit."""
+    pattern = [1.0, math.inf, 1.0, 1.0, math.inf, 1.0]
+    scales = []
+    for scaler in two_scalers(init_scale=1024.0, growth_interval=1):
+        scaler.set_growth_factor(3.0)
+        scaler.set_backoff_factor(0.125)
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=1.0)
+        got = []
+        for g in pattern:
+            scaled_step(scaler, opt, w, [g, g])
+            got.append(scaler.get_scale())
+        scales.append(got)
+        assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (3.0, 0.125)
+        assert scaler.state_dict()["growth_factor"] == 3.0 and scaler.state_dict()["backoff_factor"] == 0.125
+    assert scales[0] == scales[1] == [3072.0, 384.0, 1152.0, 3456.0, 432.0, 1296.0]
+
+
+def test_repr_says_whether_the_scaler_is_enabled():
+    """A disabled scaler says so; an enabled one shows its scale and rule."""
+    assert repr(GradScaler("cpu", enabled=False)) == "GradScaler(enabled=False)"
+    enabled = repr(GradScaler("cpu", init_scale=8.0))
+    assert enabled.startswith("GradScaler(scale=8, ScalerConfig(growth_factor=2.0")
+
+
+def fused_pair(seed=0):
+    """Two identical one-parameter fused AdamW setups (torch's scaler, labkit's)."""
+    torch.manual_seed(seed)
+    w0 = torch.randn(3, dtype=torch.float32)  # float32 parameters whatever the default dtype
+    out = []
+    for scaler in two_scalers(init_scale=4.0, growth_interval=1):
+        w = w0.clone().requires_grad_(True)
+        opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+        out.append((scaler, opt, w))
+    return out
+
+
+def fused_iteration(scaler, opt, w, grad, **step_kwargs):
+    scaler.scale(w.sum())
+    w.grad = torch.tensor(grad, dtype=torch.float32)
+    scaler.step(opt, **step_kwargs)
+    scaler.update()
+
+
+def assert_same_adam(a, b):
+    (_, opt_a, w_a), (_, opt_b, w_b) = a, b
+    assert torch.equal(w_a, w_b), (w_a, w_b)
+    sa, sb = opt_a.state[w_a], opt_b.state[w_b]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), (k, sa[k], sb[k])
+
+
+@pytest.mark.parametrize("grads", [[[1.0, -2.0, 0.5]], [[math.inf, 1.0, 1.0]],
+                                   [[1.0, 2.0, 3.0], [math.nan, 0.0, 1.0], [4.0, -1.0, 2.0]]],
+                         ids=["clean", "inf-first", "nan-between"])
+def test_a_fused_adamw_step_is_torchs_bit_for_bit_and_skips_on_inf(grads):
+    """scaler.step(fused AdamW): the kernel unscales and skips on inf/NaN as under torch's scaler."""
+    ref, ours = fused_pair()
+    for g in grads:
+        for scaler, opt, w in (ref, ours):
+            fused_iteration(scaler, opt, w, g)
+        assert_same_adam(ref, ours)
+        assert ref[0].get_scale() == ours[0].get_scale()
+
+
+def test_a_fused_step_under_a_float64_default_dtype_is_torchs():
+    """found_inf and the unit scale are float32 whatever the default dtype: torch's kernels take no other."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, ours = fused_pair()
+        for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
+            for scaler, opt, w in (ref, ours):
+                fused_iteration(scaler, opt, w, g)
+            assert_same_adam(ref, ours)
+    finally:
+        torch.set_default_dtype(before)
+    assert ours[0].skip_count == 1
+
+
+def test_a_fused_step_with_an_lr_scheduler_is_torchs():
+    """An LR scheduler wraps optimizer.step in a plain function (no __func__): the fused path still works."""
+    ref, ours = fused_pair()
+    for scaler, opt, w in (ref, ours):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
+            fused_iteration(scaler, opt, w, g)
+            sched.step()
+    assert_same_adam(ref, ours)
+
+
+def test_a_user_grad_scale_after_unscale_reaches_the_fused_kernel_as_torchs():
+    """After unscale_ the kernel gets the optimizer's own grad_scale (a clip factor), not the loss scale."""
+    ref, ours = fused_pair()
+    for scaler, opt, w in (ref, ours):
+        scaler.scale(w.sum())
+        w.grad = torch.tensor([1.0, -2.0, 0.5])
+        scaler.unscale_(opt)
+        opt.grad_scale = torch.tensor(0.25)  # the kernel divides the gradients by it
+        scaler.step(opt)
+        scaler.update()
+        assert not hasattr(opt, "grad_scale")  # removed after the step, as torch does
+    assert_same_adam(ref, ours)
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_a_host_decision_drives_the_fused_kernel(found):
+    """inf_check_(opt, bool): a known skip leaves parameters and moments as torch's skip does; a go steps."""
+    ref, ours = fused_pair()
+    grad = [math.inf, 0.0, 0.0] if found else [1.0, -2.0, 0.5]
+    fused_iteration(*ref, grad)
+    scaler, opt, w = ours
+    scaler.scale(w.sum())
+    w.grad = torch.tensor([1.0, -2.0, 0.5])  # the decision, not the gradient, says skip
+    scaler.inf_check_(opt, found, unscaled=False)
+    assert scaler.step(opt) is not found
+    scaler.update()
+    if found:
+        assert_same_adam(ref, ours)
+    else:
+        assert_same_adam(ref, (scaler, opt, w))
+    assert scaler.get_scale() == ref[0].get_scale()
+
+
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket.__name__, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_known_on_the_host_to_go_ahead_spares_the_kernels_check_and_undo_pass():
+    """inf_check_(opt, False): the kernel gets found_inf=None; no step-counter undo (_foreach_sub_) runs."""
+    (_, _, w_ref), (scaler, opt, w) = fused_pair()
+    for found in (False, True):
+        scaler.scale(w.sum())
+        w.grad = torch.tensor([1.0, -2.0, 0.5])
+        scaler.inf_check_(opt, found, unscaled=False)
+        with OpLog() as log:
+            scaler.step(opt)
+        scaler.update()
+        kernel = [kw for name, kw in log.calls if name == "_fused_adamw_"]
+        assert len(kernel) == 1
+        assert (kernel[0].get("found_inf") is None) is (not found)
+        assert any(name == "_foreach_sub_" for name, _ in log.calls) is found
+
+
+def test_a_fused_step_keeps_no_reference_to_the_optimizer():
+    """After update() nothing in the scaler holds the optimizer (torch's doesn't): a dropped one is freed."""
+    scaler, opt, w = fused_pair()[1]
+    fused_iteration(scaler, opt, w, [1.0, -2.0, 0.5])
+    ref = weakref.ref(opt)
+    del opt  # freed by its reference count: no cycle, no gc pass
+    assert ref() is None
+
+
+class OldContract(torch.optim.SGD):
+    """torch's older contract for _step_supports_amp_scaling: step() takes the scaler as grad_scaler=."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, factor=1.0, grad_scaler=None):
+        self.seen = (factor, grad_scaler)
+
+
+def test_an_optimizer_taking_grad_scaler_gets_the_scaler_and_the_arguments_as_from_torch():
+    """The older contract: step(*args, grad_scaler=scaler), a FutureWarning, and a second step() refused."""
+    for scaler in two_scalers():
+        w = torch.zeros(2, requires_grad=True)
+        opt = OldContract([w], lr=1.0)
+        scaler.scale(w.sum())
+        w.grad = torch.ones(2)
+        with pytest.warns(FutureWarning, match="passing itself"):
+            scaler.step(opt, 0.5)
+        assert opt.seen == (0.5, scaler)
+        with pytest.raises(RuntimeError):
+            scaler.step(opt)
+        with pytest.raises(RuntimeError):
+            scaler.unscale_(opt)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+@pytest.mark.parametrize("grad", [1.0, math.inf])
+def test_an_optimizer_taking_grad_scaler_reports_the_inf_check_made_before_it(grad):
+    """step_async hands back found_inf from an unscale_ made before (0 when none was): step() says skipped."""
+    scaler = GradScaler("cpu")
+    w = torch.zeros(2, requires_grad=True)
+    opt = OldContract([w], lr=1.0)
+    scaler.scale(w.sum())
+    w.grad = torch.full((2,), grad)
+    assert torch.equal(scaler.step_async(opt), torch.tensor(0.0))  # nothing checked: the optimizer decides
+    scaler.update(new_scale=2.0)
+    scaler.scale(w.sum())
+    scaler.unscale_(opt)
+    assert scaler.step(opt) is (grad != math.inf)
+
+
+class ScaledSGD(torch.optim.Optimizer):
+    """A minimal optimizer of torch's grad_scale/found_inf contract that takes sparse gradients."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        if self.found_inf is not None and bool(self.found_inf):
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad if self.grad_scale is None else p.grad / self.grad_scale
+                p.add_(g, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_sparse_gradients_of_a_self_unscaling_optimizer_are_checked_as_torch_checks_them(overflow):
+    """A sparse (embedding) gradient's values are inf-checked before such an optimizer steps, as by torch."""
+    torch.manual_seed(0)
+    emb0 = torch.nn.Embedding(6, 2, sparse=True)
+    weights = []
+    for scaler in two_scalers(init_scale=8.0):
+        emb = copy.deepcopy(emb0)
+        opt = ScaledSGD(emb.parameters(), lr=0.1)
+        loss = emb(torch.tensor([1, 1, 4])).sum() * (math.inf if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        weights.append(emb.weight.detach())
+        assert scaler.get_scale() == (4.0 if overflow else 8.0)
+    assert torch.equal(weights[0], weights[1])
+    assert torch.equal(weights[1], emb0.weight) is overflow
+
+
+class Failing(torch.optim.SGD):
+    _step_supports_amp_scaling = True
+
+    def step(self):
+        raise ValueError("the optimizer failed")
+
+
+def test_a_fused_step_that_raised_leaves_the_iteration_begun_as_torch_does():
+    """After a self-unscaling optimizer raised in step(): no pickling (as torch), no second inf check."""
+    for scaler in two_scalers():
+        w = torch.zeros(2, requires_grad=True)
+        opt = Failing([w], lr=1.0)
+        scaler.scale(w.sum())
+        w.grad = torch.ones(2)
+        with pytest.raises(ValueError, match="the optimizer failed"):
+            scaler.step(opt)
+        with pytest.raises(AssertionError):
+            pickle.dumps(scaler)
+    with pytest.raises(RuntimeError):  # the iteration's check was made by the step that raised
+        scaler.inf_check_(opt, False, unscaled=False)
+    scaler.abandon_iteration()
+    scaler.inf_check_(opt, False, unscaled=False)

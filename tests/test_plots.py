@@ -21,7 +21,8 @@ def records(n=12, skip=(4, 5), clip=(7,)):
     for i in range(n):
         if i in skip:
             out.append(StepRecord(i, math.nan if i == 4 else 0.5, grad_norm=math.nan if i == 4 else math.inf,
-                                  scale=1024.0 / 2 ** (i == 5), next_scale=512.0 if i == 5 else 1024.0 / 2 ** (i == 5),
+                                  scale=1024.0 / 2 ** (i == 5),
+                                  next_scale=512.0 if i == 5 else 1024.0 / 2 ** (i == 5),
                                   skipped=True, reason="nonfinite_loss" if i == 4 else "nonfinite_grad"))
         else:
             norm = 50.0 if i in clip else 0.1 * (i + 1)
@@ -51,7 +52,8 @@ def test_plot_log_draws_the_log_columns_with_skips_marked():
     np.testing.assert_array_equal(ydata(pre), expected)
     assert ydata(post)[7] == pytest.approx(1.0) and math.isnan(ydata(post)[5])
     assert ax_scale.get_yscale() == "log" and ydata(ax_scale.get_lines()[0]).tolist() == log.column("scale")
-    skip_lines = [ax_norm.get_lines()[2], ax_loss.get_lines()[-1], ax_scale.get_lines()[-1]]  # norm: then max_norm
+    # norm: then max_norm
+    skip_lines = [ax_norm.get_lines()[2], ax_loss.get_lines()[-1], ax_scale.get_lines()[-1]]
     assert [skip_xs(line) for line in skip_lines] == [[4, 5]] * 3
     assert any(line.get_ydata()[0] == 1.0 for line in ax_norm.get_lines())  # the threshold
     assert fig._suptitle.get_text() == "12 steps, 2 skipped, 1 clipped"
@@ -141,7 +143,9 @@ def ipympl_backend():
     plt.switch_backend(before)
 
 
-def test_under_ipympl_the_canvas_is_the_widget_and_loops_draw_now_callbacks_draw_idle(ipympl_backend, monkeypatch):
+def test_under_ipympl_the_canvas_is_the_widget_and_loops_draw_now_callbacks_draw_idle(
+    ipympl_backend, monkeypatch
+):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # ipympl's toolbar warned twice per figure
         dash = LiveDashboard(max_norm=1.0, every=4)
@@ -184,7 +188,9 @@ def finite_ys(ax):
 
 
 def spiky(n, spike_at=None, size=1e6):
-    return StepLog([StepRecord(i, 0.5, grad_norm=size if i == spike_at else 0.5 + 0.01 * i) for i in range(n)])
+    return StepLog(
+        [StepRecord(i, 0.5, grad_norm=size if i == spike_at else 0.5 + 0.01 * i) for i in range(n)]
+    )
 
 
 def test_the_norm_axis_rescales_on_every_redraw_and_always_shows_the_threshold():
@@ -222,7 +228,8 @@ def test_two_runs_each_skip_entry_has_the_colour_of_its_own_marks():
     labels = legend_labels(norm)
     assert "unclipped: skipped step" in labels and "clipped: skipped step" not in labels
     handle = norm.get_legend().legend_handles[labels.index("unclipped: skipped step")]
-    assert handle.get_color() == dash.line("skip", "unclipped").get_color() != dash.line("skip", "clipped").get_color()
+    assert (handle.get_color() == dash.line("skip", "unclipped").get_color()
+            != dash.line("skip", "clipped").get_color())
 
 
 def test_plot_log_draws_no_threshold_and_no_scale_panel_where_there_is_none():
@@ -263,15 +270,17 @@ def test_nothing_is_cut_off_at_the_edges_of_the_canvas(runs):
     dash.show({run: records() for run in runs})
     fig = dash.figure
     box, canvas = fig.get_tightbbox(fig.canvas.get_renderer()), fig.bbox_inches
-    assert box.x0 >= canvas.x0 and box.y0 >= canvas.y0 and box.x1 <= canvas.x1 and box.y1 <= canvas.y1, (box, canvas)
+    assert (box.x0 >= canvas.x0 and box.y0 >= canvas.y0
+            and box.x1 <= canvas.x1 and box.y1 <= canvas.y1), (box, canvas)
     assert fig._suptitle.get_text().count("\n") == (len(runs) - 1 if len(runs) > 2 else 0)
 
 
 def test_the_scale_plot_draws_each_skip_under_its_own_reason_never_a_spike_as_a_loss_skip():
-    reasons = ["nonfinite_loss", "forward_overflow", "nonfinite_grad", "spike_grad", "spike_loss", "dead_scale",
-               "my_hook"]
+    reasons = ["nonfinite_loss", "forward_overflow", "nonfinite_grad", "spike_grad", "spike_loss",
+               "dead_scale", "my_hook"]
     log = StepLog([StepRecord(0, 1.0, scale=8.0, next_scale=8.0)]
-                  + [StepRecord(i, math.nan if i < 3 else 1.0, scale=8.0, next_scale=8.0, skipped=True, reason=r)
+                  + [StepRecord(i, math.nan if i < 3 else 1.0, scale=8.0, next_scale=8.0, skipped=True,
+                                reason=r)
                      for i, r in enumerate(reasons, 1)])
     ax = plot_scale_and_skips({"run": log}).axes[0]
     drawn = {line.get_label(): line.get_xdata().tolist() for line in ax.get_lines()[1:]}

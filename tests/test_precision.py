@@ -26,7 +26,8 @@ from labkit.tasks import ToyTask
 
 
 def test_stale_fraction_matches_a_hand_count():
-    # bf16 around 1: the gap above is 2**-7 (half: 0.0039), below it 2**-8 (half: 0.00195); around 256 the gap is 2.
+    # bf16 around 1: the gap above is 2**-7 (half: 0.0039), below it 2**-8 (half: 0.00195); around 256
+    # the gap is 2.
     w = torch.tensor([1.0, 1.0, 1.0, 1.0, 256.0, 256.0], dtype=torch.bfloat16)
     u = torch.tensor([1e-3, 3e-3, 5e-3, -3e-3, 0.9, 1.5])
     # stale:          yes   yes   no    no     yes  no
@@ -46,7 +47,9 @@ def test_stale_fraction_matches_a_hand_count():
 def test_stale_means_the_real_bf16_add_rounds_back(w, u):
     wb = torch.tensor([w]).bfloat16()
     exact = wb.double() + u
-    lo, hi = sorted([wb.double().item(), torch.nextafter(wb, torch.tensor([math.copysign(math.inf, u)]).bfloat16()).double().item()])
+    lo, hi = sorted([wb.double().item(),
+                     torch.nextafter(wb, torch.tensor([math.copysign(math.inf, u)]).bfloat16())
+                     .double().item()])
     # exact ties: the test below. Near ties too: the real add rounds the sum to float32 first (2**-16 of the
     # bf16 ulp, twice that across a binade), so an update within that of a tie lands on it (w=838, u=2.00001)
     assume(abs(abs(u) - (hi - lo) / 2) > 1e-4 * (hi - lo))
@@ -74,7 +77,8 @@ def _bf16_step(monitor, lr=1e-4, dtype=torch.bfloat16, hooks=()):
     task = ToyTask(seed=0)
     model = task.model().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None, hooks=[monitor, *hooks])
+    return task, model, TrainStep(model, opt, task.loss_fn, precision="bf16", max_norm=None,
+                                  hooks=[monitor, *hooks])
 
 
 def test_stale_monitor_records_each_layer_like_a_hand_computation():
@@ -91,7 +95,9 @@ def test_stale_monitor_records_each_layer_like_a_hand_computation():
 
 def test_stale_monitor_warns_once_per_streak_and_fp32_weights_stay_quiet():
     task, _, step = _bf16_step(StaleMonitor(threshold=0.5, patience=3))
-    with pytest.warns(StaleUpdateWarning, match=r"stale weights: in \S+, \d+% .* for 3 observed steps") as caught:
+    with pytest.warns(
+        StaleUpdateWarning, match=r"stale weights: in \S+, \d+% .* for 3 observed steps"
+    ) as caught:
         for i in range(5):
             step(*task.batch(i))
     assert len([w for w in caught if "0.weight" in str(w.message)]) == 1
@@ -136,7 +142,9 @@ class _OverflowingGrad(torch.autograd.Function):
 def test_bf16_without_a_scaler_logs_its_skips_with_the_reason(kind, tmp_path):
     task = ToyTask(seed=0)
     model = task.model()
-    loss_fn = task.loss_fn if kind == "nan_loss" else (lambda out, y: task.loss_fn(_OverflowingGrad.apply(out), y))
+    loss_fn = (
+        task.loss_fn if kind == "nan_loss" else (lambda out, y: task.loss_fn(_OverflowingGrad.apply(out), y))
+    )
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), loss_fn, precision="bf16",
                      log=tmp_path / "log.jsonl",
                      hooks=[SkipAlarm(2), Faults({0: "nan", 1: "nan"} if kind == "nan_loss" else None)])
@@ -154,7 +162,9 @@ def test_bf16_without_a_scaler_logs_its_skips_with_the_reason(kind, tmp_path):
     assert f"SKIP  {reason}" in event
     if kind == "overflowing_grad":
         # the inf enters at the output: backward order names the head, not the input layer it spread to
-        assert records[0].culprit_module == "4" and f"first in backward: {records[0].first_nonfinite})" in event
+        assert (
+            records[0].culprit_module == "4" and f"first in backward: {records[0].first_nonfinite})" in event
+        )
 
 
 @settings(max_examples=25, deadline=None)
@@ -166,7 +176,8 @@ def test_stochastic_rounding_is_unbiased(value):
     other = torch.nextafter(near, torch.tensor([math.inf if value > near.item() else -math.inf]).bfloat16())
     assert set(r.unique().tolist()) <= {near.item(), other.item()}  # only the two neighbours of the value
     gap = abs(other.double().item() - near.double().item())
-    # the mean of 20 000 draws of a two-point variable: its std is at most gap / (2 * sqrt(20 000)) = gap / 283
+    # the mean of 20 000 draws of a two-point variable: its std is at most
+    # gap / (2 * sqrt(20 000)) = gap / 283
     assert abs(r.mean().item() - value) < 5 * gap / 283
 
 
@@ -193,8 +204,12 @@ def test_fp32_accumulation_beats_bf16_over_many_micro_batches():
     g = torch.Generator().manual_seed(0)
     micro = [(torch.randn(20_000, generator=g) * 1e-3 + 1e-3).bfloat16() for _ in range(64)]
     exact = torch.stack(micro).double().sum(0)
-    err = {dt: ((accumulate(micro, dt).double() - exact).norm() / exact.norm()).item() for dt in (torch.bfloat16, torch.float32)}
-    assert err[torch.float32] < 1e-6 and err[torch.bfloat16] > 1e-3  # fp32 is exact here; bf16 (measured 7.7e-3) is not
+    err = {
+        dt: ((accumulate(micro, dt).double() - exact).norm() / exact.norm()).item()
+        for dt in (torch.bfloat16, torch.float32)
+    }
+    # fp32 is exact here; bf16 (measured 7.7e-3) is not
+    assert err[torch.float32] < 1e-6 and err[torch.bfloat16] > 1e-3
 
 
 def test_remedies_side_by_side_on_the_same_seed():

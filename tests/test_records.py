@@ -52,13 +52,15 @@ def log():
         StepRecord(0, 1.0, grad_norm=0.5, scale=1024.0, next_scale=1024.0, lr=0.1),
         StepRecord(1, NAN, scale=1024.0, next_scale=1024.0, skipped=True, reason="nonfinite_loss",
                    skip_streak=1, lr=0.1, fault="nan"),
-        StepRecord(2, 0.9, grad_norm=3.0, clip_coef=1 / 3, clipped=True, scale=1024.0, next_scale=2048.0, lr=0.1,
-                   fault="spike:1000", top_grads=[("0.weight", 2.5), ("2.weight", 1.5), ("0.bias", 0.5)]),
-        StepRecord(3, 0.8, grad_norm=INF, scale=2048.0, next_scale=1024.0, skipped=True, reason="nonfinite_grad",
-                   skip_streak=1, lr=0.05, fault="overflow", top_grads=[("4.weight", INF), ("2.weight", NAN), ("0.bias", 2.0)],
+        StepRecord(2, 0.9, grad_norm=3.0, clip_coef=1 / 3, clipped=True, scale=1024.0, next_scale=2048.0,
+                   lr=0.1, fault="spike:1000",
+                   top_grads=[("0.weight", 2.5), ("2.weight", 1.5), ("0.bias", 0.5)]),
+        StepRecord(3, 0.8, grad_norm=INF, scale=2048.0, next_scale=1024.0, skipped=True,
+                   reason="nonfinite_grad", skip_streak=1, lr=0.05, fault="overflow",
+                   top_grads=[("4.weight", INF), ("2.weight", NAN), ("0.bias", 2.0)],
                    first_nonfinite="4.weight", culprit_module="4"),
-        StepRecord(4, 0.7, grad_norm=2.0, clip_coef=0.5, clipped=True, scale=1024.0, next_scale=1024.0, lr=0.05,
-                   top_grads=[("2.bias", 1.25)]),
+        StepRecord(4, 0.7, grad_norm=2.0, clip_coef=0.5, clipped=True, scale=1024.0, next_scale=1024.0,
+                   lr=0.05, top_grads=[("2.bias", 1.25)]),
         StepRecord(5, 0.6, grad_norm=0.4, scale=1024.0, next_scale=512.0, lr=0.05),
     ])
 
@@ -72,8 +74,8 @@ def task():
 
 
 def test_the_core_is_small_and_each_hook_declares_its_own_fields():
-    assert CORE == ("step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped", "reason",
-                    "lr", "lrs")
+    assert CORE == ("step", "loss", "grad_norm", "clip_coef", "clipped", "scale", "next_scale", "skipped",
+                    "reason", "lr", "lrs")
     owners = {SkipAlarm: {"skip_streak"}, BackwardOrder: {"top_grads", "first_nonfinite", "culprit_module"},
               StaleMonitor: {"stale"}, SpikeDetector: {"z_loss", "z_grad"},
               LogitMonitor: {"attn_logit_max", "attn_entropy", "log_z", "log_z_sq", "ce_loss"}}
@@ -106,7 +108,8 @@ def test_the_core_is_immutable_and_fields_are_set_only_if_declared():
     put(r.fields, "z_loss", 3.0)
     put(r.fields, "stale/h.0", 0.25)
     assert (r.z_loss, r.stale) == (3.0, {"h.0": 0.25})
-    for bad, why in (("nope", "declared by no hook"), ("loss", "the core's"), ("z_loss/h.0", "not per layer")):
+    for bad, why in (("nope", "declared by no hook"), ("loss", "the core's"),
+                     ("z_loss/h.0", "not per layer")):
         with pytest.raises(ValueError, match=why):
             put(r.fields, bad, 1.0)
     assert set(r.fields) == {"z_loss", "stale"}  # a refused field changed nothing
@@ -134,8 +137,12 @@ def test_post_clip_norm(record, expected):
 def test_older_and_newer_jsonl_lines_are_read(tmp_path):
     """A line without culprit_module (written before it existed) reads as None; a field this labkit does
     not know (written by a newer one) is left out instead of failing the whole file."""
-    older = '{"step": 3, "loss": 0.8, "skipped": true, "reason": "nonfinite_grad", "first_nonfinite": "0.weight"}'
-    newer = '{"step": 4, "loss": 0.7, "first_nonfinite": null, "culprit_module": null, "from_a_newer_labkit": 1}'
+    older = (
+        '{"step": 3, "loss": 0.8, "skipped": true, "reason": "nonfinite_grad", "first_nonfinite": "0.weight"}'
+    )
+    newer = (
+        '{"step": 4, "loss": 0.7, "first_nonfinite": null, "culprit_module": null, "from_a_newer_labkit": 1}'
+    )
     path = tmp_path / "mixed.jsonl"
     path.write_text(older + "\n" + newer + "\n")
     a, b = StepLog.read_jsonl(path)
@@ -290,7 +297,8 @@ def test_csv_has_a_header_with_every_field_and_one_row_per_record(log, tmp_path)
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         rows = list(reader)
-        # the core, whether a rewind undid the record, then every field a record holds (in order of appearance)
+        # the core, whether a rewind undid the record, then every field a record holds (in order of
+        # appearance)
         assert reader.fieldnames == [*CORE, "rewound", "skip_streak", "fault", "top_grads", "first_nonfinite",
                                      "culprit_module"]
     assert len(rows) == len(log)
@@ -360,20 +368,23 @@ def test_no_stream_writes_nothing(tmp_path, log):
 
 def test_a_log_in_the_old_flat_schema_reads_as_the_same_records_and_events(tmp_path):
     """An older labkit wrote every field on every line and marked a rewind on its records (the trigger got
-    ``rewind_to``; the undone ones were marked in memory after they were written). Read now: the same core and
-    fields, the marks turned into one RewindEvent, and rewound derived from it (so the file's summary is right)."""
+    ``rewind_to``; the undone ones were marked in memory after they were written). Read now: the same core
+    and fields, the marks turned into one RewindEvent, and rewound derived from it (so the file's summary
+    is right)."""
     def old(step, loss, **changes):
         line = {name: None for name in OLD_FLAT}
-        line.update(step=step, loss=loss, grad_norm=0.5, clip_coef=1.0, clipped=False, scale=1.0, next_scale=1.0,
-                    skipped=False, skip_streak=0, lr=0.1, top_grads=[], stale={}, lrs=[0.1], z_loss="NaN",
-                    z_grad="NaN", threshold="NaN", lockin=False, rewound=False, attn_logit_max={}, attn_entropy={})
+        line.update(step=step, loss=loss, grad_norm=0.5, clip_coef=1.0, clipped=False, scale=1.0,
+                    next_scale=1.0, skipped=False, skip_streak=0, lr=0.1, top_grads=[], stale={}, lrs=[0.1],
+                    z_loss="NaN", z_grad="NaN", threshold="NaN", lockin=False, rewound=False,
+                    attn_logit_max={}, attn_entropy={})
         line.update(changes)
         assert list(line) == OLD_FLAT
         return json.dumps(line)
 
     lines = [old(0, 1.0), old(1, 0.9, z_loss=0.5), old(2, 0.8), old(3, 0.7, z_loss="Infinity"),
-             old(4, 50.0, skipped=True, reason="spike_loss", skip_streak=1, z_loss=9.5, rewound=True, rewind_to=2,
-                 top_grads=[["0.weight", "Infinity"]], first_nonfinite="0.weight", culprit_module="0"),
+             old(4, 50.0, skipped=True, reason="spike_loss", skip_streak=1, z_loss=9.5, rewound=True,
+                 rewind_to=2, top_grads=[["0.weight", "Infinity"]], first_nonfinite="0.weight",
+                 culprit_module="0"),
              old(2, 0.75), old(3, 0.7)]
     path = tmp_path / "old.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -382,7 +393,8 @@ def test_a_log_in_the_old_flat_schema_reads_as_the_same_records_and_events(tmp_p
     assert log.rewinds == [RewindEvent(step=4, to=2, reason="spike_loss")]
     assert log.rewound == [False, False, True, True, True, False, False] and log.rewound_steps == [2, 3, 4]
     spike = log[4]
-    assert (spike.reason, spike.skip_streak, spike.z_loss, spike.culprit_module) == ("spike_loss", 1, 9.5, "0")
+    assert ((spike.reason, spike.skip_streak, spike.z_loss, spike.culprit_module)
+            == ("spike_loss", 1, 9.5, "0"))
     assert spike.top_grads == [("0.weight", INF)] and log[3].z_loss == INF and math.isnan(log[0].threshold)
     assert "rewound" not in spike.fields and "rewind_to" not in spike.fields
     s = log.summary()
@@ -390,7 +402,7 @@ def test_a_log_in_the_old_flat_schema_reads_as_the_same_records_and_events(tmp_p
     # written back by this labkit: the event is its own line, after the record that triggered it
     log.to_jsonl(tmp_path / "new.jsonl")
     new = (tmp_path / "new.jsonl").read_text().splitlines()
-    assert json.loads(new[5]) == {"event": "rewind", "step": 4, "to": 2, "reason": "spike_loss", "data_from": None,
-                                  "data_to": None}
+    assert json.loads(new[5]) == {"event": "rewind", "step": 4, "to": 2, "reason": "spike_loss",
+                                  "data_from": None, "data_to": None}
     again = StepLog.read_jsonl(tmp_path / "new.jsonl")
     assert again.rewound == log.rewound and repr(again.summary()) == repr(s)

@@ -1,4 +1,4 @@
-"""Nothing corrupted: the guarded step under real training loops, damaged state and bad arguments (issue 13)."""
+"""Nothing corrupted: the guarded step under real training loops, damaged state, bad arguments (issue 13)."""
 
 import copy
 import io
@@ -312,7 +312,7 @@ def test_a_damaged_state_raises_and_changes_nothing(trained_step, path, value):
     assert step.state_dict() == good
 
 
-# ---------------------------------------------------------------- 6. int32 overflow, tiny backoff, negative norms
+# ------------------------------------------------------------ 6. int32 overflow, tiny backoff, negative norms
 
 
 def test_growth_interval_past_int32_is_refused_not_wrapped():
@@ -341,7 +341,9 @@ def test_clip_with_a_negative_norm_never_flips_the_gradients():
     (dict(hooks=SkipAlarm(3)), TypeError, "hooks must be a list"),
     (dict(nonsense=1), TypeError, "unexpected keyword argument 'nonsense'"),
 ])
-def test_bad_constructor_arguments_get_a_message_with_the_fix(task, tmp_path, monkeypatch, kwargs, error, message):
+def test_bad_constructor_arguments_get_a_message_with_the_fix(
+    task, tmp_path, monkeypatch, kwargs, error, message
+):
     monkeypatch.chdir(tmp_path)
     model = task.model()
     args = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=task.loss_fn)
@@ -378,15 +380,17 @@ def test_a_removed_keyword_says_what_to_write_instead(task, tmp_path, monkeypatc
 def test_the_new_spellings_do_what_the_old_keywords_did(task, tmp_path):
     model = task.model()
     log = StepLog(stream=tmp_path / "run.jsonl", window=2)
-    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task.loss_fn, precision="fp16", log=log,
-                     clipper=NormClip(0.5, norm_type=math.inf), hooks=[Faults(["1:nan"]), SkipAlarm(None)])
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), task.loss_fn, precision="fp16",
+                     log=log, clipper=NormClip(0.5, norm_type=math.inf),
+                     hooks=[Faults(["1:nan"]), SkipAlarm(None)])
     records = [step(*task.batch(i)) for i in range(3)]
     assert step.log is log and len(log) == 2 and len(StepLog.read_jsonl(tmp_path / "run.jsonl")) == 3
     assert [r.fault for r in records] == [None, "nan", None] and records[1].skipped
     assert step.norm_type == math.inf and records[2].threshold == 0.5
     alarms = [h for h in step.hooks.members if isinstance(h, (SkipAlarm, ClipAlarm))]
-    assert sorted((type(h).__name__, h.threshold if isinstance(h, SkipAlarm) else h.rate) for h in alarms) == [
-        ("ClipAlarm", 0.5), ("SkipAlarm", None)]  # the given SkipAlarm took the default's place
+    # the given SkipAlarm took the default's place
+    assert sorted((type(h).__name__, h.threshold if isinstance(h, SkipAlarm) else h.rate)
+                  for h in alarms) == [("ClipAlarm", 0.5), ("SkipAlarm", None)]
 
 
 def test_a_fault_schedule_and_an_alarm_refuse_bad_settings_with_the_fix():
@@ -440,7 +444,9 @@ def test_schedule_parse_refuses_one_string_and_keeps_ranges_lazy():
     with pytest.raises(TypeError, match=r"list of specs, e.g. \['50:nan'\]"):
         labkit.FaultSchedule.parse("50:nan")
     huge = labkit.FaultSchedule.parse(["0-10000000:nan", "5:spike"])  # was 11.6 s and 1.4 GB
-    assert len(huge) == 10_000_001 and huge.get(5).label == "spike:1000" and huge.get(10_000_000).label == "nan"
+    assert (
+        len(huge) == 10_000_001 and huge.get(5).label == "spike:1000" and huge.get(10_000_000).label == "nan"
+    )
     assert huge.get(10_000_001) is None and list(zip(range(3), huge)) == [(0, 0), (1, 1), (2, 2)]
 
 
@@ -455,7 +461,8 @@ def one_arg(out):
     (torch.zeros(4, 16), [0.0] * 4, TypeError, "targets must be a torch.Tensor"),
     (torch.zeros(4, 16), torch.tensor(0.0), TypeError, "0-d tensor"),
     (torch.zeros(4, 16), torch.zeros(3, 1), ValueError, "got 4 inputs and 3 targets"),
-    ({"x": torch.zeros(4, 16)}, torch.zeros(64, 1), ValueError, "got 4 samples in the dict batch and 64 targets"),
+    ({"x": torch.zeros(4, 16)}, torch.zeros(64, 1), ValueError,
+     "got 4 samples in the dict batch and 64 targets"),
     ({"x": torch.zeros(4, 16), "m": torch.zeros(3)}, None, ValueError, "share their first"),
     ({"ids": [1, 2]}, None, ValueError, "share their first"),
 ])
@@ -481,7 +488,8 @@ def test_bad_batches_are_refused_before_anything_changes(task, inputs, targets, 
     (lambda out, y: (out - y) ** 2, ValueError, "one number"),
     (lambda out, y: 1 / 0, ZeroDivisionError, "division by zero"),  # the user's own error, unchanged
 ])
-@pytest.mark.parametrize("precision", ["fp16"])  # the path with the most state (the scaler's stages); fp32: tests/test_fuzz.py
+# the path with the most state (the scaler's stages); fp32: tests/test_fuzz.py
+@pytest.mark.parametrize("precision", ["fp16"])
 def test_bad_losses_raise_and_the_next_step_is_the_reference(task, loss_fn, error, message, precision):
     model, ref = bn_model(), bn_model()
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -515,7 +523,8 @@ class Outputs(nn.Module):
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_tuple_and_dict_outputs_train_and_take_the_overflow_fault(task, kind, precision):
-    pick = (lambda out, y: task.loss_fn(out[0], y)) if kind == "tuple" else (lambda out, y: task.loss_fn(out["logits"], y))
+    pick = ((lambda out, y: task.loss_fn(out[0], y)) if kind == "tuple"
+            else (lambda out, y: task.loss_fn(out["logits"], y)))
     model, ref = Outputs(task.model(), kind), task.model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), pick, precision=precision,
                      hooks=[Faults({2: "overflow"})])
@@ -632,8 +641,8 @@ def make_run(task):
     model = bn_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.7)
-    step = TrainStep(model, opt, task.loss_fn, precision="fp16", scheduler=sched, scaler=GradScaler("cpu", init_scale=2.0**8,
-                                                                                    growth_interval=3),
+    step = TrainStep(model, opt, task.loss_fn, precision="fp16", scheduler=sched,
+                     scaler=GradScaler("cpu", init_scale=2.0**8, growth_interval=3),
                      hooks=[Faults(["3:nan", "5:overflow", "8:overflow"])])
     return model, opt, sched, step
 
@@ -650,7 +659,9 @@ def test_resume_is_exact_and_the_summary_covers_the_whole_run(task):
     buffer.seek(0)
     saved = torch.load(buffer)
     model, opt, sched, step = make_run(task)
-    model.load_state_dict(saved["model"]); opt.load_state_dict(saved["opt"]); sched.load_state_dict(saved["sched"])
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sched.load_state_dict(saved["sched"])
     step.load_state_dict(saved["step"])
     for i in range(6, 10):
         records_equal(step(*task.batch(i)), expected[i])
@@ -658,7 +669,7 @@ def test_resume_is_exact_and_the_summary_covers_the_whole_run(task):
     assert_same(snapshot(model, opt, sched), snapshot(*straight[:3]))
 
 
-# ---------------------------------------------------------------- the deferred path (sync_every) keeps the promises
+# ---------------------------------------------------------- the deferred path (sync_every) keeps the promises
 
 
 @pytest.mark.parametrize("precision, kind", [("fp32", "nan"), ("fp16", "overflow")])
@@ -687,8 +698,11 @@ def test_deferred_scheduler_error_comes_after_the_step_is_complete_and_numbered(
     before = snapshot(model, opt)
     with pytest.raises(ValueError, match="Tried to step"):  # OneCycleLR's own message, unchanged
         step(*task.batch(1))
-    assert not torch.equal(before["params"]["0.weight"], snapshot(model, opt)["params"]["0.weight"])  # it stepped
-    assert step.step_count == 2 and [r.step for r in step.log] == [0, 1] and not any(r.skipped for r in step.log)
+    # it stepped
+    assert not torch.equal(before["params"]["0.weight"], snapshot(model, opt)["params"]["0.weight"])
+    assert (
+        step.step_count == 2 and [r.step for r in step.log] == [0, 1] and not any(r.skipped for r in step.log)
+    )
     step.scheduler = None
     assert not step(*task.batch(2)).skipped and step.step_count == 3
 

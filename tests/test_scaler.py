@@ -41,7 +41,9 @@ SCALER_ARGS = {
     "gi1-g1.7-b0.3": (1000.0, 1.7, 0.3, 1),
 }
 
-HYPOTHESIS = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(
+    max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ---------------------------------------------------------------- helpers
@@ -165,7 +167,9 @@ def reference_rule(scale, tracker, hyst, overflow, cfg: ScalerConfig):
         if hyst == 0:
             scale = f32(scale * cfg.backoff_factor)
             # without min_scale the floor is float32's smallest normal number: the scale never dies
-            scale = max(scale, cfg.min_scale if cfg.min_scale is not None else torch.finfo(torch.float32).tiny)
+            scale = max(
+                scale, cfg.min_scale if cfg.min_scale is not None else torch.finfo(torch.float32).tiny
+            )
     else:
         tracker += 1
         if tracker == cfg.growth_interval:
@@ -190,7 +194,8 @@ def torch_rule(scale, tracker, overflow, growth_factor, backoff_factor, growth_i
 
 def run_rule(init_scale, cfg, pattern, init_tracker=0, init_hyst=None):
     """Apply labkit.update_scale along ``pattern``; yield (scale, tracker, hyst) as Python numbers."""
-    s, g, h = t_scale(init_scale), t_int(init_tracker), t_int(cfg.hysteresis if init_hyst is None else init_hyst)
+    s, g, h = (t_scale(init_scale), t_int(init_tracker),
+               t_int(cfg.hysteresis if init_hyst is None else init_hyst))
     for overflow in pattern:
         s, g, h = update_scale(s, g, h, t_found(overflow), cfg)
         assert s.dtype == torch.float32 and g.dtype == torch.int32 and h.dtype == torch.int32
@@ -210,8 +215,13 @@ def test_parity_with_torch_scale_sequence_and_params(seed, args_id, opt_name, ex
     n = 50
     ref_model = make_model(seed)
     our_model = copy.deepcopy(ref_model)
-    ref_opt, our_opt = OPTIMIZERS[opt_name](ref_model.parameters()), OPTIMIZERS[opt_name](our_model.parameters())
-    kwargs = dict(init_scale=init_scale, growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
+    ref_opt, our_opt = (
+        OPTIMIZERS[opt_name](ref_model.parameters()),
+        OPTIMIZERS[opt_name](our_model.parameters()),
+    )
+    kwargs = dict(
+        init_scale=init_scale, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
+    )
     ref = torch.amp.GradScaler("cpu", **kwargs)
     ours = GradScaler("cpu", **kwargs)
     assert ours.get_scale() == ref.get_scale() == init_scale
@@ -219,7 +229,9 @@ def test_parity_with_torch_scale_sequence_and_params(seed, args_id, opt_name, ex
 
     ref_scales, our_scales, overflows = [], [], []
     for i, (batch, fault) in enumerate(zip(make_batches(seed, n), overflow_pattern(seed, n))):
-        _, ref_overflow = train_iteration(ref_model, ref_opt, ref, batch, fault, explicit_unscale=explicit_unscale, clip=clip)
+        _, ref_overflow = train_iteration(
+            ref_model, ref_opt, ref, batch, fault, explicit_unscale=explicit_unscale, clip=clip
+        )
         stepped, our_overflow = train_iteration(
             our_model, our_opt, ours, batch, fault, explicit_unscale=explicit_unscale, clip=clip
         )
@@ -230,7 +242,9 @@ def test_parity_with_torch_scale_sequence_and_params(seed, args_id, opt_name, ex
         ref_scales.append(ref.get_scale())
         our_scales.append(ours.get_scale())
         overflows.append(our_overflow)
-        assert our_scales[-1] == ref_scales[-1], f"iteration {i}: scale {our_scales[-1]} != torch's {ref_scales[-1]}"
+        assert our_scales[-1] == ref_scales[-1], (
+            f"iteration {i}: scale {our_scales[-1]} != torch's {ref_scales[-1]}"
+        )
         assert_same_params(ref_model, our_model, f"after iteration {i}")
         ref_sd, our_sd = ref.state_dict(), ours.state_dict()
         assert our_sd["_growth_tracker"] == ref_sd["_growth_tracker"], f"iteration {i}"
@@ -317,7 +331,9 @@ def test_hysteresis_in_the_scaler_skips_every_overflow_but_backs_off_at_the_hth(
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=2)
     toy = Toy()
     pattern = [True, True, True, False, False, True, False, True, True]
-    got = [(toy.iterate(scaler, o), scaler.get_scale(), scaler.state_dict()["_hysteresis_left"]) for o in pattern]
+    got = [
+        (toy.iterate(scaler, o), scaler.get_scale(), scaler.state_dict()["_hysteresis_left"]) for o in pattern
+    ]
     assert got == [
         (False, 1024.0, 1),  # 1st overflow since the start: counted, not backed off
         (False, 512.0, 0),  # 2nd: backs off
@@ -371,17 +387,20 @@ def test_rule_with_hysteresis_1_and_no_bounds_is_torchs_rule(init_exp, growth, b
     counts=st.tuples(st.integers(0, 50), st.integers(0, 50)),
     read=st.booleans(),
 )
-def test_scaler_update_is_torchs_kernel_with_the_floor(scale, tracker, left, found, growth, backoff, interval, min_scale,
-                                                       counts, read):
-    """hysteresis 1 and no cap: update() gives what torch's fused ``_amp_update_scale_`` gives, from any state,
-    with the rule's two additions: a tracker at or past a lowered growth_interval grows now (clamped first),
-    and a backed-off scale is floored (``min_scale``, else 2**-126). ``read``: the check was a host bool."""
+def test_scaler_update_is_torchs_kernel_with_the_floor(scale, tracker, left, found, growth, backoff, interval,
+                                                       min_scale, counts, read):
+    """hysteresis 1 and no cap: update() gives what torch's fused ``_amp_update_scale_`` gives, from any
+    state, with the rule's two additions: a tracker at or past a lowered growth_interval grows now (clamped
+    first), and a backed-off scale is floored (``min_scale``, else 2**-126). ``read``: the check was a
+    host bool."""
     scaler = GradScaler("cpu", growth_factor=growth, backoff_factor=backoff, growth_interval=interval,
                         min_scale=min_scale)
     state = scaler._lazy_init(torch.device("cpu"))
     skips = (max(counts), min(counts))
     values = (t_scale(scale), t_int(tracker), t_int(left), torch.tensor(skips[0]), torch.tensor(skips[1]))
-    for key, value in zip(("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), values):
+    for key, value in zip(
+        ("scale", "growth_tracker", "hysteresis_left", "skip_count", "skip_streak"), values
+    ):
         state[key].copy_(value)
     # the oracle: torch's kernel on copies
     want_scale, want_tracker = values[0].clone(), values[1].clone().clamp_(max=interval - 1)
@@ -401,7 +420,8 @@ def test_scaler_update_is_torchs_kernel_with_the_floor(scale, tracker, left, fou
     assert torch.equal(state["growth_tracker"], want_tracker)
     assert state["hysteresis_left"].item() == (0 if found != 0 else 1 if want_tracker == 0 else left)
     skipped = int(found != 0)
-    assert (state["skip_count"].item(), state["skip_streak"].item()) == (skips[0] + skipped, (skips[1] + 1) * skipped)
+    assert ((state["skip_count"].item(), state["skip_streak"].item())
+            == (skips[0] + skipped, (skips[1] + 1) * skipped))
 
 
 @HYPOTHESIS
@@ -447,7 +467,9 @@ def test_rule_matches_its_pseudocode_and_stays_within_bounds(
     hysteresis=st.integers(1, 4),
     pattern=st.one_of(found_seqs, sparse_found_seqs),
 )
-def test_rule_growth_timing_tracker_reset_and_hysteresis(init_exp, growth, backoff, interval, hysteresis, pattern):
+def test_rule_growth_timing_tracker_reset_and_hysteresis(
+    init_exp, growth, backoff, interval, hysteresis, pattern
+):
     """Stated as observations, independent of the pseudocode: when it grows, resets and backs off."""
     cfg = ScalerConfig(growth, backoff, interval, hysteresis, None, None)
     prev_scale, prev_tracker = 2.0**init_exp, 0
@@ -459,9 +481,13 @@ def test_rule_growth_timing_tracker_reset_and_hysteresis(init_exp, growth, backo
             overflows_since_growth += 1
             assert g == 0, f"step {i}: an overflow must reset the growth tracker"
             if overflows_since_growth >= hysteresis:
-                assert s == f32(prev_scale * backoff), f"step {i}: overflow #{overflows_since_growth} must back off"
+                assert s == f32(prev_scale * backoff), (
+                    f"step {i}: overflow #{overflows_since_growth} must back off"
+                )
             else:
-                assert s == prev_scale, f"step {i}: overflow #{overflows_since_growth} < hysteresis must not back off"
+                assert s == prev_scale, (
+                    f"step {i}: overflow #{overflows_since_growth} < hysteresis must not back off"
+                )
             assert h == max(hysteresis - overflows_since_growth, 0)
         else:
             clean_run += 1
@@ -487,7 +513,9 @@ def test_rule_growth_timing_tracker_reset_and_hysteresis(init_exp, growth, backo
     with_cap=st.booleans(),
     pattern=st.lists(st.sampled_from([False] * 5 + [True]), min_size=1, max_size=60),
 )
-def test_rule_growth_never_makes_the_scale_infinite(init_exp, growth, interval, hysteresis, with_cap, pattern):
+def test_rule_growth_never_makes_the_scale_infinite(
+    init_exp, growth, interval, hysteresis, with_cap, pattern
+):
     init = 2.0**init_exp
     cfg = ScalerConfig(growth, 0.5, interval, hysteresis, None, F32_MAX if with_cap else None)
     for s, _, _ in run_rule(init, cfg, pattern):
@@ -505,7 +533,10 @@ def test_rule_at_float32_max_keeps_the_scale_and_resets_the_tracker():
 
 def test_rule_docstring_example_and_first_backoff_at_hth_overflow():
     cfg = ScalerConfig(2.0, 0.5, 3, 3, None, None)
-    got = [s for s, _, _ in run_rule(1024.0, cfg, [True, True, True, True, False, False, False, True, True, True])]
+    got = [
+        s
+        for s, _, _ in run_rule(1024.0, cfg, [True, True, True, True, False, False, False, True, True, True])
+    ]
     assert got == [1024.0, 1024.0, 512.0, 256.0, 256.0, 256.0, 512.0, 512.0, 512.0, 256.0]
 
 
@@ -607,7 +638,8 @@ def test_fp16_gradients_are_refused_like_torch(impl):
 # ---------------------------------------------------------------- 5. state_dict
 
 
-RESUME_PATTERN = [False, True, False, False, False, True, True, True, False, False, False, False, True, False] * 3
+RESUME_PATTERN = [False, True, False, False, False, True, True, True, False, False, False, False, True,
+                  False] * 3
 
 
 @pytest.mark.parametrize("lazy_initialised", [False, True], ids=["fresh", "already-used"])
@@ -628,15 +660,19 @@ def test_state_dict_resumes_the_exact_trajectory(split, lazy_initialised):
     drive(first, RESUME_PATTERN[:split])
     saved = first.state_dict()
     assert saved == ref_sds[split - 1]
-    assert {"scale", "_growth_tracker", "_hysteresis_left", "skip_count", "skip_streak", "hysteresis"} <= saved.keys()
+    assert {"scale", "_growth_tracker", "_hysteresis_left", "skip_count", "skip_streak",
+            "hysteresis"} <= saved.keys()
 
-    resumed = GradScaler("cpu", init_scale=1.0, growth_factor=3.0, backoff_factor=0.9, growth_interval=999, hysteresis=1)
+    resumed = GradScaler(
+        "cpu", init_scale=1.0, growth_factor=3.0, backoff_factor=0.9, growth_interval=999, hysteresis=1
+    )
     if lazy_initialised:
         Toy().iterate(resumed, True)  # state tensors exist now and must be overwritten
     resumed.load_state_dict(saved)
     assert resumed.get_scale() == saved["scale"]
     assert resumed.state_dict() == saved
-    assert (resumed.get_growth_factor(), resumed.get_backoff_factor(), resumed.get_growth_interval()) == (1.7, 0.3, 3)
+    assert (resumed.get_growth_factor(), resumed.get_backoff_factor(),
+            resumed.get_growth_interval()) == (1.7, 0.3, 3)
     toy = Toy()
     for i, overflow in enumerate(RESUME_PATTERN[split:], start=split):
         toy.iterate(resumed, overflow)
@@ -678,7 +714,8 @@ def test_loading_an_empty_state_dict_raises_runtime_error():
 
 
 @pytest.mark.parametrize("used", [True, False], ids=["used", "fresh"])
-@pytest.mark.parametrize("missing", ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"])
+@pytest.mark.parametrize("missing", ["scale", "growth_factor", "backoff_factor", "growth_interval",
+                                     "_growth_tracker"])
 def test_loading_a_state_dict_missing_keys_raises_key_error_and_changes_nothing(missing, used):
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, hysteresis=2)
     expected = [2.0**10, 2.0**10, 2.0**11]
@@ -719,13 +756,16 @@ def test_max_scale_caps_growth():
     assert drive(ours, [False] * 10) == [1024.0, 2048.0, 2048.0, 4096.0, 4096.0, 8192.0] + [8192.0] * 4
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(max_scale=F32_MAX), dict(hysteresis=2)], ids=["plain", "cap", "hyst"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(max_scale=F32_MAX), dict(hysteresis=2)],
+                         ids=["plain", "cap", "hyst"])
 def test_growth_near_float32_max_stays_finite(kwargs):
     ours = GradScaler("cpu", init_scale=2.0**126, growth_interval=1, **kwargs)
     scales = drive(ours, [False] * 5)
     assert scales == [2.0**127] * 5
     if not kwargs:
-        assert drive(torch.amp.GradScaler("cpu", init_scale=2.0**126, growth_interval=1), [False] * 5) == scales
+        assert (
+            drive(torch.amp.GradScaler("cpu", init_scale=2.0**126, growth_interval=1), [False] * 5) == scales
+        )
 
 
 @pytest.mark.parametrize(
@@ -851,7 +891,9 @@ def test_two_optimizers_skip_independently_and_back_off_once(inf_in):
     a0, b0 = torch.randn(4), torch.randn(3)
     results = {}
     for impl in ("torch", "labkit"):
-        scaler = (torch.amp.GradScaler if impl == "torch" else GradScaler)("cpu", init_scale=2.0**10, growth_interval=1)
+        scaler = (torch.amp.GradScaler if impl == "torch" else GradScaler)(
+            "cpu", init_scale=2.0**10, growth_interval=1
+        )
         a, b = nn.Parameter(a0.clone()), nn.Parameter(b0.clone())
         opt_a, opt_b = torch.optim.SGD([a], lr=0.1, momentum=0.9), torch.optim.AdamW([b], lr=0.1)
         scaler.scale((a**2).sum() + (b**3).sum()).backward()
@@ -876,7 +918,9 @@ def test_two_optimizers_skip_independently_and_back_off_once(inf_in):
 @pytest.mark.parametrize("container", [list, tuple], ids=["list", "tuple"])
 def test_scale_keeps_the_container_type(container):
     ours, theirs = GradScaler("cpu", init_scale=3.0), torch.amp.GradScaler("cpu", init_scale=3.0)
-    values = container([torch.tensor(1.5), torch.tensor([2.0, -1.0]), torch.tensor(0.25, dtype=torch.float16)])
+    values = container(
+        [torch.tensor(1.5), torch.tensor([2.0, -1.0]), torch.tensor(0.25, dtype=torch.float16)]
+    )
     got, want = ours.scale(values), theirs.scale(values)
     assert type(got) is container
     assert len(got) == len(values)
@@ -898,7 +942,7 @@ def test_scale_of_a_nested_container_and_of_an_iterator():
 @pytest.mark.parametrize("shape", [(), (3,)], ids=["0-dim", "1-dim"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
 def test_scaled_loss_dtype_and_value_match_torch(dtype, shape):
-    """torch multiplies by a 0-dim float32 scale: a 0-dim fp16 loss becomes float32, a 1-dim one stays fp16."""
+    """torch multiplies by a 0-dim fp32 scale: a 0-dim fp16 loss becomes float32, a 1-dim one stays fp16."""
     ours, theirs = GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
     loss = torch.full(shape, 0.3, dtype=dtype)
     got, want = ours.scale(loss), theirs.scale(loss)

@@ -74,7 +74,8 @@ def make(task, rewind=None, detector=True):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
     return TrainStep(model, opt, task.loss_fn, precision="fp32", clipper=ZClip(warmup=5), scheduler=sched,
-                     hooks=[*[h for h in (SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind) if h], ClipAlarm(None)])
+                     hooks=[*[h for h in (SpikeDetector(window=16, skip_z=6.0) if detector else None, rewind)
+                              if h], ClipAlarm(None)])
 
 
 def test_a_spike_is_detected_at_the_step_it_happens():
@@ -120,7 +121,8 @@ def test_rewound_run_equals_a_run_that_never_saw_the_skipped_window():
     assert [r.step for r in kept] == list(range(STEPS))
     assert [r.loss for r in kept] == [r.loss for r in oracle.log]
     assert log.summary()["rewinds"] == 1
-    assert log.summary()["steps"] == len(log)  # a rewind does not rewind the summary: the undone steps stay counted
+    # a rewind does not rewind the summary: the undone steps stay counted
+    assert log.summary()["steps"] == len(log)
 
 
 
@@ -169,14 +171,18 @@ def test_detector_can_clip_instead_of_skip():
         spike = step(*data(task, SPIKE_AT))
     assert not spike.skipped and spike.clipped and spike.clip_reason == "z_grad" and spike.z_grad > 4
     assert spike.grad_norm * spike.clip_coef == pytest.approx(limit, rel=1e-3)
-    assert max(detector_of(step).norms) == pytest.approx(limit, rel=1e-3)  # the window admits the clipped norm
+    # the window admits the clipped norm
+    assert max(detector_of(step).norms) == pytest.approx(limit, rel=1e-3)
 
 
 def test_format_z_caps_what_it_prints_beyond_a_hundred_sigma():
     assert format_z("loss", 881.0, 278543.1) == "loss 881 (>+100z)"
     assert format_z("norm", 0.01, -1e9) == "norm 0.01 (<-100z)"
     assert format_z("norm", 2.0, math.inf) == "norm 2 (>+100z)"
-    assert format_z("loss", 3.0, 99.94) == "loss 3 (+99.9z)" and format_z("loss", 3.0, 7.5, cap=5) == "loss 3 (>+5z)"
+    assert (
+        format_z("loss", 3.0, 99.94) == "loss 3 (+99.9z)"
+        and format_z("loss", 3.0, 7.5, cap=5) == "loss 3 (>+5z)"
+    )
 
 
 # ---------------------------------------------------------------- a rewind is an event; it moves the data on
@@ -235,7 +241,8 @@ def test_a_rewind_moves_past_the_bad_batch_once_and_the_loss_recovers():
 def test_repeated_rewinds_add_up_their_skips_and_running_out_says_which_steps():
     task = ToyTask()
     model = task.model()
-    asks = [10, 12, 14]  # a trigger that fires at these steps, each once (a replayed step does not fire again)
+    # a trigger that fires at these steps, each once (a replayed step does not fire again)
+    asks = [10, 12, 14]
 
     def trigger(record):
         if asks and record.step == asks[0]:
@@ -261,6 +268,7 @@ def test_rewind_refuses_a_bad_skip_saying_what_it_means():
     with pytest.raises(ValueError, match="skip"):
         Rewind(back=4, skip=-1)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # skip >= back, and skip=0 (replay), are the two settings that say nothing
+        # skip >= back, and skip=0 (replay), are the two settings that say nothing
+        warnings.simplefilter("error")
         Rewind(back=4, skip=4)
         Rewind(back=4, skip=0)

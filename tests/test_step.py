@@ -216,7 +216,8 @@ def test_given_scaler_is_used(make_step, task):
     train = make_step("fp16", scaler=scaler)
     assert train.scaler is scaler
     records = run(train, task, 4)
-    assert [(r.scale, r.next_scale) for r in records] == [(1024, 1024), (1024, 2048), (2048, 2048), (2048, 4096)]
+    assert ([(r.scale, r.next_scale) for r in records]
+            == [(1024, 1024), (1024, 2048), (2048, 2048), (2048, 4096)])
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -262,7 +263,9 @@ def test_skipped_step_leaves_params_and_optimizer_state_bitwise(make_step, task,
     if record.reason == "nonfinite_loss":
         assert not math.isfinite(record.loss)
         assert math.isnan(record.grad_norm)  # backward never ran
-    expected_next = record.scale * 0.5 if (precision == "fp16" and record.reason == "nonfinite_grad") else record.scale
+    expected_next = (
+        record.scale * 0.5 if (precision == "fp16" and record.reason == "nonfinite_grad") else record.scale
+    )
     assert record.next_scale == expected_next
     assert record.scale == (65536.0 if precision == "fp16" else 1.0)
 
@@ -284,7 +287,8 @@ def test_fp16_nan_batches_leave_the_scale_alone(make_step, task):
     scaler = labkit.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
     train = make_step("fp16", scaler=scaler, hooks=[Faults(labkit.FaultSchedule.parse(["1-3:nan"]))])
     records = run(train, task, 6)
-    assert [r.reason for r in records] == [None, "nonfinite_loss", "nonfinite_loss", "nonfinite_loss", None, None]
+    assert ([r.reason for r in records]
+            == [None, "nonfinite_loss", "nonfinite_loss", "nonfinite_loss", None, None])
     for r in records[1:4]:
         assert r.next_scale == r.scale == 1024.0
     # NaN batches do not count as clean iterations either: growth needs two real steps (0 and 4)
@@ -356,7 +360,9 @@ def test_accumulation_matches_the_full_batch(make_step, task, k):
     full_records, accum_records = run(full, task, 5), run(accum, task, 5)
     assert any(r.clipped for r in accum_records)  # clipping is part of what is compared
     assert [r.loss for r in accum_records] == pytest.approx([r.loss for r in full_records], rel=1e-5)
-    assert [r.grad_norm for r in accum_records] == pytest.approx([r.grad_norm for r in full_records], rel=1e-5)
+    assert [r.grad_norm for r in accum_records] == pytest.approx(
+        [r.grad_norm for r in full_records], rel=1e-5
+    )
     assert [r.clipped for r in accum_records] == [r.clipped for r in full_records]
     for name, p in params_of(accum.model).items():
         torch.testing.assert_close(p, params_of(full.model)[name], atol=1e-6, rtol=0)
@@ -403,7 +409,9 @@ def test_accumulation_does_one_norm_pass_one_unscale_clip_pass_one_step(make_ste
             return real(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(labkit.step.decision, "per_tensor_norms", counting("norms", labkit.step.decision.per_tensor_norms))
+    monkeypatch.setattr(
+        labkit.step.decision, "per_tensor_norms", counting("norms", labkit.step.decision.per_tensor_norms)
+    )
     monkeypatch.setattr(labkit.step.train, "scale_grads_", counting("write", labkit.step.train.scale_grads_))
     train.optimizer.register_step_post_hook(lambda *a: calls.__setitem__("step", calls["step"] + 1))
     train.model.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
@@ -454,7 +462,9 @@ def test_skip_streak_warning_once_per_streak(make_step, task):
 def test_skip_streak_warning_with_pytest_warns(make_step, task):
     train = make_step("fp16", hooks=[SkipAlarm(2), Faults({0: "overflow", 1: "overflow"})])
     train(*task.batch(0))
-    with pytest.warns(labkit.SkipStreakWarning, match=r"2 steps skipped in a row \(steps 0-1: nonfinite_grad x2\)"):
+    with pytest.warns(
+        labkit.SkipStreakWarning, match=r"2 steps skipped in a row \(steps 0-1: nonfinite_grad x2\)"
+    ):
         train(*task.batch(1))
 
 
@@ -470,7 +480,9 @@ def test_skip_alarm_none_never_warns(make_step, task):
 def test_repeated_clipping_warning_fires_once(make_step, task):
     assert issubclass(labkit.RepeatedClippingWarning, labkit.LabkitWarning)
     train = make_step(max_norm=1e-3, hooks=[ClipAlarm(0.5, window=4)])
-    fired_at, caught = warned_at(train, task, 12, labkit.RepeatedClippingWarning, each=lambda r: _assert_clipped(r))
+    fired_at, caught = warned_at(
+        train, task, 12, labkit.RepeatedClippingWarning, each=lambda r: _assert_clipped(r)
+    )
     assert fired_at == [3]
     message = str(next(w.message for w in caught if issubclass(w.category, labkit.RepeatedClippingWarning)))
     assert "repeated clipping" in message and "last 4 steps" in message
@@ -492,7 +504,8 @@ def test_repeated_clipping_counts_stepped_steps_only(make_step, task):
 def test_repeated_clipping_needs_more_than_the_fraction(make_step, task):
     # spikes clip steps 0, 2, 4 (half of every window of 4): not above 0.5; step 5 tips it
     train = make_step(max_norm=5.0,
-                      hooks=[ClipAlarm(0.5, window=4), Faults(labkit.FaultSchedule.parse(["0:spike", "2:spike", "4-5:spike"]))])
+                      hooks=[ClipAlarm(0.5, window=4),
+                             Faults(labkit.FaultSchedule.parse(["0:spike", "2:spike", "4-5:spike"]))])
     fired_at, caught = warned_at(train, task, 6, labkit.RepeatedClippingWarning)
     assert train.log.clipped_steps == [0, 2, 4, 5]
     assert fired_at == [5]
@@ -611,10 +624,16 @@ def test_resume_equals_an_uninterrupted_run(task, precision):
     assert_bitwise(resumed.optimizer.state_dict(), full.optimizer.state_dict(), "optimizer state")
     assert resumed.scheduler.last_epoch == full.scheduler.last_epoch
     # the schedule continued at the right step numbers, and a streak crossing the save survived
-    assert [r.fault for r in second_records] == [schedule.get(i).label if schedule.get(i) else None for i in range(n, 2 * n)]
+    assert [r.fault for r in second_records] == [
+        schedule.get(i).label if schedule.get(i) else None for i in range(n, 2 * n)
+    ]
     assert full.log.skipped_steps[-1] == 9
-    streak_warnings = [str(w.message) for w in caught_full if issubclass(w.category, labkit.SkipStreakWarning)]
-    resumed_warnings = [str(w.message) for w in caught_resumed if issubclass(w.category, labkit.SkipStreakWarning)]
+    streak_warnings = [
+        str(w.message) for w in caught_full if issubclass(w.category, labkit.SkipStreakWarning)
+    ]
+    resumed_warnings = [
+        str(w.message) for w in caught_resumed if issubclass(w.category, labkit.SkipStreakWarning)
+    ]
     assert streak_warnings == resumed_warnings
     if precision == "fp16":
         assert full_records[6].reason == "nonfinite_grad"  # the streak 4-6 spans the save at step 6
@@ -653,8 +672,8 @@ def test_load_state_dict_missing_keys(make_step):
         ({"max_norm": NAN}, ValueError),
         ({"scaler": torch.amp.GradScaler("cpu")}, TypeError),
     ],
-    ids=["fp8", "float16", "accum-0", "accum-neg", "accum-float", "max-norm-0", "max-norm-neg", "max-norm-nan",
-         "torch-gradscaler"],
+    ids=["fp8", "float16", "accum-0", "accum-neg", "accum-float", "max-norm-0", "max-norm-neg",
+         "max-norm-nan", "torch-gradscaler"],
 )
 def test_bad_constructor_arguments(make_step, kwargs, error):
     with pytest.raises(error):

@@ -74,7 +74,9 @@ def create_scaling_case(optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
     return (*create_scaling_models_optimizers(optimizer_ctor, optimizer_kwargs), data, torch.nn.MSELoss(), 2)
 
 
-def run_scaling_case(impl, run, unskipped, skipped, atol=1e-7, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
+def run_scaling_case(
+    impl, run, unskipped, skipped, atol=1e-7, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None
+):
     """test_torch.py's _run_scaling_case: the scaled run must match an unscaled control run."""
     for enabled in (True, False):
         torch.manual_seed(0)
@@ -131,7 +133,7 @@ def test_grad_scaling_unscale(impl, inject_inf):
 
 @impls
 def test_grad_scaling_unscale_refuses_fp16_grads(impl):
-    """test_grad_scaling_unscale's fp16 grads go through the private allow_fp16 path; unscale_ refuses them."""
+    """test_grad_scaling_unscale's fp16 grads take the private allow_fp16 path; unscale_ refuses them."""
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
     p.grad = torch.full((3,), 4.0, dtype=torch.float16)
     scaler = IMPLS[impl].GradScaler(init_scale=4.0)
@@ -147,7 +149,9 @@ def _torch_update(scale, tracker, found_inf, growth, backoff, interval):
 def _labkit_update(scale, tracker, found_inf, growth, backoff, interval):
     config = labkit.ScalerConfig(growth, backoff, interval)
     hyst = torch.ones((), dtype=torch.int32)
-    new_scale, new_tracker, _ = labkit.update_scale(scale.reshape(()), tracker.reshape(()), hyst, found_inf.reshape(()), config)
+    new_scale, new_tracker, _ = labkit.update_scale(
+        scale.reshape(()), tracker.reshape(()), hyst, found_inf.reshape(()), config
+    )
     scale.copy_(new_scale.reshape(scale.shape))
     tracker.copy_(new_tracker.reshape(tracker.shape))
 
@@ -242,10 +246,13 @@ def test_grad_scale_will_not_overflow(impl):
 
 
 @impls
-@pytest.mark.parametrize("optimizer_ctor", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW], ids=lambda c: c.__name__)
-@pytest.mark.parametrize("foreach, fused", [(None, None), (True, None), (None, True)], ids=["default", "foreach", "fused"])
+@pytest.mark.parametrize("optimizer_ctor", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("foreach, fused", [(None, None), (True, None), (None, True)],
+                         ids=["default", "foreach", "fused"])
 def test_grad_scaling_autocast(impl, optimizer_ctor, foreach, fused):
-    """test_grad_scaling_autocast: fp16 autocast + scaler vs an fp32 control, then again pickling each iteration."""
+    """test_grad_scaling_autocast: fp16 autocast + scaler vs an fp32 control, then again pickling each
+    iteration."""
     impl = IMPLS[impl]
     try_pickle = False
 
@@ -279,7 +286,9 @@ def test_grad_scaling_autocast(impl, optimizer_ctor, foreach, fused):
 @impls
 @pytest.mark.parametrize("optimizer_ctor", [torch.optim.Adam, torch.optim.AdamW], ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
-    "kwargs", [{"foreach": False, "fused": False}, {"foreach": True, "fused": False}, {"foreach": False, "fused": True}],
+    "kwargs",
+    [{"foreach": False, "fused": False}, {"foreach": True, "fused": False},
+     {"foreach": False, "fused": True}],
     ids=["forloop", "foreach", "fused"],
 )
 def test_params_invalidated_with_grads_invalidated_between_unscale_and_step(impl, optimizer_ctor, kwargs):
@@ -408,7 +417,8 @@ def test_grad_scaling_accumulation(impl):
 @impls
 @pytest.mark.parametrize("enabled", [True, False])
 def test_grad_scaling_multiple(impl, enabled):
-    """test_grad_scaling_multiple: 2 models, 2 optimizers, 2 losses; the inf in one skips only its optimizer."""
+    """test_grad_scaling_multiple: 2 models, 2 optimizers, 2 losses; the inf in one skips only its
+    optimizer."""
     impl = IMPLS[impl]
     torch.manual_seed(0)
     mod_control0, mod_scaling0, opt_control0, opt_scaling0, data, loss_fn, skip_iter = create_scaling_case()
@@ -449,7 +459,8 @@ def test_grad_scaling_multiple(impl, enabled):
 
 @impls
 def test_grad_scaler_pass_itself(impl):
-    """test_grad_scaler_pass_itself: _step_supports_amp_scaling optimizers get grad_scaler= or grad_scale/found_inf."""
+    """test_grad_scaler_pass_itself: _step_supports_amp_scaling optimizers get grad_scaler= or
+    grad_scale/found_inf."""
     impl = IMPLS[impl]
     seen = {}
 
@@ -487,9 +498,13 @@ def test_grad_scaler_pass_itself(impl):
 
 FUSED_CASES = {
     # a few of test_optim.py's optim_inputs per optimizer, at torch's sizes
-    "SGD": (torch.optim.SGD, [{"lr": 0.1}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1, "dampening": 0.5}]),
+    "SGD": (torch.optim.SGD, [{"lr": 0.1},
+                              {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1, "dampening": 0.5}]),
     "Adam": (torch.optim.Adam, [{"lr": 0.01, "weight_decay": 0.1}, {"lr": 0.01, "amsgrad": True}]),
-    "AdamW": (torch.optim.AdamW, [{"lr": 0.01, "amsgrad": True}, {"lr": torch.tensor(0.01), "betas": (torch.tensor(0.9), torch.tensor(0.99))}]),
+    "AdamW": (torch.optim.AdamW, [
+        {"lr": 0.01, "amsgrad": True},
+        {"lr": torch.tensor(0.01), "betas": (torch.tensor(0.9), torch.tensor(0.99))},
+    ]),
     "Adagrad": (torch.optim.Adagrad, [{"lr": 0.1, "weight_decay": 0.1}, {"lr": 0.1, "lr_decay": 0.01}]),
 }
 
@@ -503,15 +518,19 @@ def test_grad_scaling_autocast_fused_optimizers(impl, name, separate_unscale):
     optim_cls, inputs = FUSED_CASES[name]
     for kwargs in inputs:
         torch.manual_seed(20)
-        mod_control, mod_scaling, _, opt_scaling, data, loss_fn, _ = create_scaling_case(optim_cls, {**kwargs, "fused": True})
-        foreach = not torch.is_tensor(kwargs["lr"])  # torch refuses a Tensor lr with foreach (and capturable=False)
+        mod_control, mod_scaling, _, opt_scaling, data, loss_fn, _ = create_scaling_case(
+            optim_cls, {**kwargs, "fused": True}
+        )
+        # torch refuses a Tensor lr with foreach (and capturable=False)
+        foreach = not torch.is_tensor(kwargs["lr"])
         opt_control = optim_cls(mod_control.parameters(), **{**copy.deepcopy(kwargs), "foreach": foreach})
         scaler_scaling, scaler_control = impl.GradScaler(init_scale=128.0), impl.GradScaler(init_scale=128.0)
         betas = opt_control.param_groups[0].get("betas")
         tol = {"atol": 2e-5, "rtol": 2e-5} if betas is not None and not torch.is_tensor(betas[0]) else {}
         for input, target in data:
             for model, opt, scaler, separate in (
-                (mod_control, opt_control, scaler_control, False), (mod_scaling, opt_scaling, scaler_scaling, separate_unscale),
+                (mod_control, opt_control, scaler_control, False),
+                (mod_scaling, opt_scaling, scaler_scaling, separate_unscale),
             ):
                 opt.zero_grad()
                 with torch.autocast(device_type=DEVICE, dtype=torch.half):
@@ -543,7 +562,7 @@ def test_grad_scaling_autocast_fused_optimizers(impl, name, separate_unscale):
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("norm_type", [0.5, 1.5, 2, 4, "inf"])
 def test_clip_grad_norm(impl, foreach, norm_type):
-    """test_nn.py test_clip_grad_norm: clipped to max_norm, uniform scaling, small grads untouched, warnings."""
+    """test_nn.py test_clip_grad_norm: clips to max_norm, uniform scaling, small grads untouched, warnings."""
     clip_grad_norm_ = IMPLS[impl].clip_grad_norm_
     torch.manual_seed(0)
     layer = torch.nn.Linear(10, 10)
@@ -595,7 +614,9 @@ def test_clip_grad_norm(impl, foreach, norm_type):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
-    assert [str(x.message) for x in w] == ["`parameters` is an empty generator, no gradient clipping will occur."]
+    assert [str(x.message) for x in w] == [
+        "`parameters` is an empty generator, no gradient clipping will occur."
+    ]
 
 
 NORMS_POS = [0.1, 1, 2, 3.5, inf]
@@ -653,12 +674,18 @@ def test_clip_grad_norm_error_if_nonfinite(impl, foreach, case):
             msg = f"norm_type={norm_type} scalar={scalar} error_if_nonfinite={error_if_nonfinite}"
             if is_norm_nonfinite and error_if_nonfinite:
                 before = [p.grad.clone() for p in parameters]
-                with pytest.raises(RuntimeError, match=f"The total norm of order {float(norm_type)} for gradients"):
-                    clip_grad_norm_(parameters, 1, norm_type=norm_type, error_if_nonfinite=True, foreach=foreach)
+                with pytest.raises(
+                    RuntimeError, match=f"The total norm of order {float(norm_type)} for gradients"
+                ):
+                    clip_grad_norm_(
+                        parameters, 1, norm_type=norm_type, error_if_nonfinite=True, foreach=foreach
+                    )
                 for b, p in zip(before, parameters):
                     torch.testing.assert_close(p.grad, b, equal_nan=True, msg=msg)
             else:
-                norm = clip_grad_norm_(parameters, 1, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+                norm = clip_grad_norm_(
+                    parameters, 1, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+                )
                 assert bool(norm.isfinite()) is not is_norm_nonfinite, msg
 
 
@@ -674,7 +701,8 @@ def _prepared(impl):
 
 
 MISUSES = {
-    "unscale-before-scale": lambda impl: impl.GradScaler().unscale_(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])),
+    "unscale-before-scale": lambda impl: impl.GradScaler().unscale_(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))])),
     "update-before-scale": lambda impl: impl.GradScaler().update(),
     "update-without-inf-checks": lambda impl: _prepared(impl)[0].update(),
     "growth-factor-1": lambda impl: impl.GradScaler(growth_factor=1.0),
@@ -687,7 +715,8 @@ MISUSES = {
 @impls
 @pytest.mark.parametrize("misuse", list(MISUSES))
 def test_misuse_raises_assertion_error_like_torch(impl, misuse):
-    """torch raises AssertionError here; code catching it keeps working with labkit (whose errors are both)."""
+    """torch raises AssertionError here; code catching it keeps working with labkit (whose errors are
+    both)."""
     impl = IMPLS[impl]
     with pytest.raises(AssertionError):
         MISUSES[misuse](impl)
@@ -719,7 +748,8 @@ def test_step_without_gradients_raises_no_inf_checks(impl):
 
 @pytest.mark.parametrize("bad", [inf, nan])
 def test_deviation_nonfinite_norm_leaves_grads_unchanged(bad):
-    """torch scales the gradients by max_norm / (inf or NaN): zeros or NaN. labkit leaves them as they were."""
+    """torch scales the gradients by max_norm / (inf or NaN): zeros or NaN. labkit leaves them as they
+    were."""
     def grads():
         w = torch.nn.Parameter(torch.ones(3))
         w.grad = torch.tensor([1.0, bad, 2.0])
@@ -732,7 +762,8 @@ def test_deviation_nonfinite_norm_leaves_grads_unchanged(bad):
 
 
 def test_deviation_fp16_norm_is_float32():
-    """torch's fp16 norm of 300 values of 60000 is inf (fp16) and zeroes the grads; labkit's is 1.039e6 in fp32."""
+    """torch's fp16 norm of 300 values of 60000 is inf (fp16) and zeroes the grads; labkit's is 1.039e6 in
+    fp32."""
     w = torch.nn.Parameter(torch.ones(300, dtype=torch.float16))
     w.grad = torch.full((300,), 60000.0, dtype=torch.float16)
     assert torch.nn.utils.get_total_norm([w.grad]).isinf()

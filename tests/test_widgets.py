@@ -1,4 +1,4 @@
-"""The control panel, headless: set a widget's value as a student's mouse would, check the run and the plot."""
+"""The control panel, headless: set a widget's value as a student's mouse would, check the run and plot."""
 
 import dataclasses
 import html
@@ -44,7 +44,8 @@ def test_config_from_maps_each_control_and_leaves_the_base_alone():
     assert config_from(base, {}) == base
     c = config_from(base, {"max_norm": 0.5, "init_scale": 12, "growth_interval": 9, "precision": "bf16",
                            "loss_scaling": False})
-    assert (c.max_norm, c.init_scale, c.growth_interval, c.precision, c.loss_scaling) == (0.5, 4096.0, 9, "bf16", False)
+    assert ((c.max_norm, c.init_scale, c.growth_interval, c.precision, c.loss_scaling)
+            == (0.5, 4096.0, 9, "bf16", False))
     assert c.faults == ("1:nan",) and base.max_norm == 1.0
     assert config_from(base, {"max_norm": math.inf}).max_norm is None
     # any fault control makes one episode; the others take EPISODE's defaults
@@ -59,7 +60,8 @@ def test_config_from_maps_each_control_and_leaves_the_base_alone():
 
 
 def test_event_rows_are_the_last_events_in_step_order():
-    logs = {"a": run_experiment(ExperimentConfig(precision="fp32", steps=12, faults=["3:nan", "8:spike:1000"])),
+    logs = {"a": run_experiment(ExperimentConfig(precision="fp32", steps=12,
+                                                 faults=["3:nan", "8:spike:1000"])),
             "b": run_experiment(ExperimentConfig(precision="fp32", steps=12, faults=["5:inf"]))}
     rows = event_rows(logs, 1.0)
     assert [(run, line.split()[1], line.split()[2]) for run, line in rows] == [
@@ -68,7 +70,9 @@ def test_event_rows_are_the_last_events_in_step_order():
 
 
 def test_moving_a_slider_reruns_with_the_new_value_and_redraws(runs):
-    panel = ControlPanel(BASE, {"max_norm": 1.0, "fault_step": 5, "fault_magnitude": 1000.0}, fixed={"fault": "spike"})
+    panel = ControlPanel(
+        BASE, {"max_norm": 1.0, "fault_step": 5, "fault_magnitude": 1000.0}, fixed={"fault": "spike"}
+    )
     assert panel.logs == {} and runs == []
     panel.run()
     assert panel.logs["run"].clipped_steps == [5] and runs[-1].faults == ("5:spike:1000",)
@@ -103,13 +107,15 @@ def test_variants_run_side_by_side_on_one_dashboard(runs):
     logs = panel.run()
     assert [c.max_norm for c in runs] == [1.0, None]
     assert logs["clipped"].clipped_steps == [4] and logs["unclipped"].clipped_steps == []
-    assert logs["clipped"][4].grad_norm == logs["unclipped"][4].grad_norm  # same data, same weights up to the spike
+    # same data, same weights up to the spike
+    assert logs["clipped"][4].grad_norm == logs["unclipped"][4].grad_norm
     assert len(panel.dashboard.line("loss", "unclipped").get_ydata()) == 20
     assert "<th>run</th>" in panel.table.value and "clipped" in panel.status.value
 
 
 def test_each_runs_event_lines_name_its_own_threshold():
-    panel = ControlPanel(BASE, {"max_norm": 1000.0}, fixed={"fault": "spike", "fault_step": 4, "fault_magnitude": 10.0},
+    panel = ControlPanel(BASE, {"max_norm": 1000.0},
+                         fixed={"fault": "spike", "fault_step": 4, "fault_magnitude": 10.0},
                          variants={"clipped": {}, "unclipped": {"max_norm": None}}, panels=("norm",))
     panel.run()
     rows = [line for _, line in event_rows(panel.logs, {"clipped": 1000.0, "unclipped": None})]
@@ -236,14 +242,17 @@ def test_the_panel_displays_as_one_widget():
     assert children[0] is panel.controls["max_norm"] and panel.dashboard.widget in children
     # the CSS hooks the browser tests find widgets by
     assert "labkit-control-max_norm" in panel.controls["max_norm"]._dom_classes
-    assert [w._dom_classes for w in (panel.widget, panel.run_button, panel.status, panel.table, panel.dashboard.widget)] \
-        == [("labkit-panel",), ("labkit-run",), ("labkit-status",), ("labkit-events",), ("labkit-dashboard",)]
+    assert [w._dom_classes for w in (panel.widget, panel.run_button, panel.status, panel.table,
+                                     panel.dashboard.widget)] == [
+        ("labkit-panel",), ("labkit-run",), ("labkit-status",), ("labkit-events",), ("labkit-dashboard",)]
 
 
 def test_the_initial_scale_slider_moves_the_start_of_the_plotted_scale_curve():
     panel = ControlPanel(ExperimentConfig(precision="fp16", steps=12, device="cpu"), {"init_scale": 2.0**10})
     panel.run()
-    assert panel.dashboard.line("scale").get_ydata()[0] == 1024.0 and "scale 1024 &rarr;" in panel.status.value
+    assert (
+        panel.dashboard.line("scale").get_ydata()[0] == 1024.0 and "scale 1024 &rarr;" in panel.status.value
+    )
     panel.controls["init_scale"].value = 24
     log = panel.logs["run"]
     assert log[0].scale == 2.0**24 and panel.dashboard.line("scale").get_ydata()[0] == 2.0**24
@@ -271,7 +280,8 @@ def test_one_runs_many_skips_do_not_push_the_other_runs_clip_out_of_the_table():
             "unclipped": run_experiment(nan)}
     rows = event_rows(logs, 1.0, last=4)
     assert [(run, line.split()[1], line.split()[2]) for run, line in rows] == [
-        ("clipped", "2", "CLIP"), ("unclipped", "8", "SKIP"), ("unclipped", "9", "SKIP"), ("unclipped", "10", "SKIP")]
+        ("clipped", "2", "CLIP"), ("unclipped", "8", "SKIP"), ("unclipped", "9", "SKIP"),
+        ("unclipped", "10", "SKIP")]
 
 
 def test_a_run_without_a_scaler_shows_a_note_in_the_scale_panel_and_no_scale_in_the_status():
@@ -331,7 +341,8 @@ def test_a_skip_in_a_run_without_a_scaler_says_nothing_of_a_scale():
     assert "scale" not in panel.table.value
     rows = event_rows(panel.logs, 1.0, scaler={"run": False})
     assert rows and all("scale" not in line for _, line in rows)
-    assert any("scale untouched" in line for _, line in event_rows(panel.logs, 1.0))  # the default: a scaler ran
+    # the default: a scaler ran
+    assert any("scale untouched" in line for _, line in event_rows(panel.logs, 1.0))
 
 
 def test_the_lr_slider_holds_its_value_exactly_on_its_grid():

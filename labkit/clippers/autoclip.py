@@ -61,7 +61,10 @@ class AutoClip(GlobalClipper):
         super().__init__(feed, max_consecutive_clips)
 
     def initial(self) -> dict[str, Tensor]:
-        return {"history": torch.full((self.history,), float("nan")), "count": torch.zeros((), dtype=torch.int64)}
+        return {
+            "history": torch.full((self.history,), float("nan")),
+            "count": torch.zeros((), dtype=torch.int64),
+        }
 
     def threshold(self, state: dict[str, Tensor]) -> Tensor:
         level = torch.nanquantile(state["history"], self.quantile)

@@ -28,13 +28,15 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
             if i == len(lines) - 1:  # a torn last line, what a crash mid-write leaves: the rest is whole
                 print(f"labkit export: {path}: the last line is incomplete and was left out", file=sys.stderr)
                 break
-            raise ValueError(f"{path}, line {i + 1}: not a JSON record; is this a labkit log.jsonl?") from None
+            raise ValueError(
+                f"{path}, line {i + 1}: not a JSON record; is this a labkit log.jsonl?"
+            ) from None
     return records
 
 
-def replay(path: str | os.PathLike, log_to: str | list[str], out: str | os.PathLike, run_name: str | None = None,
-           **alarms: Any) -> Telemetry:
-    """Write every record of the JSONL at ``path`` into the ``log_to`` trackers under ``out``, alarms included.
+def replay(path: str | os.PathLike, log_to: str | list[str], out: str | os.PathLike,
+           run_name: str | None = None, **alarms: Any) -> Telemetry:
+    """Write each record of the JSONL at ``path`` into the ``log_to`` trackers under ``out``, alarms too.
 
     ``alarms`` are ``Telemetry``'s (``skip_alarm``, ``clip_alarm``, ``clip_window``); histograms
     are not in a JSONL, so a replay has none. Returns the closed ``Telemetry`` (its ``alerts``).
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, metavar="TRACKERS", help=f"comma-separated: {','.join(TRACKERS)}")
     p.add_argument("--out", help="folder for the trackers' files (default: the log's folder)")
     p.add_argument("--name", help="run name (default: the log's file name)")
-    p.add_argument("--skip-alarm", type=int, default=8, help="alert after this many skips in a row (default 8)")
+    p.add_argument(
+        "--skip-alarm", type=int, default=8, help="alert after this many skips in a row (default 8)"
+    )
     p.add_argument("--clip-alarm", type=float, default=0.5,
                    help="alert when more than this fraction of --clip-window steps clipped (default 0.5)")
     p.add_argument("--clip-window", type=int, default=100, help="steps in the clipping window (default 100)")

@@ -78,8 +78,8 @@ SCALARS = {
     "log_z_sq": "logits/log_z_sq",
     "ce_loss": "train/ce_loss",
 }
-TEXTS = {"reason": "amp/skip_reason", "first_nonfinite": "amp/first_nonfinite", "culprit_module": "amp/culprit_module",
-         "fault": "train/fault"}
+TEXTS = {"reason": "amp/skip_reason", "first_nonfinite": "amp/first_nonfinite",
+         "culprit_module": "amp/culprit_module", "fault": "train/fault"}
 _NOT_METRICS = {"step", "top_grads"}
 
 # One bin per binade, 2**-48 .. 2**16: fp16's subnormals start at 2**-24 and its max is
@@ -100,10 +100,13 @@ def row(record: Any) -> Row:
     """Return the tracker metrics of one ``StepRecord`` (or its JSONL dict): unscaled, named once.
 
     >>> from labkit import StepRecord
-    >>> r = row(StepRecord(3, 0.5, grad_norm=4.0, clip_coef=0.25, clipped=True, top_grads=[("fc.weight", 3.0)]))
-    >>> r.step, r.scalars["grad/norm_preclip"], r.scalars["grad/norm_postclip"], r.scalars["layers/fc.weight/grad_norm"]
+    >>> r = row(StepRecord(3, 0.5, grad_norm=4.0, clip_coef=0.25, clipped=True,
+    ...                    top_grads=[("fc.weight", 3.0)]))
+    >>> (r.step, r.scalars["grad/norm_preclip"], r.scalars["grad/norm_postclip"],
+    ...  r.scalars["layers/fc.weight/grad_norm"])
     (3, 4.0, 1.0, 3.0)
-    >>> row({"step": 4, "loss": float("nan"), "skipped": True, "reason": "nonfinite_loss", "z_loss": 7.5}).texts
+    >>> row({"step": 4, "loss": float("nan"), "skipped": True, "reason": "nonfinite_loss",
+    ...      "z_loss": 7.5}).texts
     {'amp/skip_reason': 'nonfinite_loss'}
     """
     d: Mapping[str, Any] = record if isinstance(record, Mapping) else record.to_dict()

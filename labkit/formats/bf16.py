@@ -28,8 +28,8 @@ from ..records import Field, put
 from ..validate import check_int, check_number
 
 __all__ = [
-    "REMEDIES", "RemedyRun", "StaleMonitor", "StaleUpdateWarning", "accumulate", "compare_remedies", "kahan_add",
-    "stale_fraction", "stochastic_round_bf16",
+    "REMEDIES", "RemedyRun", "StaleMonitor", "StaleUpdateWarning", "accumulate", "compare_remedies",
+    "kahan_add", "stale_fraction", "stochastic_round_bf16",
 ]
 
 
@@ -59,7 +59,7 @@ def _stale(update: Tensor, weight: Tensor, dtype: torch.dtype | None) -> Tensor:
 def stale_fraction(
     update: Tensor, weight: Tensor, *, dtype: torch.dtype | None = None, mask: Tensor | None = None
 ) -> Tensor:
-    """Return the fraction of entries whose ``update`` is below half an ulp of ``weight`` (a 0-dim fp32 tensor).
+    """Return the fraction of entries whose ``update`` is below half an ulp of ``weight`` (fp32, 0-dim).
 
     Such an update rounds away: ``w + u`` is ``w`` again (the ulp is the gap to the next
     representable value in the update's direction; below a power of two it is half as wide;
@@ -74,12 +74,14 @@ def stale_fraction(
     tensor(0.5000)
     """
     if update.shape != weight.shape:
-        raise ValueError(f"update and weight must have the same shape, got {tuple(update.shape)} and {tuple(weight.shape)}.")
+        raise ValueError(f"update and weight must have the same shape, got {tuple(update.shape)} and "
+                         f"{tuple(weight.shape)}.")
     stale = _stale(update, weight, dtype)
     if mask is None:
         return stale.float().mean()
     if mask.shape != update.shape or mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor of shape {tuple(update.shape)}, got {mask.dtype} {tuple(mask.shape)}.")
+        raise ValueError(f"mask must be a bool tensor of shape {tuple(update.shape)}, got {mask.dtype} "
+                         f"{tuple(mask.shape)}.")
     return (stale & mask).sum().float() / mask.sum().clamp(min=1).float()
 
 
@@ -92,8 +94,9 @@ class StaleMonitor(Hook):
     measured is the one the optimizer really applied, ``w_after - w_before``, counted over the
     entries whose gradient is non-zero. With bf16 weights a stale update leaves the weight
     unchanged (0 < half an ulp); with fp32 weights pass ``dtype=torch.bfloat16`` to ask whether
-    bf16 weights would stall. A layer whose fraction is at least ``threshold`` for ``patience`` observed steps in
-    a row raises one ``StaleUpdateWarning`` per streak (rank 0 only), like the skip streak.
+    bf16 weights would stall. A layer whose fraction is at least ``threshold`` for ``patience``
+    observed steps in a row raises one ``StaleUpdateWarning`` per streak (rank 0 only), like the
+    skip streak.
 
     Cost: on an observed step, one copy of the parameters in their own dtype (2 bytes per
     bf16 weight) and two elementwise passes over them, plus one host sync to read the
@@ -161,10 +164,10 @@ class StaleMonitor(Hook):
             self.streaks[name] = self.streaks.get(name, 0) + 1 if frac >= self.threshold else 0
             if self.streaks[name] == self.patience and rank() == 0:
                 warnings.warn(
-                    f"stale weights: in {name}, {frac:.0%} of the updates were below half an ulp of their weight "
-                    f"for {self.patience} observed steps (up to step {record.step}); they round away and the "
-                    "layer does not train. Keep an fp32 master copy of the weights, or round the update "
-                    "stochastically, or use Kahan-compensated updates (labkit.formats.bf16).",
+                    f"stale weights: in {name}, {frac:.0%} of the updates were below half an ulp of their "
+                    f"weight for {self.patience} observed steps (up to step {record.step}); they round away "
+                    "and the layer does not train. Keep an fp32 master copy of the weights, or round the "
+                    "update stochastically, or use Kahan-compensated updates (labkit.formats.bf16).",
                     StaleUpdateWarning,
                     stacklevel=stacklevel,
                 )

@@ -53,12 +53,14 @@ def find(folder: Path, notebook: str, assignment: str | None = None) -> list[Sub
                              f"({', '.join(p.parent.name for p in found)}): pass --assignment NAME.")
         out.append(Submission(student.name, found[0] if found else None))
     if not out:
-        raise ValueError(f"{folder} holds no *.ipynb and no <student>/<assignment>/{notebook}: pass a flat folder "
-                         "of <student>.ipynb or nbgrader's submitted/ folder.")
+        raise ValueError(f"{folder} holds no *.ipynb and no <student>/<assignment>/{notebook}: pass a flat "
+                         "folder of <student>.ipynb or nbgrader's submitted/ folder.")
     return out
 
 
-def read_manual(path: Path, parts: dict[str, float], students: set[str]) -> dict[tuple[str, str], tuple[float, str]]:
+def read_manual(
+    path: Path, parts: dict[str, float], students: set[str]
+) -> dict[tuple[str, str], tuple[float, str]]:
     """Return hand-graded points ``{(student, grade_id): (points, comment)}`` from a CSV file.
 
     Columns: ``student,grade_id,points`` and optionally ``comment``. Raises ``ValueError``
@@ -69,19 +71,25 @@ def read_manual(path: Path, parts: dict[str, float], students: set[str]) -> dict
         rows = csv.DictReader(f)
         missing = {"student", "grade_id", "points"} - set(rows.fieldnames or [])
         if missing:
-            raise ValueError(f"{path}: the header needs student,grade_id,points[,comment]; missing {sorted(missing)}")
+            raise ValueError(
+                f"{path}: the header needs student,grade_id,points[,comment]; missing {sorted(missing)}"
+            )
         for n, row in enumerate(rows, 2):
             student, gid = row["student"].strip(), row["grade_id"].strip()
             if student not in students:
                 raise ValueError(f"{path}, line {n}: no submission from {student!r}")
             if gid not in parts:
-                raise ValueError(f"{path}, line {n}: no graded part {gid!r}; the parts are {', '.join(parts)}")
+                raise ValueError(
+                    f"{path}, line {n}: no graded part {gid!r}; the parts are {', '.join(parts)}"
+                )
             try:
                 points = float(row["points"])
             except ValueError:
                 raise ValueError(f"{path}, line {n}: points {row['points']!r} is not a number") from None
             if not 0 <= points <= parts[gid]:
-                raise ValueError(f"{path}, line {n}: {points:g} points for {gid!r}, which is worth {parts[gid]:g}")
+                raise ValueError(
+                    f"{path}, line {n}: {points:g} points for {gid!r}, which is worth {parts[gid]:g}"
+                )
             out[student, gid] = (points, (row.get("comment") or "").strip())
     return out
 
@@ -124,14 +132,16 @@ def grade_class(source_path: Path, folder: Path, out: Path, *, jobs: int = 1, ma
     source = read(source_path)
     planned = plan(source)
     subs = find(folder, source_path.name, assignment)
-    hand = read_manual(manual, {p.grade_id: p.points for p in planned}, {s.student for s in subs}) if manual else {}
+    hand = (read_manual(manual, {p.grade_id: p.points for p in planned}, {s.student for s in subs})
+            if manual else {})
     results, logs = out / "results", out / "logs"
     results.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
     source_sha = file_sha256(source_path)
     done, todo = {}, []
     for sub in subs:
-        key = {"submission": file_sha256(sub.path), "source": source_sha, "options": {k: options[k] for k in sorted(options)}}
+        key = {"submission": file_sha256(sub.path), "source": source_sha,
+               "options": {k: options[k] for k in sorted(options)}}
         path = results / f"{sub.student}.json"
         if path.exists():
             try:
@@ -144,13 +154,19 @@ def grade_class(source_path: Path, folder: Path, out: Path, *, jobs: int = 1, ma
         todo.append((sub, key))
     from tqdm import tqdm
 
-    bar = tqdm(total=len(subs), initial=len(done), desc="grading", unit="nb", disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=len(subs), initial=len(done), desc="grading", unit="nb", disable=not progress, file=sys.stderr
+    )
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(_grade_one, source, sub, key, options, results, logs): sub for sub, key in todo}
+        futures = {
+            pool.submit(_grade_one, source, sub, key, options, results, logs): sub for sub, key in todo
+        }
         for future in as_completed(futures):
             entry = future.result()
             done[entry["student"]] = entry
-            bar.set_postfix_str(f"{entry['student']}: {entry['score']:g}/{entry['max_score']:g}", refresh=False)
+            bar.set_postfix_str(
+                f"{entry['student']}: {entry['score']:g}/{entry['max_score']:g}", refresh=False
+            )
             bar.update()
     bar.close()
     book = _gradebook([done[s.student] for s in subs], hand)
@@ -167,7 +183,9 @@ def grade_class(source_path: Path, folder: Path, out: Path, *, jobs: int = 1, ma
     return book
 
 
-def _gradebook(entries: list[dict[str, Any]], hand: dict[tuple[str, str], tuple[float, str]]) -> dict[str, Any]:
+def _gradebook(
+    entries: list[dict[str, Any]], hand: dict[tuple[str, str], tuple[float, str]]
+) -> dict[str, Any]:
     students = []
     for entry in entries:
         parts = []
@@ -178,9 +196,9 @@ def _gradebook(entries: list[dict[str, Any]], hand: dict[tuple[str, str], tuple[
                 part["status"], part["message"] = "hand-graded", comment or "graded by hand"
             parts.append(part)
         score = sum(p["points"] for p in parts)
-        students.append({"student": entry["student"], "score": score, "max_score": sum(p["max_points"] for p in parts),
-                         "seed": entry["seed"], "tampering": entry["tampering"], "warnings": entry["warnings"],
-                         "parts": parts})
+        students.append({"student": entry["student"], "score": score,
+                         "max_score": sum(p["max_points"] for p in parts), "seed": entry["seed"],
+                         "tampering": entry["tampering"], "warnings": entry["warnings"], "parts": parts})
     return {"students": students}
 
 
@@ -199,14 +217,17 @@ def summary(book: dict[str, Any], bins: int = 10) -> str:
         return "no submissions"
     top = max(s["max_score"] for s in students) or 1
     counts = Counter(min(bins - 1, int(s["score"] / top * bins)) for s in students)
-    lines = [f"{len(students)} submissions; mean {sum(s['score'] for s in students) / len(students):.2f} / {top:g}",
+    lines = [f"{len(students)} submissions; "
+             f"mean {sum(s['score'] for s in students) / len(students):.2f} / {top:g}",
              "score histogram:"]
     width = max(counts.values())
     for b in range(bins):
         lo, hi = top * b / bins, top * (b + 1) / bins
-        lines.append(f"  {lo:5.1f}-{hi:<5.1f} {'#' * round(30 * counts.get(b, 0) / width):<30} {counts.get(b, 0)}")
-    failed = Counter(p["grade_id"] for s in students for p in s["parts"] if p["status"] not in ("ok", "manual",
-                                                                                                  "hand-graded"))
+        lines.append(
+            f"  {lo:5.1f}-{hi:<5.1f} {'#' * round(30 * counts.get(b, 0) / width):<30} {counts.get(b, 0)}"
+        )
+    failed = Counter(p["grade_id"] for s in students for p in s["parts"]
+                     if p["status"] not in ("ok", "manual", "hand-graded"))
     lines.append("parts most failed:")
     lines += [f"  {gid:<20} {n:>4} of {len(students)}" for gid, n in failed.most_common(5)] or ["  none"]
     hints = Counter(_hint(p["message"]) for s in students for p in s["parts"] if p["status"] == "failed")

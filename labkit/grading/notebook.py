@@ -29,8 +29,8 @@ from typing import Any
 
 from . import CHECK_NAMES
 
-__all__ = ["Part", "Report", "grade", "grade_id_of", "is_manual_cell", "is_test_cell", "nbgrader_meta", "plan",
-           "read", "release", "sweep", "validate"]
+__all__ = ["Part", "Report", "grade", "grade_id_of", "is_manual_cell", "is_test_cell", "nbgrader_meta",
+           "plan", "read", "release", "sweep", "validate"]
 
 # judging builds reference models under torch's global RNG (seeded, then restored): one thread at a time,
 # or two graded at once (--jobs) would draw each other's weights
@@ -116,11 +116,13 @@ def _strip_region(source: str, begin: str, end: str, stub: str | None) -> tuple[
 def validate(nb: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``nb`` is a well-formed nbgrader source notebook.
 
-    >>> cell = {"cell_type": "code", "source": "1", "metadata": {"nbgrader": {"grade": True, "schema_version": 3}}}
-    >>> validate({"cells": [cell]})
+    >>> cell = {"cell_type": "code", "source": "1",
+    ...         "metadata": {"nbgrader": {"grade": True, "schema_version": 3}}}
+    >>> validate({"cells": [cell]})  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: cell 0 has nbgrader flags but no grade_id; give every graded, solution or locked cell a unique grade_id.
+    ValueError: cell 0 has nbgrader flags but no grade_id; give every graded, solution or locked cell a
+    unique grade_id.
     """
     seen: set[str] = set()
     for i, cell in enumerate(nb["cells"]):
@@ -129,17 +131,24 @@ def validate(nb: dict[str, Any]) -> None:
         if flagged:
             gid = meta.get("grade_id")
             if not gid:
-                raise ValueError(f"cell {i} has nbgrader flags but no grade_id; give every graded, solution or "
-                                 "locked cell a unique grade_id.")
+                raise ValueError(f"cell {i} has nbgrader flags but no grade_id; give every graded, solution "
+                                 "or locked cell a unique grade_id.")
             if gid in seen:
-                raise ValueError(f"grade_id {gid!r} is used by two cells (the second is cell {i}); make it unique.")
+                raise ValueError(
+                    f"grade_id {gid!r} is used by two cells (the second is cell {i}); make it unique."
+                )
             seen.add(gid)
             if meta.get("schema_version", 3) != 3:
-                raise ValueError(f"cell {gid!r} has nbgrader schema_version {meta['schema_version']}; write 3.")
+                raise ValueError(
+                    f"cell {gid!r} has nbgrader schema_version {meta['schema_version']}; write 3."
+                )
         if meta.get("grade") and not isinstance(meta.get("points"), (int, float)):
-            raise ValueError(f"graded cell {meta.get('grade_id')!r} needs a number of points (metadata.nbgrader.points).")
-        for begin, end, allowed, kind in (("BEGIN SOLUTION", "END SOLUTION", meta.get("solution"), "a solution"),
-                                          ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", is_test_cell(cell), "an autograder test")):
+            raise ValueError(
+                f"graded cell {meta.get('grade_id')!r} needs a number of points (metadata.nbgrader.points)."
+            )
+        for begin, end, allowed, kind in (
+                ("BEGIN SOLUTION", "END SOLUTION", meta.get("solution"), "a solution"),
+                ("BEGIN HIDDEN TESTS", "END HIDDEN TESTS", is_test_cell(cell), "an autograder test")):
             _, found = _strip_region(cell["source"], begin, end, None)
             if found and not allowed:
                 raise ValueError(f"cell {i} holds a {begin!r} region but is not {kind} cell; mark it in "
@@ -149,7 +158,8 @@ def validate(nb: dict[str, Any]) -> None:
 def release(nb: dict[str, Any]) -> dict[str, Any]:
     """Return the student version: solutions stubbed, hidden tests removed, outputs cleared.
 
-    >>> cell = {"cell_type": "code", "source": "def f():\\n    ### BEGIN SOLUTION\\n    return 1\\n    ### END SOLUTION",
+    >>> cell = {"cell_type": "code",
+    ...         "source": "def f():\\n    ### BEGIN SOLUTION\\n    return 1\\n    ### END SOLUTION",
     ...         "metadata": {"nbgrader": {"solution": True, "grade": False, "locked": False, "grade_id": "f",
     ...                                   "schema_version": 3}}}
     >>> print(release({"cells": [cell]})["cells"][0]["source"])
@@ -221,14 +231,17 @@ def _calls(cell: Cell) -> tuple[Call, ...]:
             hidden = [k for k in call.keywords if k.arg == "hidden"]
             if (name in CHECK_NAMES and len(call.args) == 1 and isinstance(call.args[0], ast.Name)
                     and {k.arg for k in call.keywords} <= {"hidden"}
-                    and all(isinstance(k.value, ast.Constant) and isinstance(k.value.value, bool) for k in hidden)):
+                    and all(isinstance(k.value, ast.Constant) and isinstance(k.value.value, bool)
+                            for k in hidden)):
                 calls.append(Call(name, call.args[0].id, bool(hidden and hidden[0].value.value)))
                 continue
         raise ValueError(f"test cell {gid!r}, line {node.lineno}: the grader replays only labkit.grading's "
-                         f"check_*(function_name, hidden=True|False) calls (plus imports and print), outside the "
-                         f"student's process; write other tests as a check in labkit.grading.")
+                         "check_*(function_name, hidden=True|False) calls (plus imports and print), outside "
+                         "the student's process; write other tests as a check in labkit.grading.")
     if not calls:
-        raise ValueError(f"test cell {gid!r} calls no labkit.grading check_*: it would give its points to anyone.")
+        raise ValueError(
+            f"test cell {gid!r} calls no labkit.grading check_*: it would give its points to anyone."
+        )
     return tuple(calls)
 
 
@@ -247,7 +260,9 @@ def plan(source: dict[str, Any]) -> list[Planned]:
         meta = nbgrader_meta(cell)
         if meta.get("grade"):
             manual = is_manual_cell(cell)
-            out.append(Planned(grade_id_of(cell), float(meta["points"]), manual, () if manual else _calls(cell)))
+            out.append(
+                Planned(grade_id_of(cell), float(meta["points"]), manual, () if manual else _calls(cell))
+            )
     return out
 
 
@@ -306,9 +321,13 @@ class Report:
         lines += [f"warning: {w}" for w in self.warnings]
         for p in self.parts:
             if p.manual and not include_manual:
-                lines.append(f"{p.grade_id:<{width}}  {'-':>3} / {p.max_points:<3g} {p.message} (not counted)")
+                lines.append(
+                    f"{p.grade_id:<{width}}  {'-':>3} / {p.max_points:<3g} {p.message} (not counted)"
+                )
             else:
-                lines.append(f"{p.grade_id:<{width}}  {p.points:>3g} / {p.max_points:<3g} {p.message or 'ok'}")
+                lines.append(
+                    f"{p.grade_id:<{width}}  {p.points:>3g} / {p.max_points:<3g} {p.message or 'ok'}"
+                )
         lines.append(f"{'score':<{width}}  {self.score():>3g} / {self.max_score(include_manual):g}"
                      f"   (seed {self.seed}: --seed {self.seed} replays these hidden cases)")
         return "\n".join(lines)
@@ -318,7 +337,7 @@ class Report:
 
 
 def default_seed(source: dict[str, Any], student: str) -> int:
-    """Return the seed a student's hidden cases get unless ``--seed`` says otherwise: the same on every regrade.
+    """Return the seed a student's hidden cases get (unless ``--seed`` is given): the same on every regrade.
 
     It hashes the instructor's source (which students never see) with the student's name.
     """
@@ -344,11 +363,12 @@ def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dic
     """Return the code cells the harness runs, top to bottom as the student's notebook has them, and warnings.
 
     Test cells are left out (the grader makes their calls itself), also the student's cells that
-    only import and call checks (a test cell whose metadata was lost); locked cells run as the instructor wrote them; answer cells and the
-    student's own cells run as written, every copy, in order, so a function is graded as
-    the notebook run top to bottom defines it.
+    only import and call checks (a test cell whose metadata was lost); locked cells run as the
+    instructor wrote them; answer cells and the student's own cells run as written, every copy,
+    in order, so a function is graded as the notebook run top to bottom defines it.
     """
-    locked = {grade_id_of(c): c for c in source["cells"] if nbgrader_meta(c).get("locked") and not nbgrader_meta(c).get("solution")
+    locked = {grade_id_of(c): c for c in source["cells"]
+              if nbgrader_meta(c).get("locked") and not nbgrader_meta(c).get("solution")
               and not is_test_cell(c) and c["cell_type"] == "code"}
     tests = {grade_id_of(c) for c in source["cells"] if is_test_cell(c)}
     answers = {grade_id_of(c) for c in source["cells"] if nbgrader_meta(c).get("solution")}
@@ -373,11 +393,12 @@ def _cells(source: dict[str, Any], submission: dict[str, Any]) -> tuple[list[dic
                if g not in seen]
     for gid, n in copies.items():
         if n > 1:
-            warnings.append(f"'{gid}' is in {n} cells (a copied cell keeps its grade_id): graded what the notebook "
-                            "defines run top to bottom, i.e. the last copy wins; delete the stale copy")
+            warnings.append(f"'{gid}' is in {n} cells (a copied cell keeps its grade_id): graded what the "
+                            "notebook defines run top to bottom, i.e. the last copy wins; delete the stale "
+                            "copy")
     if not any(grade_id_of(c) for c in submission["cells"]):
-        warnings.append("the submission has no nbgrader metadata (saved by another tool?): graded the functions "
-                        "its code defines, top to bottom")
+        warnings.append("the submission has no nbgrader metadata (saved by another tool?): graded the "
+                        "functions its code defines, top to bottom")
     return missing + cells, warnings
 
 
@@ -418,9 +439,11 @@ def sweep(tmp: str | Path) -> list[Path]:
 
 def _not_run(outcome: Any, status: str, wall: float) -> str:
     if outcome.timed_out:
-        return (f"not graded: the submission was stopped at the hard limit of {wall:g} s while running {status} "
-                "(it ignored the interrupt, or ran too long)")
-    return f"not graded: the submission's process ended (exit code {outcome.returncode}) while running {status}"
+        return (f"not graded: the submission was stopped at the hard limit of {wall:g} s while running "
+                f"{status} (it ignored the interrupt, or ran too long)")
+    return (
+        f"not graded: the submission's process ended (exit code {outcome.returncode}) while running {status}"
+    )
 
 
 def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout: float = 60.0,
@@ -434,11 +457,13 @@ def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout:
     """
     planned = plan(source)
     seed = default_seed(source, student) if seed is None else seed
-    seeds = {p.grade_id: part_seed(seed, p.grade_id) if any(c.hidden for c in p.calls) else None for p in planned}
+    seeds = {
+        p.grade_id: part_seed(seed, p.grade_id) if any(c.hidden for c in p.calls) else None for p in planned
+    }
 
     def every(message: str, status: str) -> list[Part]:
-        return [Part(p.grade_id, 0, p.points, "graded by hand" if p.manual else message, p.manual, seeds[p.grade_id],
-                     "manual" if p.manual else status) for p in planned]
+        return [Part(p.grade_id, 0, p.points, "graded by hand" if p.manual else message, p.manual,
+                     seeds[p.grade_id], "manual" if p.manual else status) for p in planned]
 
     if submission is None:
         return Report(every(reason, "failed"), seed, sandbox="bwrap" if sandbox else "none")
@@ -446,9 +471,9 @@ def grade(source: dict[str, Any], submission: dict[str, Any] | None, *, timeout:
     tampering, skipped, withheld = _withhold(source, planned, cells)
     manual_text = {grade_id_of(c): c.get("source", "") for c in submission["cells"] if is_manual_cell(c)}
     if withheld is None:  # a flagged cell outside every answer: it could reach any part
-        report = Report(every("not scored: the submission reaches into the grader from a cell outside every answer "
-                              "(see tampering); a person must review it", "tampering"), seed, tampering, warnings,
-                        "bwrap" if sandbox else "none")
+        report = Report(every("not scored: the submission reaches into the grader from a cell outside every "
+                              "answer (see tampering); a person must review it", "tampering"),
+                        seed, tampering, warnings, "bwrap" if sandbox else "none")
     else:
         report = _run(source, planned, [c for c in cells if c["label"] not in skipped], seeds, timeout, wall,
                       sandbox, seed, warnings, withheld)
@@ -499,15 +524,15 @@ def _withhold(source: dict[str, Any], planned: list[Planned],
             continue
         lines = "; ".join(static.explain(t) for t in found)
         for gid in parts:
-            withheld[gid] = (f"not scored: {cell['label']} was not run, because it could reach into the grader "
-                             f"({lines}); a person will review it. Rewrite those lines: the part's visible test "
-                             "names them too")
+            withheld[gid] = (f"not scored: {cell['label']} was not run, because it could reach into the "
+                             f"grader ({lines}); a person will review it. Rewrite those lines: the part's "
+                             "visible test names them too")
     return tampering, skipped, withheld
 
 
-def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, Any]], seeds: dict[str, int | None],
-         timeout: float, wall: float | None, sandbox: bool, seed: int, warnings: list[str],
-         withheld: dict[str, str]) -> Report:
+def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, Any]],
+         seeds: dict[str, int | None], timeout: float, wall: float | None, sandbox: bool, seed: int,
+         warnings: list[str], withheld: dict[str, str]) -> Report:
     """Run the cells and the parts' calls in the sandbox, then judge what came back, part by part.
 
     The parts in ``withheld`` (grade_id -> message) are not called: they are reported as tampering.
@@ -526,14 +551,16 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
         (work / "out").mkdir()
         job = {"timeout": timeout, "cells": [{"label": c["label"], "source": c["source"]} for c in cells],
                "parts": [{"grade_id": p.grade_id, "calls": [
-                   {"check": c.check, "fn": c.fn, "hidden": c.hidden, "seed": seeds[p.grade_id] if c.hidden else 0}
+                   {"check": c.check, "fn": c.fn, "hidden": c.hidden,
+                    "seed": seeds[p.grade_id] if c.hidden else 0}
                    for c in p.calls]} for p in planned if not p.manual]}
         (work / "job" / "job.json").write_text(json.dumps(job), encoding="utf-8")
         argv = (box.command(work / "job", work / "out", limits) if sandbox
                 else box.unsandboxed(work / "job", work / "out", limits))
         outcome = box.run(argv, limits)
         status_file = work / "out" / "status"
-        if not status_file.exists():  # the harness writes it before any student code: the sandbox itself failed
+        # the harness writes it before any student code: the sandbox itself failed
+        if not status_file.exists():
             raise box.SandboxError(f"the sandbox did not start the harness (exit code {outcome.returncode}): "
                                    f"{outcome.output[-2000:]}")
         status = status_file.read_text(encoding="utf-8", errors="replace")[:300]
@@ -563,7 +590,9 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
         if isinstance(ran, dict) else {}
     for value in [ran, *results.values()]:
         if isinstance(value, dict) and (value.get("tampered") or value.get("unreadable")):
-            report.tampering.append(f"the harness's results: {value.get('tampered') or value.get('unreadable')}")
+            report.tampering.append(
+                f"the harness's results: {value.get('tampered') or value.get('unreadable')}"
+            )
     report.tampering = sorted(set(report.tampering))
     graded = iter(range(len(job["parts"])))
     for p in planned_all:
@@ -576,8 +605,8 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
             continue
         result = results[next(graded)]
         if report.tampering:
-            part = Part(p.grade_id, 0, p.points, "not scored: the submission tampered with the grader's harness "
-                        "(see tampering); a person must review it", status="tampering")
+            part = Part(p.grade_id, 0, p.points, "not scored: the submission tampered with the grader's "
+                        "harness (see tampering); a person must review it", status="tampering")
         elif result is None:
             part = Part(p.grade_id, 0, p.points, stopped or "not graded: no result", status="not graded")
         else:
@@ -591,7 +620,7 @@ def _run(source: dict[str, Any], planned: list[Planned], cells: list[dict[str, A
                       for k in p.calls for hit in static.banned_calls(static.python_source(c["source"]),
                                                                       checks.BANNED[k.check])]
             if banned and message is None:
-                message = (f"uses what this part asks you to write yourself: {'; '.join(sorted(set(banned)))}")
+                message = f"uses what this part asks you to write yourself: {'; '.join(sorted(set(banned)))}"
             part = Part(p.grade_id, p.points if message is None else 0, p.points, message or "",
                         status="ok" if message is None else "failed")
         part.seed = seeds[p.grade_id]
@@ -608,9 +637,12 @@ def _judge_part(p: Planned, result: dict[str, Any], seed: int | None, cells: lis
         hidden_seed = seed if call.hidden else 0
         if "missing" in shipped:
             defining = [c for c in cells if call.fn in _defines(c["source"])]
-            errors = [f"{c['label']} raised {cell_errors[c['label']]}" for c in defining if cell_errors.get(c["label"])]
+            errors = [f"{c['label']} raised {cell_errors[c['label']]}" for c in defining
+                      if cell_errors.get(c["label"])]
             if shipped["missing"] is not None:
-                return f"{call.fn} is a {shipped['missing']}, not a function: keep the name for your function."
+                return (
+                    f"{call.fn} is a {shipped['missing']}, not a function: keep the name for your function."
+                )
             return (f"{call.fn} is not defined" + (f" ({'; '.join(errors)})" if errors else
                     ": run its answer cell, and keep the function's name") + ".")
         problem = checks.judge(call.check, call.fn, call.hidden, hidden_seed, shipped["outs"])
@@ -618,8 +650,8 @@ def _judge_part(p: Planned, result: dict[str, Any], seed: int | None, cells: lis
             return problem
         if "timeout" in shipped:
             return (f"{call.fn} ran longer than {timeout:g} s on case #{len(shipped['outs']) + 1} of "
-                    f"{call.check}({'hidden, seed=' + str(hidden_seed) if call.hidden else 'visible'}) and was "
-                    "interrupted: an infinite loop?")
+                    f"{call.check}({'hidden, seed=' + str(hidden_seed) if call.hidden else 'visible'}) and "
+                    "was interrupted: an infinite loop?")
         if "ended" in shipped:
             return f"{call.fn} ended the run ({shipped['ended']}) on case #{len(shipped['outs']) + 1}."
     return None

@@ -23,12 +23,12 @@ MODULES = {
     "sys": "the interpreter", "os": "the process", "posix": "the process", "builtins": "the builtins",
     "importlib": "the import system", "gc": "every live object", "inspect": "frames and sources",
     "ctypes": "raw memory", "signal": "the grader's timers", "subprocess": "other processes",
-    "multiprocessing": "other processes", "threading": "threads", "_thread": "threads", "socket": "the network",
-    "IPython": "the shell", "ipykernel": "the kernel", "pickle": "arbitrary objects", "marshal": "code objects",
-    "types": "code and frame types", "runpy": "the import system", "code": "the interpreter",
-    "atexit": "the exit", "faulthandler": "the process", "resource": "the limits", "io": "files",
-    "pathlib": "files", "shutil": "files", "tempfile": "files", "glob": "files", "sysconfig": "the install",
-    "site": "the import system", "dis": "code objects", "weakref": "live objects",
+    "multiprocessing": "other processes", "threading": "threads", "_thread": "threads",
+    "socket": "the network", "IPython": "the shell", "ipykernel": "the kernel", "pickle": "arbitrary objects",
+    "marshal": "code objects", "types": "code and frame types", "runpy": "the import system",
+    "code": "the interpreter", "atexit": "the exit", "faulthandler": "the process", "resource": "the limits",
+    "io": "files", "pathlib": "files", "shutil": "files", "tempfile": "files", "glob": "files",
+    "sysconfig": "the install", "site": "the import system", "dis": "code objects", "weakref": "live objects",
     "operator": "attributes by name", "copyreg": "arbitrary objects", "shelve": "arbitrary objects",
 }
 # each banned name, and what it reaches: what a student is told (a visible test names it, issue 32 point 23)
@@ -54,7 +54,8 @@ NAMES = {
 # how to write the same without it, where a student meets it in honest work
 INSTEAD = {
     "getattr": "name the attribute (self.mean), or keep the values in a dict (self.state['mean'])",
-    "setattr": "assign the attribute by name (self.mean = ...), or keep the values in a dict (self.state[key] = ...)",
+    "setattr": ("assign the attribute by name (self.mean = ...), or keep the values in a dict "
+                "(self.state[key] = ...)"),
     "delattr": "keep the values in a dict and delete the key",
     "vars": "keep the values in a dict",
     "globals": "pass what the function needs as an argument",
@@ -67,7 +68,8 @@ INSTEAD = {
 DUNDERS = {"__init__", "__name__", "__call__", "__len__", "__iter__", "__next__", "__repr__", "__str__"}
 FRAMES = {"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame"}
 # attributes of torch and numpy that load code or objects, or reach C: pickle's __reduce__ runs any import
-LOADERS = {"load", "loads", "load_library", "load_inline", "cpp_extension", "ctypeslib", "_C", "multiprocessing"}
+LOADERS = {"load", "loads", "load_library", "load_inline", "cpp_extension", "ctypeslib", "_C",
+           "multiprocessing"}
 MAGICS = {"matplotlib"}
 
 
@@ -93,7 +95,7 @@ def _dotted(node: ast.AST) -> str | None:
 
 
 def _magic(node: ast.Call) -> bool:
-    """Return whether ``node`` is ``get_ipython().run_line_magic('<allowed>', ...)``, as a transformed magic is."""
+    """Return whether ``node`` is ``get_ipython().run_line_magic('<allowed>', ...)`` (a transformed magic)."""
     func = node.func
     return (isinstance(func, ast.Attribute) and func.attr == "run_line_magic"
             and isinstance(func.value, ast.Call) and _dotted(func.value.func) == "get_ipython"
@@ -101,7 +103,7 @@ def _magic(node: ast.Call) -> bool:
 
 
 def tampering(source: str) -> list[str]:
-    """Return what in ``source`` (Python) could reach the grader, one ``"line N: ..."`` each; [] if nothing."""
+    """Return what in ``source`` (Python) could reach the grader, one ``"line N: ..."`` each; [] if none."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -118,8 +120,9 @@ def tampering(source: str) -> list[str]:
                 top = name.split(".")[0]
                 if top in MODULES:
                     found.append(f"line {line}: imports {name} ({MODULES[top]})")
-                elif name.startswith("labkit.grading") or (name == "labkit" and isinstance(node, ast.ImportFrom)
-                                                           and any(a.name == "grading" for a in node.names)):
+                elif name.startswith("labkit.grading") or (
+                        name == "labkit" and isinstance(node, ast.ImportFrom)
+                        and any(a.name == "grading" for a in node.names)):
                     found.append(f"line {line}: imports labkit.grading (the grader)")
         elif isinstance(node, ast.Name) and node.id in NAMES and id(node) not in allowed:
             found.append(f"line {line}: uses {node.id}")
@@ -140,12 +143,13 @@ def tampering(source: str) -> list[str]:
 
 
 def explain(finding: str) -> str:
-    """Return a ``tampering`` finding with why it is banned and, where honest code meets it, what to write instead.
+    """Explain a ``tampering`` finding: why it is banned and, if honest code meets it, what to write instead.
 
     >>> explain("line 3: uses exit")
     "line 3: uses exit (ends the grader's process)"
-    >>> explain("line 4: uses setattr").split("; ")[1]
-    'instead, assign the attribute by name (self.mean = ...), or keep the values in a dict (self.state[key] = ...))'
+    >>> explain("line 4: uses setattr").split("; ")[1]  # doctest: +NORMALIZE_WHITESPACE
+    'instead, assign the attribute by name (self.mean = ...), or keep the values in a dict
+    (self.state[key] = ...))'
     """
     what = finding.split(": ", 1)[1] if ": " in finding else finding
     name = what.split()[-1]

@@ -59,7 +59,9 @@ def _positive(kind: type, most: float = math.inf) -> object:
         if not value > 0 or (kind is float and math.isinf(value)):
             raise argparse.ArgumentTypeError(f"must be a finite {kind.__name__} > 0, got {text!r}")
         if value > most:
-            raise argparse.ArgumentTypeError(f"must be at most {most:g} (float32's largest number), got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be at most {most:g} (float32's largest number), got {text!r}"
+            )
         return value
 
     parse.__name__ = kind.__name__
@@ -69,11 +71,14 @@ def _positive(kind: type, most: float = math.inf) -> object:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m labkit demo",
-        description="Train the built-in toy task through injected bad batches and show what the safety belts did.",
+        description="Train the built-in toy task through injected bad batches and show what the safety "
+                    "belts did.",
     )
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp16",
                    help="fp16 runs with a dynamic loss scaler, fp32 and bf16 without (default fp16)")
-    p.add_argument("--max-norm", type=_max_norm, default=1.0, help="clipping threshold, or 'none' (default 1.0)")
+    p.add_argument(
+        "--max-norm", type=_max_norm, default=1.0, help="clipping threshold, or 'none' (default 1.0)"
+    )
     p.add_argument("--init-scale", type=_positive(float, FLOAT32_MAX), default=2.0**10,
                    help="initial loss scale, at most 3.4e38 (default 1024)")
     p.add_argument("--growth-interval", type=_positive(int), default=50,
@@ -82,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=_positive(float),
                    help="SGD learning rate, momentum 0.9 (default 0.05 for toy, 0.3 for gpt)")
     p.add_argument("--task", choices=list(TASK_DEFAULTS), default="toy",
-                   help="toy (regression, default) or gpt (a small GPT on the Python stdlib's source, no faults by default)")
+                   help="toy (regression, default) or gpt (a small GPT on the Python stdlib's source, "
+                        "no faults by default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="data and weights (default 0)")
     p.add_argument(
@@ -182,7 +188,9 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
         return log
     os.replace(partial, os.path.join(out, "log.jsonl"))
     log.to_csv(os.path.join(out, "log.csv"))
-    plot_log(log, config.max_norm, title=_title(config, world)).savefig(os.path.join(out, "demo.png"), dpi=100)
+    plot_log(log, config.max_norm, title=_title(config, world)).savefig(
+        os.path.join(out, "demo.png"), dpi=100
+    )
     s = log.summary()
     rows = [
         ("steps", s["steps"]),
@@ -191,8 +199,8 @@ def run_demo(config: ExperimentConfig, out: str, *, progress: bool = True, echo=
                                                    s["skips_by_reason"].items()) + ")"),
         ("clipped", f"{s['clipped']} ({s['clip_rate']:.1%} of stepped steps)"),
         ("loss scale", f"min {_format_scale(s['min_scale'])}, max {_format_scale(s['max_scale'])}, "
-                       f"final {_format_scale(s['final_scale'])}" if scaler else f"none ({config.precision} runs "
-                       "without a loss scaler)"),
+                       f"final {_format_scale(s['final_scale'])}" if scaler
+                       else f"none ({config.precision} runs without a loss scaler)"),
         ("final loss", _final_loss(log, s)),
         ("files", f"{os.path.join(out, 'log.jsonl')}, log.csv, demo.png"),
     ]
@@ -241,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = [] if specs == ["none"] else specs
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it (with RANK, LOCAL_RANK, MASTER_*)
     if world == 1 and args.parallel is not None:
-        parser.error("--parallel: launch under torchrun, e.g. torchrun --nproc_per_node=2 -m labkit demo --parallel "
-                     f"{args.parallel}")
+        parser.error("--parallel: launch under torchrun, e.g. torchrun --nproc_per_node=2 -m labkit demo "
+                     f"--parallel {args.parallel}")
     from ..export.telemetry import check_trackers, parse_trackers  # no torch: a bad --log-to answers at once
 
     try:
@@ -282,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {which} puts faults at steps {_ranges(late)}, past the last step ({args.steps - 1}); "
               f"they never fire (raise --steps to see them)", file=sys.stderr)
     fingerprint = getattr(config.make_task(), "fingerprint", None)
-    if fingerprint is not None and int(os.environ.get("RANK", "0")) == 0:  # the data a run saw: equal hashes, equal text
+    # the data a run saw: equal hashes, equal text
+    if fingerprint is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"task {args.task}: data sha256 {fingerprint}")
     created = _check_out(parser, args.out) if int(os.environ.get("RANK", "0")) == 0 else None
     if world > 1:

@@ -116,10 +116,12 @@ class ExperimentConfig:
             try:
                 check_max_norm(self.max_norm)
             except ValueError:
-                raise ValueError(f"max_norm must be a number > 0 or None (no clipping), got {self.max_norm!r}.") from None
+                raise ValueError(
+                    f"max_norm must be a number > 0 or None (no clipping), got {self.max_norm!r}."
+                ) from None
         if _positive_float("init_scale", self.init_scale) > torch.finfo(torch.float32).max:
-            raise ValueError(f"init_scale must be at most {torch.finfo(torch.float32).max:.4g} (the scale is a "
-                             f"float32), got {self.init_scale!r}; torch's default is 2.0**16.")
+            raise ValueError(f"init_scale must be at most {torch.finfo(torch.float32).max:.4g} (the scale is "
+                             f"a float32), got {self.init_scale!r}; torch's default is 2.0**16.")
         check_init_scale(self.init_scale)  # float32's normal range: below it 1/scale overflows
         _positive_int("growth_interval", self.growth_interval)
         _positive_int("steps", self.steps)
@@ -132,20 +134,22 @@ class ExperimentConfig:
         if not isinstance(self.triage, bool):
             raise TypeError(f"triage must be True or False, got {self.triage!r}.")
         betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
-                                      for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), Adam's (beta1, beta2), got {self.betas!r}.")
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                      and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(
+                f"betas must be two numbers in [0, 1), Adam's (beta1, beta2), got {self.betas!r}."
+            )
         if self.optimizer == "sgd" and betas != (0.9, 0.999):
-            raise ValueError("betas are Adam's and AdamW's; optimizer='sgd' has none (SGD uses momentum 0.9). "
-                             "Pass optimizer='adam' or 'adamw', or leave betas out.")
+            raise ValueError("betas are Adam's and AdamW's; optimizer='sgd' has none (SGD uses momentum "
+                             "0.9). Pass optimizer='adam' or 'adamw', or leave betas out.")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
         check_int("warmup", self.warmup, 0, self.steps, hint="(steps of linear warm-up, at most steps)")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}.")
         if self.parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {list(PARALLEL)}, got {self.parallel!r}.")
-        if self.fault_rank is not None and (isinstance(self.fault_rank, bool) or not isinstance(self.fault_rank, int)
-                                            or self.fault_rank < 0):
+        if self.fault_rank is not None and (isinstance(self.fault_rank, bool)
+                                            or not isinstance(self.fault_rank, int) or self.fault_rank < 0):
             raise ValueError(f"fault_rank must be None (every rank) or a rank >= 0, got {self.fault_rank!r}.")
         if isinstance(self.faults, str):
             raise TypeError(f"faults must be a list of specs, e.g. [{self.faults!r}], not one string.")
@@ -153,16 +157,20 @@ class ExperimentConfig:
         if isinstance(self.task, str) and self.task not in TASKS:
             raise ValueError(f"task must be one of {sorted(TASKS)} or a task object, got {self.task!r}.")
         if not isinstance(self.task, (str, Task)):
-            raise TypeError(f"task must be a name or have name, model(device), batch(step, device) and loss_fn; "
-                            f"got {type(self.task).__name__}.")
+            raise TypeError("task must be a name or have name, model(device), batch(step, device) and "
+                            f"loss_fn; got {type(self.task).__name__}.")
         self.fault_schedule()
         if self.device is not None:
             try:
                 dev = torch.device(self.device)
             except (RuntimeError, TypeError):
-                raise ValueError(f"device must be None (auto), 'cpu' or 'cuda', got {self.device!r}.") from None
+                raise ValueError(
+                    f"device must be None (auto), 'cpu' or 'cuda', got {self.device!r}."
+                ) from None
             if dev.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"device={self.device!r}, but there is no GPU here: use None (auto) or 'cpu'.")
+                raise ValueError(
+                    f"device={self.device!r}, but there is no GPU here: use None (auto) or 'cpu'."
+                )
 
     def fault_schedule(self) -> FaultSchedule:
         """Return the parsed ``faults``."""
@@ -173,12 +181,13 @@ class ExperimentConfig:
         return torch.device(self.device or default_device())
 
     def make_task(self) -> Task:
-        """Return the task the run trains: the named one with ``seed``, sized for the device, or ``task`` itself."""
-        return make_task(self.task, self.seed, self.resolved_device()) if isinstance(self.task, str) else self.task
+        """Return the task to train: the named one with ``seed``, sized for the device, or ``task`` itself."""
+        return (make_task(self.task, self.seed, self.resolved_device()) if isinstance(self.task, str)
+                else self.task)
 
 
 def _parallelize(model: nn.Module, how: str, device: torch.device) -> nn.Module:
-    """Return ``model`` wrapped for data parallelism: ``"ddp"`` or ``"fsdp2"`` (each Linear, then the root)."""
+    """Return ``model`` wrapped for ``"ddp"`` or ``"fsdp2"`` data parallelism (each Linear, then the root)."""
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -218,7 +227,8 @@ def make_optimizer(config: ExperimentConfig, params: Any) -> torch.optim.Optimiz
     """Return the optimizer ``config`` names over ``params``, with its lr, betas and weight decay."""
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=0.9, weight_decay=config.weight_decay)
-    adam = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "stableadamw": StableAdamW}[config.optimizer]
+    adam = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+            "stableadamw": StableAdamW}[config.optimizer]
     return adam(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
@@ -260,17 +270,18 @@ def run_experiment(
     histogram_every: int = 10,
     observer: Any = None,
 ) -> StepLog:
-    """Train a fresh model of ``config.task`` as ``config`` says and return its log; ``on_record`` sees each record.
+    """Train a fresh model of ``config.task`` as ``config`` says and return its log.
 
-    Nothing outside the call is touched: a widget may start it again with other settings
-    while an old figure is still on screen. ``log_to`` (``"tensorboard,trackio,mlflow,wandb"``)
-    streams every record into those trackers under ``log_dir`` (default: ``log_path``'s folder,
-    else ``runs/labkit``), with a log2|g| histogram per parameter every ``histogram_every``
-    steps (``labkit.export``; rank 0 only). ``observer`` sees the weights around every optimizer
-    step (``TrainStep(hooks=[...])``, e.g. ``labkit.formats.bf16.StaleMonitor`` or
-    ``labkit.lab.moments.AdamWatch``: a ``labkit.hooks.Hook``, attached by the step). Where to show
-    a run is not part of its config. With ``config.triage`` (the default) a non-finite loss is
-    triaged (``TrainStep(hooks=[Triage()])``): the record says ``nonfinite_input`` (bad data) or
+    ``on_record`` sees each record. Nothing outside the call is touched: a widget may start it
+    again with other settings while an old figure is still on screen. ``log_to``
+    (``"tensorboard,trackio,mlflow,wandb"``) streams every record into those trackers under
+    ``log_dir`` (default: ``log_path``'s folder, else ``runs/labkit``), with a log2|g| histogram
+    per parameter every ``histogram_every`` steps (``labkit.export``; rank 0 only). ``observer``
+    sees the weights around every optimizer step (``TrainStep(hooks=[...])``, e.g.
+    ``labkit.formats.bf16.StaleMonitor`` or ``labkit.lab.moments.AdamWatch``: a
+    ``labkit.hooks.Hook``, attached by the step). Where to show a run is not part of its config.
+    With ``config.triage`` (the default) a non-finite loss is triaged
+    (``TrainStep(hooks=[Triage()])``): the record says ``nonfinite_input`` (bad data) or
     ``forward_overflow`` (the fp16 forward overflowed, its fp32 re-run did not) where it can.
 
     >>> log = run_experiment(ExperimentConfig(precision="fp32", steps=20, faults=["5:nan"]))
@@ -306,13 +317,16 @@ def run_experiment(
     telemetry = None
     try:
         if trackers and me == 0:  # the records are the same on every rank
-            out = log_dir or (os.path.dirname(os.path.abspath(log_path)) if log_path is not None else "runs/labkit")
+            out = log_dir or (
+                os.path.dirname(os.path.abspath(log_path)) if log_path is not None else "runs/labkit"
+            )
             telemetry = Telemetry.open(trackers, out)
             step.log.sinks.append(telemetry)
         # FSDP2's gradients are shards: a histogram of rank 0's shard would not be the layer's
         histograms = telemetry is not None and (world == 1 or config.parallel in (None, "ddp"))
         with one_thread_on_cpu(device):
-            while step.step_count < config.steps:  # a rewind moves step_count back: the run still ends at `steps`
+            # a rewind moves step_count back: the run still ends at `steps`
+            while step.step_count < config.steps:
                 i = rewind.data_index(step.step_count) if rewind is not None else step.step_count
                 batch = task.batch(i, device) if d is None else d.corrupt(i, task.batch(i, device))
                 inputs, targets = (t.tensor_split(world)[me] for t in batch)

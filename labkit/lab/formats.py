@@ -18,14 +18,15 @@ from ..formats.bf16 import RemedyRun
 from ..formats.fp8 import FORMATS, CastRecord, quantize
 
 __all__ = [
-    "GRANULARITY_LABELS", "NUMBER_LINE", "GranularityExplorer", "format_values", "granularity_rows", "number_line",
-    "round_trip", "scaling_figure", "stagnation_figure",
+    "GRANULARITY_LABELS", "NUMBER_LINE", "GranularityExplorer", "format_values", "granularity_rows",
+    "number_line", "round_trip", "scaling_figure", "stagnation_figure",
 ]
 
 NUMBER_LINE = ("e2m1", "e4m3", "e5m2", "fp16", "bf16")
 _DTYPES = {**FORMATS, "fp16": torch.float16, "bf16": torch.bfloat16}
 _XLIM = (2.0**-26, 2.0**20)  # fp16's smallest subnormal to past e5m2's max
-GRANULARITY_LABELS = {"tensor": "per tensor", "row": "per row", "tile128": "1x128 tiles", "mx32": "MX (32, e8m0)"}
+GRANULARITY_LABELS = {"tensor": "per tensor", "row": "per row", "tile128": "1x128 tiles",
+                      "mx32": "MX (32, e8m0)"}
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -44,7 +45,7 @@ def _e2m1():  # type: ignore[no-untyped-def]
 
 
 def format_values(name: str, samples: int = 512) -> torch.Tensor:
-    """Return the positive finite values of a format, sorted: all of them for e2m1/e4m3/e5m2, ``samples`` for fp16/bf16.
+    """Return a format's positive finite values, sorted: all for e2m1/e4m3/e5m2, ``samples`` for fp16/bf16.
 
     bf16 is sampled between 2^-26 and 2^20, the number line's window.
 
@@ -86,7 +87,7 @@ def round_trip(value: float, name: str) -> float:
 
 
 def number_line(cursor: float | None = None, formats: Sequence[str] = NUMBER_LINE) -> Figure:
-    """Draw every value of each format on a log axis; ``cursor`` marks a value and where each format rounds it.
+    """Draw each format's values on a log axis; ``cursor`` marks a value and where each format rounds it.
 
     >>> fig = number_line(cursor=500.0); [t.get_text() for t in fig.axes[0].get_yticklabels()][:2]
     ['e2m1', 'e4m3']
@@ -114,8 +115,10 @@ def number_line(cursor: float | None = None, formats: Sequence[str] = NUMBER_LIN
     return fig
 
 
-def stagnation_figure(runs: Mapping[str, RemedyRun], stale_by_layer: Mapping[str, Mapping[str, float]], entry: int = 0) -> Figure:
-    """Draw one weight's trajectory per remedy, the losses, and each layer's fraction of stale updates per run.
+def stagnation_figure(
+    runs: Mapping[str, RemedyRun], stale_by_layer: Mapping[str, Mapping[str, float]], entry: int = 0
+) -> Figure:
+    """Draw one weight's trajectory per remedy, the losses, and each layer's share of stale updates per run.
 
     ``stale_by_layer`` is ``{run: {layer: fraction}}`` (e.g. the mean of ``StepRecord.stale``).
     Runs whose losses coincide on screen (within 1 % of the panel's range, about 2 pixels, at
@@ -144,14 +147,18 @@ def stagnation_figure(runs: Mapping[str, RemedyRun], stale_by_layer: Mapping[str
     ax_w.set_title("one weight: bf16 never moves", fontsize=10)
     ax_loss.set_xlabel("step"); ax_loss.set_ylabel("loss")
     ax_loss.set_title("loss" + note, fontsize=9)
-    fig.legend(*ax_loss.get_legend_handles_labels(), loc="lower center", ncols=len(runs), fontsize=9, frameon=False)
+    fig.legend(
+        *ax_loss.get_legend_handles_labels(), loc="lower center", ncols=len(runs), fontsize=9, frameon=False
+    )
     layers = sorted({layer for fractions in stale_by_layer.values() for layer in fractions})
     width = 0.8 / max(1, len(stale_by_layer))
     for i, (name, fractions) in enumerate(stale_by_layer.items()):
-        ax_bar.bar([j + i * width for j in range(len(layers))], [fractions.get(layer, 0.0) for layer in layers],
-                   width=width, label=name)
+        ax_bar.bar([j + i * width for j in range(len(layers))],
+                   [fractions.get(layer, 0.0) for layer in layers], width=width, label=name)
     ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], layers, rotation=45, fontsize=8)
-    ax_bar.set_ylim(0, 1.45); ax_bar.set_yticks([0, 0.25, 0.5, 0.75, 1.0]); ax_bar.set_ylabel("updates below half an ulp")
+    ax_bar.set_ylim(0, 1.45)
+    ax_bar.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
+    ax_bar.set_ylabel("updates below half an ulp")
     ax_bar.set_title("per layer, mean over steps", fontsize=10); ax_bar.legend(fontsize=8, loc="upper left")
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.3, top=0.86, wspace=0.3)
     return fig
@@ -162,7 +169,7 @@ def _coincide(a: Sequence[float], b: Sequence[float], tol: float) -> bool:
 
 
 def granularity_rows(x: torch.Tensor, outlier_channel: int | None = None, fmt: str = "e4m3") -> list[dict]:
-    """Quantize ``x`` per tensor, row, 1x128 tile and MX block: % flushed, % saturated, error of the other channels.
+    """Quantize ``x`` per tensor, row, 1x128 tile and MX block: % flushed, % saturated, other channels' error.
 
     >>> rows = granularity_rows(torch.ones(2, 128)); [r["granularity"] for r in rows], rows[0]["flushed"]
     (['tensor', 'row', 'tile128', 'mx32'], 0.0)
@@ -174,19 +181,22 @@ def granularity_rows(x: torch.Tensor, outlier_channel: int | None = None, fmt: s
     for granularity in GRANULARITY_LABELS:
         q = quantize(x, fmt, granularity)
         err = (q.dequantize() - x)[:, keep].norm() / x[:, keep].norm().clamp(min=1e-30)
-        rows.append({"granularity": granularity, "flushed": q.flushed, "saturated": q.saturated, "rel_err": err.item()})
+        rows.append({"granularity": granularity, "flushed": q.flushed, "saturated": q.saturated,
+                     "rel_err": err.item()})
     return rows
 
 
 class GranularityExplorer:
-    """An activation matrix with one outlier channel, a slider for its size, and what each scale choice does to it.
+    """An activation matrix with one outlier channel, a size slider, and what each scale choice does to it.
 
     ``set_outlier(v)`` (or the slider) recomputes with real casts: a heatmap of log10 |x| (with
     its colour bar) and bars of the % flushed to zero and the error on the other channels, per
     tensor/row/1x128 tile/MX. The bars' axes grow with the values, so no bar is cut off.
     """
 
-    def __init__(self, rows: int = 128, cols: int = 512, channel: int = 7, outlier: float = 1e4, seed: int = 0) -> None:
+    def __init__(
+        self, rows: int = 128, cols: int = 512, channel: int = 7, outlier: float = 1e4, seed: int = 0
+    ) -> None:
         import ipywidgets as W
 
         g = torch.Generator().manual_seed(seed)
@@ -195,8 +205,8 @@ class GranularityExplorer:
         self.ax_map, self.ax_flush, self.ax_err = self.figure.subplots(1, 3)
         self.figure.subplots_adjust(left=0.05, right=0.98, bottom=0.25, top=0.86, wspace=0.45)
         self._colorbar = None
-        self.slider = W.FloatLogSlider(value=outlier, base=10, min=0, max=6, step=0.25, description="outlier x",
-                                       continuous_update=False)
+        self.slider = W.FloatLogSlider(value=outlier, base=10, min=0, max=6, step=0.25,
+                                       description="outlier x", continuous_update=False)
         self.image = W.Image(format="png")
         self.slider.observe(lambda change: self.set_outlier(change["new"]), names="value")
         self.widget = W.VBox([self.slider, self.image])
@@ -227,13 +237,16 @@ class GranularityExplorer:
         flushed = [100 * r["flushed"] for r in self.rows]
         errors = [r["rel_err"] for r in self.rows]
         self.ax_flush.bar(labels, flushed, color="C3")
-        self.ax_flush.set_ylabel("% of values flushed to 0"); self.ax_flush.set_ylim(0, max(60.0, 1.1 * max(flushed)))
+        self.ax_flush.set_ylabel("% of values flushed to 0")
+        self.ax_flush.set_ylim(0, max(60.0, 1.1 * max(flushed)))
         self.ax_err.bar(labels, errors, color="C0")
-        self.ax_err.set_ylabel("rel. error, other channels"); self.ax_err.set_ylim(0, max(0.5, 1.1 * max(errors)))
+        self.ax_err.set_ylabel("rel. error, other channels")
+        self.ax_err.set_ylim(0, max(0.5, 1.1 * max(errors)))
         for ax in (self.ax_flush, self.ax_err):
             ax.tick_params(axis="x", labelrotation=30, labelsize=7)
         self.figure.suptitle(f"e4m3, outlier x{outlier:g}: " + ", ".join(
-            f"{label} {100 * r['flushed']:.2f}%" for label, r in zip(labels, self.rows)) + " flushed", fontsize=9)
+            f"{label} {100 * r['flushed']:.2f}%" for label, r in zip(labels, self.rows))
+            + " flushed", fontsize=9)
         buf = io.BytesIO()
         self.figure.savefig(buf, format="png", dpi=72)
         self.image.value = buf.getvalue()
@@ -257,7 +270,9 @@ def scaling_figure(runs: Mapping[str, Sequence[CastRecord]], fault_step: int | N
         steps = [r.step for r in records]
         if i == 0:
             ax_amax.plot(steps, [r.amax for r in records], "k.-", label="amax of the tensor")
-        ax_amax.step(steps, [r.scale_amax for r in records], where="mid", color=f"C{i}", label=f"{name}: scale's amax")
+        ax_amax.step(
+            steps, [r.scale_amax for r in records], where="mid", color=f"C{i}", label=f"{name}: scale's amax"
+        )
         ax_sat.bar([s + 0.4 * i - 0.2 for s in steps], [100 * r.saturated for r in records], width=0.4,
                    color=f"C{i}", label=name)
     for ax in (ax_amax, ax_sat):
@@ -266,7 +281,9 @@ def scaling_figure(runs: Mapping[str, Sequence[CastRecord]], fault_step: int | N
             ax.axvline(fault_step, color="C3", linestyle=":", linewidth=1)
     ax_amax.set_yscale("log"); ax_amax.set_ylabel("amax"); ax_amax.legend(fontsize=7)
     ax_amax.set_title("amax and the amax history's max (delayed)", fontsize=9)
-    ax_sat.set_ylabel("% of values saturated (clamped to 448)"); ax_sat.set_ylim(0, 100); ax_sat.legend(fontsize=7)
+    ax_sat.set_ylabel("% of values saturated (clamped to 448)")
+    ax_sat.set_ylim(0, 100)
+    ax_sat.legend(fontsize=7)
     ax_sat.set_title("what the cast did: no NaN, no inf, no skip", fontsize=9)
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.9, wspace=0.25)
     return fig

@@ -42,7 +42,9 @@ EPISODE = {"fault": "spike", "fault_step": 50, "fault_count": 1, "fault_magnitud
 _FAULT_KEYS = tuple(EPISODE)
 
 
-def episode(fault: str, fault_step: int, fault_count: int = 1, fault_magnitude: float = 1000.0) -> tuple[str, ...]:
+def episode(
+    fault: str, fault_step: int, fault_count: int = 1, fault_magnitude: float = 1000.0
+) -> tuple[str, ...]:
     """Return the fault specs of one episode: ``fault_count`` bad batches from ``fault_step`` on.
 
     >>> episode("overflow", 100, 5), episode("spike", 60, fault_magnitude=10), episode("none", 3)
@@ -63,14 +65,17 @@ def config_from(base: ExperimentConfig, values: Mapping[str, Any]) -> Experiment
     ``max_norm`` ``inf`` means no clipping; ``init_scale`` is given as its log2 exponent;
     the four fault controls make one episode (missing ones take ``EPISODE``'s defaults).
 
-    >>> c = config_from(ExperimentConfig(), {"max_norm": math.inf, "init_scale": 16, "fault": "nan", "fault_step": 7})
+    >>> c = config_from(ExperimentConfig(),
+    ...                 {"max_norm": math.inf, "init_scale": 16, "fault": "nan", "fault_step": 7})
     >>> c.max_norm, c.init_scale, c.faults
     (None, 65536.0, ('7:nan',))
     """
     unknown = set(values) - set(CONTROLS)
     if unknown:
         raise KeyError(f"unknown controls {sorted(unknown)}; known: {', '.join(CONTROLS)}.")
-    changes: dict[str, Any] = {k: v for k, v in values.items() if k in ("growth_interval", "precision", "loss_scaling", "lr")}
+    changes: dict[str, Any] = {
+        k: v for k, v in values.items() if k in ("growth_interval", "precision", "loss_scaling", "lr")
+    }
     if "max_norm" in values:
         changes["max_norm"] = None if values["max_norm"] == math.inf else values["max_norm"]
     if "init_scale" in values:
@@ -96,8 +101,10 @@ def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str
     run's one clip (the rows are cut from whichever run has the most, oldest first).
 
     >>> from labkit.records import StepRecord
-    >>> event_rows({"run": StepLog([StepRecord(3, math.nan, skipped=True, reason="nonfinite_loss", fault="nan")])}, 1.0)
-    [('run', 'step    3  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched [fault nan]')]
+    >>> log = StepLog([StepRecord(3, math.nan, skipped=True, reason="nonfinite_loss", fault="nan")])
+    >>> for run, line in event_rows({"run": log}, 1.0):
+    ...     print(run, line)
+    run step    3  SKIP  nonfinite_loss: loss is not finite: backward skipped, scale untouched [fault nan]
     """
     if last <= 0:
         return []
@@ -106,7 +113,8 @@ def event_rows(logs: Mapping[str, StepLog], max_norm: float | None | Mapping[str
     per_run = {run: _lines(log, i, run, thresholds[run], scaled[run])[-last:]
                for i, (run, log) in enumerate(logs.items())}
     while sum(map(len, per_run.values())) > last:
-        del max(per_run.values(), key=lambda rows: (len(rows), -rows[0][0] if rows else 0))[0]  # ties: the oldest
+        # ties: the oldest
+        del max(per_run.values(), key=lambda rows: (len(rows), -rows[0][0] if rows else 0))[0]
     # by step, then by run; sorted is stable, so the lines of one record keep their order
     rows = sorted((row for rows in per_run.values() for row in rows), key=lambda row: row[:2])
     return [(run, line) for _, _, run, line in rows]
@@ -117,7 +125,8 @@ def _lines(log: StepLog, i: int, run: str, max_norm: float | None,
     """Each record's event lines, each rewind's after the record that triggered it."""
     after = log.events_after() if isinstance(log, StepLog) else {}
     return [(r.step, i, run, line) for k, r in enumerate(log)
-            for line in [*describe(r, max_norm, scaler=scaler), *(describe_rewind(e) for e in after.get(k, ()))]]
+            for line in [*describe(r, max_norm, scaler=scaler),
+                         *(describe_rewind(e) for e in after.get(k, ()))]]
 
 
 def scaler_runs(config: ExperimentConfig) -> bool:
@@ -134,7 +143,9 @@ def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
     if name == "fault":
         return W.Dropdown(options=["none", *KINDS], value=value, description="fault")
     if name == "fault_step":
-        return W.IntSlider(value=value, min=0, max=steps - 1, description="fault step", continuous_update=False)
+        return W.IntSlider(
+            value=value, min=0, max=steps - 1, description="fault step", continuous_update=False
+        )
     if name == "fault_count":
         return W.IntSlider(value=value, min=1, max=20, description="fault count", continuous_update=False)
     if name == "fault_magnitude":
@@ -143,10 +154,16 @@ def _control(name: str, value: Any, steps: int) -> W.ValueWidget:
     if name == "init_scale":
         exponent = math.log2(value)
         if not exponent.is_integer():
-            raise ValueError(f"init_scale's slider moves in powers of two; give one, e.g. 1024, not {value!r}.")
-        return W.IntSlider(value=int(exponent), min=0, max=24, description="init_scale 2^", continuous_update=False)
+            raise ValueError(
+                f"init_scale's slider moves in powers of two; give one, e.g. 1024, not {value!r}."
+            )
+        return W.IntSlider(
+            value=int(exponent), min=0, max=24, description="init_scale 2^", continuous_update=False
+        )
     if name == "growth_interval":
-        return W.IntSlider(value=value, min=1, max=200, description="growth_interval", continuous_update=False)
+        return W.IntSlider(
+            value=value, min=1, max=200, description="growth_interval", continuous_update=False
+        )
     if name == "precision":
         return W.ToggleButtons(options=list(PRECISIONS), value=value, description="precision")
     if name == "loss_scaling":
@@ -209,7 +226,9 @@ class ControlPanel:
         self._shown_status = ""  # the status line of the run on screen
         for variant in self.variants.values():
             dataclasses.replace(self.config, **variant)  # a bad variant fails here, not in a callback
-        self.dashboard = LiveDashboard(self.config.max_norm, runs=tuple(self.variants), panels=panels, every=every)
+        self.dashboard = LiveDashboard(
+            self.config.max_norm, runs=tuple(self.variants), panels=panels, every=every
+        )
         self.run_button = W.Button(description="Run", icon="play", tooltip="train with these settings")
         self.status = W.HTML(value="not run yet")
         self.table = W.HTML()
@@ -220,7 +239,9 @@ class ControlPanel:
         # Logs by the exact config that made them (runs are a pure function of it): ~100 KB each.
         check_int("cache_size", cache_size, 0, hint="(logs kept; 0: none)")
         self.cache_size = cache_size
-        self._cache: collections.OrderedDict[ExperimentConfig, tuple[StepLog, list[str]]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[ExperimentConfig, tuple[StepLog, list[str]]] = (
+            collections.OrderedDict()
+        )
         self._latest = LatestRun(self._run_latest)
         for widget in self.controls.values():
             widget.observe(self._changed, names="value")
@@ -231,7 +252,8 @@ class ControlPanel:
         # browser tests, which find a control by its name, not by its label's text.
         for name, widget in self.controls.items():
             widget.add_class(f"labkit-control-{name}")
-            widget.style.description_width = "120px"  # the default cuts "init_scale 2^" and "growth_interval" short
+            # the default cuts "init_scale 2^" and "growth_interval" short
+            widget.style.description_width = "120px"
         for widget, role in ((self.run_button, "run"), (self.status, "status"), (self.table, "events"),
                              (self.dashboard.widget, "dashboard"), (self.widget, "panel")):
             widget.add_class(f"labkit-{role}")
@@ -277,8 +299,9 @@ class ControlPanel:
             self.run()
         elif self.shown_values is not None and not self.running:  # the figure no longer shows the controls
             changed = self.figure_mismatches()
-            self.status.value = (f"settings changed ({', '.join(m.split(':')[0] for m in changed)}): press Run; "
-                                 "the figure shows the last run") if changed else self._shown_status
+            self.status.value = (f"settings changed ({', '.join(m.split(':')[0] for m in changed)}): "
+                                 "press Run; the figure shows the last run"
+                                 if changed else self._shown_status)
 
     def run(self) -> dict[str, StepLog]:
         """Run every variant with the current settings (or, if a run is going, ask it to run again)."""
@@ -305,7 +328,9 @@ class ControlPanel:
         dash = self.dashboard
         configs = {name: dataclasses.replace(config, **changes) for name, changes in self.variants.items()}
         scaled = [c for c in configs.values() if scaler_runs(c)]
-        dash.reset(config.max_norm, scale_note=None if scaled else f"{config.precision}: no loss scaler in this run")
+        dash.reset(
+            config.max_norm, scale_note=None if scaled else f"{config.precision}: no loss scaler in this run"
+        )
         start, logs, alarms, trained = time.perf_counter(), {}, {}, False
         for name, run_config in configs.items():
             if run_config in self._cache:  # a slider back on a value already seen: nothing to train
@@ -365,14 +390,17 @@ class ControlPanel:
 
     def _fail(self, error: Exception) -> None:
         self.error = error
-        self.status.value = f"<span style='color:#b00'>{html.escape(type(error).__name__)}: {html.escape(str(error))}</span>"
+        self.status.value = (
+            f"<span style='color:#b00'>{html.escape(type(error).__name__)}: {html.escape(str(error))}</span>"
+        )
 
 
 def _table_html(rows: list[tuple[str, str]], multi: bool) -> str:
     if not rows:
         return "<i>no skipped or clipped steps</i>"
     body = "".join(
-        (f"<tr><td>{html.escape(run)}</td>" if multi else "<tr>") + f"<td><code>{html.escape(line)}</code></td></tr>"
+        (f"<tr><td>{html.escape(run)}</td>" if multi else "<tr>")
+        + f"<td><code>{html.escape(line)}</code></td></tr>"
         for run, line in rows
     )
     return f"<table><tr>{'<th>run</th>' if multi else ''}<th>last events</th></tr>{body}</table>"

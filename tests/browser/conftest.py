@@ -57,7 +57,8 @@ def chromium() -> Path:
 @pytest.fixture(scope="session")
 def browser_type_launch_args(browser_type_launch_args, chromium):  # type: ignore[no-untyped-def]
     """pytest-playwright's launch options, pointed at the system Chromium."""
-    return {**browser_type_launch_args, "executable_path": str(chromium), "headless": True, "args": CHROMIUM_ARGS}
+    return {**browser_type_launch_args, "executable_path": str(chromium), "headless": True,
+            "args": CHROMIUM_ARGS}
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +68,8 @@ def lab(tmp_path_factory, chromium):  # type: ignore[no-untyped-def]
     root = scratch / "notebooks"
     shutil.copytree(NOTEBOOKS, root)
     for source in sorted((NOTEBOOKS / "exercises").glob("*.ipynb")):
-        subprocess.run([sys.executable, "-m", "labkit.grading", "release", str(source), "-o", str(root / RELEASE)],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "labkit.grading", "release", str(source), "-o",
+                        str(root / RELEASE)], check=True, capture_output=True, timeout=60)
     server = LabServer(root, scratch).start()
     try:
         yield server
@@ -91,7 +92,8 @@ def notebooks(lab, browser):  # type: ignore[no-untyped-def]
     context.set_default_timeout(60_000)
     page = context.new_page()  # one lab, the notebooks in its tabs
     opened: dict[str, tuple[Notebook, float, dict | None]] = {}
-    stopped: dict[str, str] = {}  # a notebook whose Run All stopped on an error: each of its tests fails at once
+    # a notebook whose Run All stopped on an error: each of its tests fails at once
+    stopped: dict[str, str] = {}
 
     def get(path: str, run: bool = True) -> Notebook:
         if path in stopped:

@@ -93,8 +93,9 @@ class LabServer:
 
     def env(self) -> dict[str, str]:
         dirs = {name: self.scratch / folder for name, folder in (
-            ("HOME", "home"), ("TMPDIR", "tmp"), ("JUPYTER_RUNTIME_DIR", "runtime"), ("JUPYTER_CONFIG_DIR", "config"),
-            ("JUPYTERLAB_SETTINGS_DIR", "settings"), ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"))}
+            ("HOME", "home"), ("TMPDIR", "tmp"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+            ("JUPYTER_CONFIG_DIR", "config"), ("JUPYTERLAB_SETTINGS_DIR", "settings"),
+            ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"))}
         for folder in dirs.values():
             folder.mkdir(parents=True, exist_ok=True)
         for name, value in SETTINGS.items():
@@ -121,7 +122,9 @@ class LabServer:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}; its log:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"jupyter lab exited with {self.proc.returncode}; its log:\n{self.log_tail()}"
+                )
             try:
                 self.api("GET", "/api/status")
                 return self
@@ -133,7 +136,9 @@ class LabServer:
                 time.sleep(0.2)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+        return (
+            "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+        )
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}{'&' if '?' in path else '?'}token={self.token}"
@@ -177,7 +182,8 @@ class LabServer:
 # The notebook panel for a path, from JupyterLab's shell (all later calls go through it); null
 # while the page is still loading and JupyterLab has not set window.jupyterapp (a wait polls on;
 # reading .shell of undefined would end it with a TypeError, as it did once in CI).
-_FIND = """(path) => { if (!window.jupyterapp) return null; for (const w of window.jupyterapp.shell.widgets('main'))
+_FIND = """(path) => { if (!window.jupyterapp) return null;
+                        for (const w of window.jupyterapp.shell.widgets('main'))
                         if (w.context && w.context.path === path) return w; return null; }"""
 
 
@@ -189,8 +195,9 @@ class Notebook:
         self._id: str | None = None
 
     @classmethod
-    def open(cls, page, server: LabServer, path: str, timeout: float = 90.0) -> Notebook:  # type: ignore[no-untyped-def]
-        """Open ``path`` in the lab on ``page`` (loading the lab first if the page is blank); wait for its kernel.
+    def open(cls, page, server: LabServer, path: str,  # type: ignore[no-untyped-def]
+             timeout: float = 90.0) -> Notebook:
+        """Open ``path`` in the lab on ``page`` (loading the lab first on a blank page); wait for its kernel.
 
         Later notebooks open as tabs of the same lab, as a student opens them: the lab's page
         loads once (about 3 s on two cores), not once per notebook.
@@ -199,7 +206,9 @@ class Notebook:
         if page.url == "about:blank":
             page.goto(server.url(f"/lab/workspaces/{uuid.uuid4().hex}/tree/{quote(path)}?reset"))
         else:
-            page.evaluate("(path) => { window.jupyterapp.commands.execute('docmanager:open', {path}); }", path)
+            page.evaluate(
+                "(path) => { window.jupyterapp.commands.execute('docmanager:open', {path}); }", path
+            )
         nb._wait(f"""(path) => {{ const nb = ({_FIND})(path);
                      return !!nb && nb.content.widgets.length > 0
                             && nb.sessionContext.kernelDisplayStatus === 'idle'; }}""",
@@ -238,7 +247,8 @@ class Notebook:
         # Done = every code cell has an execution count and the kernel is idle again; stopped = an
         # error output (Run All clears every cell's outputs as it queues them, so it is this run's).
         outcome = self.page.wait_for_function(
-            f"""(path) => {{ const nb = ({_FIND})(path); const cells = nb.content.model.cells; let done = true;
+            f"""(path) => {{ const nb = ({_FIND})(path); const cells = nb.content.model.cells;
+                  let done = true;
                   for (let i = 0; i < cells.length; i++) {{ const c = cells.get(i);
                     if (c.type !== 'code') continue;
                     const tags = c.sharedModel.getMetadata().tags || [];
@@ -252,18 +262,21 @@ class Notebook:
         if outcome is not True:
             source = "\n    ".join(outcome["source"].splitlines()[:6])
             # a bare assert has no message: name the line that raised (IPython's "---->" arrow)
-            raised = [line for line in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(outcome["traceback"])).splitlines()
+            raised = [line for line in
+                      re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(outcome["traceback"])).splitlines()
                       if line.startswith("---->")]
             raise AssertionError(f"{self.path}: Run All stopped at cell {outcome['cell']} after "
                                  f"{time.perf_counter() - start:.0f} s with {outcome['ename']}: "
-                                 f"{outcome['evalue'] or (raised[-1] if raised else '')}\n  the cell:\n    {source}")
+                                 f"{outcome['evalue'] or (raised[-1] if raised else '')}\n"
+                                 f"  the cell:\n    {source}")
         return time.perf_counter() - start
 
     def cells(self) -> list[dict]:
         """Return every cell as ``{type, source, outputs, count, metadata}`` from the page's model."""
         return self._eval("""const out = []; const cells = nb.content.model.cells;
             for (let i = 0; i < cells.length; i++) { const c = cells.get(i);
-              out.push({type: c.type, source: c.sharedModel.getSource(), metadata: c.sharedModel.getMetadata(),
+              out.push({type: c.type, source: c.sharedModel.getSource(),
+                        metadata: c.sharedModel.getMetadata(),
                         outputs: c.type === 'code' ? c.outputs.toJSON() : [],
                         count: c.type === 'code' ? c.executionCount : null}); }
             return out;""")
@@ -287,7 +300,8 @@ class Notebook:
         """Run ``code`` in the notebook's kernel (unrecorded) and return what it printed."""
         result = self.page.evaluate(
             f"""async ([path, code]) => {{ const nb = ({_FIND})(path);
-                const future = nb.sessionContext.session.kernel.requestExecute({{code, store_history: false}});
+                const future = nb.sessionContext.session.kernel.requestExecute(
+                    {{code, store_history: false}});
                 let out = '', error = null;
                 future.onIOPub = (msg) => {{
                   if (msg.header.msg_type === 'stream') out += msg.content.text;
@@ -300,7 +314,9 @@ class Notebook:
 
     def value(self, expression: str) -> object:
         """Return a Python expression's value from the kernel, through JSON."""
-        return json.loads(self.kernel(f"import json as _j, numpy as np; print(_j.dumps({expression}))").strip())
+        return json.loads(
+            self.kernel(f"import json as _j, numpy as np; print(_j.dumps({expression}))").strip()
+        )
 
     def screenshot(self, path: Path, near=None) -> Path:  # type: ignore[no-untyped-def]
         """Save a screenshot of the page (scrolled to ``near`` if given) and return its path."""
@@ -313,7 +329,10 @@ class Notebook:
 def drag(slider, fraction: float) -> None:  # type: ignore[no-untyped-def]
     """Drag a slider's handle with the mouse to ``fraction`` (0 = left end, 1 = right end) of its track."""
     slider.scroll_into_view_if_needed()
-    handle, track = slider.locator(".noUi-handle").bounding_box(), slider.locator(".noUi-target").bounding_box()
+    handle, track = (
+        slider.locator(".noUi-handle").bounding_box(),
+        slider.locator(".noUi-target").bounding_box(),
+    )
     assert handle and track, "slider is not on screen"
     y = handle["y"] + handle["height"] / 2
     mouse = slider.page.mouse

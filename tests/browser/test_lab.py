@@ -123,7 +123,9 @@ def test_every_notebook_runs_in_jupyterlab_without_an_error(notebooks, path, tmp
         assert shown == [], f"code cells {shown} show assert lines; collapse them"
     assert tracebacks(nb) == []
     if any("%matplotlib widget" in c["source"] for c in code):  # its figures are live ipympl canvases
-        sizes = nb.root.locator(".jupyter-matplotlib canvas").evaluate_all("(cs) => cs.map((c) => c.width * c.height)")
+        sizes = nb.root.locator(".jupyter-matplotlib canvas").evaluate_all(
+            "(cs) => cs.map((c) => c.width * c.height)"
+        )
         assert len(sizes) >= 2 and all(sizes), f"a figure is blank (canvas areas {sizes})"
     widgets = nb.root.locator(".labkit-panel")
     cut = widgets.locator(".widget-label").evaluate_all(
@@ -170,7 +172,8 @@ def test_01_moving_the_fault_step_moves_the_spike_in_plot_and_kernel(notebooks, 
     step_slider = panel.locator(".labkit-control-fault_step")
     type_into(step_slider, "30")
     after = finished(status, before_text)
-    assert nb.value("panel.config.faults") == ["30:spike:30"]  # the size the text describes: the cells put it back
+    # the size the text describes: the cells put it back
+    assert nb.value("panel.config.faults") == ["30:spike:30"]
     peak = nb.value("int(np.argmax(panel.dashboard.line('norm', 'clipped').get_ydata()))")
     assert peak == 30 and nb.value("panel.logs['clipped'].clipped_steps") == [30]
     assert re.search(r"clipped: 0 skipped, 1 clipped", after), after
@@ -212,7 +215,8 @@ def test_02_a_new_init_scale_starts_the_plotted_scale_curve_there(notebooks, tmp
     after = finished(status, before_text)
     assert "scale 2^24 →" in after, after  # the label a student reads (not 1.67772e+07)
     assert nb.value("float(panel.dashboard.line('scale').get_ydata()[0])") == 2.0**24  # the curve on the plot
-    assert nb.value("panel.logs['run'].skipped_steps[:8]") == list(range(8))  # too high: skipped until it fits
+    # too high: skipped until it fits
+    assert nb.value("panel.logs['run'].skipped_steps[:8]") == list(range(8))
     assert wait_for_redraw(dashboard, before_pixels) > 0.005
     assert seen_problems(nb) == []
     shot(nb, tmp_path, "02_init_scale_2^24", panel)
@@ -221,7 +225,9 @@ def test_02_a_new_init_scale_starts_the_plotted_scale_curve_there(notebooks, tmp
 def test_02_dragging_the_episode_moves_the_skips(notebooks, tmp_path):
     nb = notebooks(SCALING)
     panel = panel_of(nb)
-    status, dashboard, events = (panel.locator(f".labkit-{role}") for role in ("status", "dashboard", "events"))
+    status, dashboard, events = (
+        panel.locator(f".labkit-{role}") for role in ("status", "dashboard", "events")
+    )
     slider = panel.locator(".labkit-control-fault_step")
     before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
     drag(slider, 0.25)
@@ -239,7 +245,9 @@ def test_02_dragging_the_episode_moves_the_skips(notebooks, tmp_path):
 def test_03_run_button_runs_the_new_settings_and_the_table_gains_the_skip(notebooks, tmp_path):
     nb = notebooks(GUARDED)
     panel = panel_of(nb)
-    status, dashboard, events = (panel.locator(f".labkit-{role}") for role in ("status", "dashboard", "events"))
+    status, dashboard, events = (
+        panel.locator(f".labkit-{role}") for role in ("status", "dashboard", "events")
+    )
     before_text, before_pixels = status.inner_text(), canvas_pixels(dashboard)
     draws = nb.value("panel.dashboard.draws")
     panel.locator(".labkit-control-fault select").select_option("nan")
@@ -297,10 +305,13 @@ def test_run_all_stops_at_the_first_error_at_once_and_names_its_cell(browser, tm
     root.mkdir()
     cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_markdown_cell("a lesson's text"),
              nbformat.v4.new_code_cell("raise KeyError('meant to')", metadata={"tags": ["raises-exception"]}),
-             nbformat.v4.new_code_cell("def check():\n    assert x + 1 == 3\ncheck()"),  # a bare assert: no message
+             # a bare assert: no message
+             nbformat.v4.new_code_cell("def check():\n    assert x + 1 == 3\ncheck()"),
              nbformat.v4.new_code_cell("import time; time.sleep(600)")]  # never runs: Run All stops before it
     kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}  # as the lessons'
-    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernelspec}), root / "stops.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernelspec}), root / "stops.ipynb"
+    )
     server = LabServer(root, tmp_path).start()
     context = browser.new_context()
     try:
@@ -330,7 +341,8 @@ def test_the_server_and_its_kernels_stop(tmp_path):
             assert time.monotonic() < deadline, "no kernel process appeared"
             time.sleep(0.1)
         procs = [server.proc.pid, *descendants(server.proc.pid)]
-        assert list((tmp_path / "runtime").glob("kernel-*.json"))  # its runtime files are in the scratch folder
+        # its runtime files are in the scratch folder
+        assert list((tmp_path / "runtime").glob("kernel-*.json"))
     finally:
         killed = server.stop()
     assert killed == []  # /api/shutdown stopped the kernel and the server; nothing had to be killed
