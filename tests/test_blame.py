@@ -174,6 +174,7 @@ def test_a_plain_torch_loop_with_backward_order_alone():
     assert culprits == [None, None, "2", None]
     assert sorted(order.positions, key=lambda n: order.positions[n][0])[-2:] in (["0.bias", "0.weight"],
                                                                                ["0.weight", "0.bias"])
+    assert repr(order.positions) == repr(dict(order.positions)) and repr(order) == "BackwardOrder()"
     order.detach()
     order.pre_step(None, 4)
     model(task.batch(4)[0]).sum().backward()
@@ -270,3 +271,125 @@ def test_parameters_unfrozen_in_place_are_put_in_backward_order():
     record = step(*task.batch(1))
     assert record.skipped and registration_order_culprit(model) == "0.weight"
     assert record.culprit_module == "2"
+
+
+class TiedNet(nn.Module):
+    """pre -> wte -> mid -> lm_head, wte and lm_head sharing one weight (a tied head, a layer before it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.wte, self.mid = nn.Linear(3, 3), nn.Linear(3, 3, bias=False), nn.Linear(3, 3)
+        self.lm_head = nn.Linear(3, 3, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, x):
+        return self.lm_head(self.mid(self.wte(self.pre(x))))
+
+
+def test_a_tied_weights_uses_in_a_plain_loop():
+    """Backward order with a tied weight, no TrainStep: the weight at its first use (``lm_head``), the
+    layer before its second use still placed, each use's largest |output gradient| (1 for a sum), and a
+    NaN that a user's hook put into the head's output gradient counted at the head."""
+    model = TiedNet()
+    order = BackwardOrder()
+    order.attach(model)
+    x = torch.ones(2, 3)
+    with torch.no_grad():  # an evaluation forward: nothing to hook
+        model(x)
+    order.pre_step(None, 0)
+    model(x).sum().backward()
+    ranks = {n: r for n, (r, _) in order.positions.items()}
+    assert set(ranks) == {"wte.weight", "mid.weight", "mid.bias", "pre.weight", "pre.bias"}
+    assert ranks["wte.weight"] < min(ranks["mid.weight"], ranks["mid.bias"]) \
+        <= max(ranks["mid.weight"], ranks["mid.bias"]) < min(ranks["pre.weight"], ranks["pre.bias"])
+    assert order.positions["wte.weight"] == (0, "lm_head")
+    uses = order.uses["wte.weight"]
+    assert set(uses) == {"lm_head", "wte"} and uses["lm_head"][1].item() == 1.0
+    order.pre_step(None, 1)
+    out = model(x)
+    out.register_hook(lambda g: torch.full_like(g, math.nan))  # a hook of the user's, after labkit's
+    out.sum().backward()
+    assert math.isnan(order.uses["wte.weight"]["lm_head"][1].item())
+
+
+def test_a_later_micro_batchs_nan_counts_at_that_use():
+    """Two micro-batches in one step: the order stays the first's, and a NaN in the second's output
+    gradient at the head makes that use non-finite (the largest |gradient| over both)."""
+    model = TiedNet()
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model(torch.ones(2, 3)).sum().backward()
+    first = dict(order.positions)
+    out = model(torch.ones(2, 3))
+    out.register_hook(lambda g: torch.full_like(g, math.nan))
+    out.sum().backward()
+    assert dict(order.positions) == first
+    uses = order.uses["wte.weight"]
+    assert math.isnan(uses["lm_head"][1].item())
+
+
+def test_positions_read_mid_step_are_worked_out_again_after_more_gradients():
+    """Reading ``positions`` after part of a step's backward does not freeze them: the next read has
+    the rest."""
+    model = TiedNet()
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model.mid(torch.ones(2, 3)).sum().backward()
+    assert set(order.positions) == {"mid.weight", "mid.bias"}
+    model(torch.ones(2, 3)).sum().backward()
+    assert set(order.positions) == {"wte.weight", "mid.weight", "mid.bias", "pre.weight", "pre.bias"}
+
+
+def test_a_tied_use_whose_output_is_the_weight_itself():
+    """A module that returns its (tied) weight as it is, a leaf with no node: its use is marked by a hook on
+    the weight, which sees the weight's whole gradient."""
+
+    class Table(nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self):
+            return self.weight
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3, bias=False)
+            self.table = Table(self.lin.weight)
+
+        def forward(self, x):
+            return self.lin(x) @ self.table().T
+
+    model = Net()
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model(torch.ones(2, 3)).sum().backward()
+    uses = order.uses["lin.weight"]
+    assert set(uses) == {"lin", "table"}
+    assert uses["table"][1].item() == model.lin.weight.grad.abs().max().item()
+
+
+def test_a_compiled_regions_gradients_are_ranked_as_one():
+    """A compiled module is one node to autograd: its gradients take one rank, the number of gradients placed
+    before the region's first, whether compiled in place (``module.compile()``) or wrapped (``torch.compile``:
+    ``_orig_mod``); two regions keep two ranks."""
+    both = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    both[0].compile(backend="eager")
+    both[2].compile(backend="eager")
+    wrapped = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    wrapped[2] = torch.compile(wrapped[2], backend="eager")
+    for model, want in [
+        (both, {"2.bias": (0, "2"), "2.weight": (0, "2"), "0.bias": (2, "0"), "0.weight": (2, "0")}),
+        (wrapped, {"2._orig_mod.bias": (0, "2._orig_mod"), "2._orig_mod.weight": (0, "2._orig_mod"),
+                   "0.bias": (2, "0"), "0.weight": (3, "0")}),
+    ]:
+        order = BackwardOrder()
+        order.attach(model)
+        order.pre_step(None, 0)
+        model(torch.ones(2, 3)).sum().backward()
+        assert dict(order.positions) == want

@@ -9,6 +9,7 @@ clipper's ``clip_with_norms_`` report against torch's clip.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import warnings
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from labkit.blame import placed
 from labkit.clippers import AGC, LockInWarning, NormClip, ZClip
 from labkit.clippers import base as clippers_base
-from labkit.hooks import DecisionView
+from labkit.hooks import DecisionView, Verdict
 from labkit.records import StepRecord
 from labkit.rewind import Rewind
 from labkit.spikes import SpikeDetector, rolling_z, spike_score
@@ -78,6 +79,72 @@ def test_the_detectors_clip_limit_is_mean_plus_z_std_of_its_window(norms, clip_z
         det.observe(1.0, n, admitted=True)
     want = statistics.fmean(norms) + clip_z * statistics.pstdev(norms)
     assert det.clip_limit() == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def detector_at_mean_1_std_1(skip_z=6.0, clip_z=3.0):
+    """A detector whose loss and norm windows are [0, 2] * 4: mean 1, population std 1, so z = x - 1."""
+    det = SpikeDetector(window=8, skip_z=skip_z, clip_z=clip_z, min_count=2)
+    for v in [0.0, 2.0] * 4:
+        det.observe(v, v, admitted=True)
+    return det
+
+
+def test_a_step_exactly_skip_z_or_clip_z_sigma_out_is_kept():
+    """OLMo-core's SkipStepOptimizer steps while ``x - mean <= k * std``: a value exactly ``skip_z`` sigma out
+    is not skipped, and one exactly ``clip_z`` out is not clipped; a hair beyond, it is."""
+    det = detector_at_mean_1_std_1()
+    assert det.score(7.0, 4.0) == (6.0, 3.0)
+    assert det.decide(6.0, 3.0) == (None, None)
+    assert det.decide(0.0, 6.0) == ("clip", "z_grad")  # not skipped at skip_z: past clip_z, clipped
+    assert det.on_decision(None, DecisionView(0, 7.0, 4.0)) == Verdict(fields={"z_loss": 6.0, "z_grad": 3.0})
+    assert det.decide(6.0 + 1e-9, 0.0) == ("skip", "spike_loss")
+    assert det.decide(0.0, 6.0 + 1e-9) == ("skip", "spike_grad")
+    assert det.decide(0.0, 3.0 + 1e-9) == ("clip", "z_grad")
+
+
+def test_a_gradient_spike_alone_skips_the_step_as_spike_grad():
+    """A norm 9 sigma out with a quiet loss: the verdict skips the step, saying ``spike_grad``; 4 sigma
+    (past clip_z, below skip_z) clips it to mean + clip_z * std = 4."""
+    det = detector_at_mean_1_std_1()
+    assert det.decide(0.0, 9.0) == ("skip", "spike_grad")
+    assert det.on_decision(None, DecisionView(0, 1.0, 10.0)) == Verdict(
+        skip="spike_grad", fields={"z_loss": 0.0, "z_grad": 9.0})
+    assert det.on_decision(None, DecisionView(0, 1.0, 5.0)) == Verdict(
+        clip_to=4.0, clip_reason="z_grad", fields={"z_loss": 0.0, "z_grad": 4.0})
+
+
+def test_a_step_whose_loss_was_bad_is_not_scored():
+    """A non-finite loss skips the step before backward: the detector says nothing of it, whatever norm the
+    view holds, nor of a finite loss with a non-finite norm (that step skips anyway)."""
+    det = detector_at_mean_1_std_1()
+    assert det.on_decision(None, DecisionView(0, math.nan, 50.0, loss_bad=True)) is None
+    assert det.on_decision(None, DecisionView(0, 50.0, math.inf)) is None
+
+
+def test_a_resumed_detectors_window_still_holds_the_last_window_values():
+    """The windows read back keep their length: after ``window`` more steps the saved values are gone, and
+    the resumed detector scores as one that saw only those steps."""
+    det = SpikeDetector(window=4, skip_z=6.0, min_count=2)
+    for v in [50.0, 70.0, 90.0, 110.0]:
+        det.observe(v, v, admitted=True)
+    resumed, fresh = SpikeDetector(window=4, skip_z=6.0, min_count=2), SpikeDetector(window=4, min_count=2)
+    resumed.load_state_dict(det.state_dict())
+    for v in [0.0, 2.0] * 2:
+        resumed.observe(v, v, admitted=True)
+        fresh.observe(v, v, admitted=True)
+    assert resumed.state_dict() == fresh.state_dict() == {"losses": [0.0, 2.0] * 2, "norms": [0.0, 2.0] * 2}
+    assert resumed.score(7.0, 7.0) == (6.0, 6.0)
+
+
+def test_the_detector_admits_a_record_as_the_step_was_taken():
+    """``on_record`` admits the loss and the norm the optimizer stepped with: a z clip's own cut (its
+    post-clip norm), another clipper's pre-clip norm (the spike it judges), and nothing of a skipped step."""
+    det = SpikeDetector(window=8, skip_z=6.0, clip_z=3.0, min_count=2)
+    det.on_record(None, StepRecord(0, 1.0, grad_norm=10.0, clip_coef=0.4, clip_reason="z_grad"))
+    det.on_record(None, StepRecord(1, 2.0, grad_norm=10.0, clip_coef=0.4, clip_reason="NormClip"))
+    det.on_record(None, StepRecord(2, 3.0, grad_norm=10.0))
+    det.on_record(None, StepRecord(3, 50.0, grad_norm=90.0, skipped=True, reason="spike_grad"))
+    assert det.state_dict() == {"losses": [1.0, 2.0, 3.0], "norms": [4.0, 10.0, 10.0]}
 
 
 # ------------------------------------------------------------------------------ rewind
@@ -149,6 +216,102 @@ def test_a_second_spike_right_after_a_rewind_rewinds_to_the_same_snapshot():
     assert second.to == 4
 
 
+def same(a, b):
+    """Equal state dicts: the same keys, and tensors equal element for element."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def spiked(train, rewind, steps, spikes, then=None):
+    """Run ``train`` (trained on each batch fed) up to ``steps``, spiking at ``spikes``; return the
+    batches fed at each step and the rewind events (``then(event)`` right after each)."""
+    fed, events = [], []
+    while train.step_count < steps:
+        step = train.step_count
+        fed.append(rewind.data_index(step))
+        train.optimizer.zero_grad()
+        train.model(torch.full((1, 2), 1.0 + fed[-1])).sum().backward()
+        train.optimizer.step()
+        train.step_count += 1
+        spike = step in spikes
+        spikes.discard(step)
+        record = StepRecord(step, 1.0, skipped=spike, reason="spike_grad" if spike else None)
+        event = rewind.after(train, record)
+        if event is not None:
+            events.append(event)
+            if then is not None:
+                then(event)
+    return fed, events
+
+
+def test_a_rewind_resumed_from_its_state_dict_goes_on_as_the_one_saved():
+    """``Rewind.state_dict`` holds the data offset, the rewinds made and the snapshots: a fresh Rewind
+    loaded with it (its rewinds as JSON reads them back, lists) feeds the same batches and rewinds alike."""
+    torch.manual_seed(0)
+    train = Train()
+    rewind = Rewind(back=4, skip=6)
+    rewind.attach(train)
+    spiked(train, rewind, 12, {9})
+    assert rewind.rewinds == [(9, 4)] and rewind.data_index(12) == 12 + 6
+    saved = rewind.state_dict()
+    model, step_count = copy.deepcopy(train.model.state_dict()), train.step_count
+    fed, events = spiked(train, rewind, 24, {16})
+    resumed = Rewind(back=4, skip=6)
+    resumed.load_state_dict({**saved, "offset": str(saved["offset"]), "rewinds": [[9, 4]]})
+    assert resumed.rewinds == [(9, 4)]
+    train.model.load_state_dict(model)
+    train.step_count = step_count
+    assert spiked(train, resumed, 24, {16}) == (fed, events)
+    assert resumed.rewinds == rewind.rewinds == [(9, 4), (16, 12)]
+
+
+def test_a_rewinds_saved_state_is_a_copy():
+    """What ``state_dict`` returns, and what ``load_state_dict`` was given, can be changed afterwards (a
+    checkpoint edited, or loaded twice) without changing the snapshot the live Rewind restores."""
+    torch.manual_seed(0)
+    train = Train()
+    rewind = Rewind(back=4, skip=6)
+    rewind.attach(train)
+    spiked(train, rewind, 6, set())
+    at_4 = copy.deepcopy(rewind.snapshots[-1].state["model"])
+    saved = rewind.state_dict()
+    given = copy.deepcopy(saved)
+    resumed = Rewind(back=4, skip=6)
+    resumed.load_state_dict(given)
+    for state in (saved, given):
+        for snap in state["snapshots"]:
+            for t in snap.state["model"].values():
+                t.zero_()
+    for r in (rewind, resumed):
+        r.restore(train, StepRecord(8, 1.0, skipped=True, reason="spike_grad"))
+        assert same(train.model.state_dict(), at_4) and train.step_count == 4
+
+
+def test_two_rewinds_to_one_snapshot_restore_the_state_it_was_taken_with():
+    """A snapshot is restored as taken: the steps trained after a rewind (SGD's momentum updated in
+    place) leave it alone, so a second rewind to it restores the model and optimizer of its step."""
+    torch.manual_seed(0)
+    train = Train()
+    train.optimizer = torch.optim.SGD(train.model.parameters(), lr=0.1, momentum=0.9)
+    rewind = Rewind(back=4, skip=4)
+    rewind.attach(train)
+    spiked(train, rewind, 4, set())
+    taken = copy.deepcopy((train.model.state_dict(), train.optimizer.state_dict()))
+    assert taken[1]["state"][0]["momentum_buffer"].abs().sum() > 0
+    restored = []
+    spiked(train, rewind, 14, {9, 10},
+           lambda event: restored.append((event.to, copy.deepcopy((train.model.state_dict(),
+                                                                   train.optimizer.state_dict())))))
+    assert [to for to, _ in restored] == [4, 4]
+    for _, state in restored:
+        assert same(state, taken)
+
+
 # ------------------------------------------------------------------------------ blame
 
 
@@ -174,6 +337,15 @@ def test_the_uses_are_taken_in_backward_order_whatever_order_they_are_listed_in(
     listed = uses(("wte", 9, math.nan), ("mid", 5, math.inf), ("lm_head", 0, 1.0))
     out = placed(POSITIONS, listed, ["wte.weight"])
     assert out["wte.weight"] == (5, "mid")
+
+
+def test_the_first_use_is_the_first_in_backward_not_in_the_alphabet():
+    """A head named after its embedding in the alphabet ("head" > "emb") still comes first in backward: its
+    finite share leaves the NaN to the embedding's use."""
+    out = placed(POSITIONS, uses(("head", 0, 1.0), ("emb", 9, math.nan)), ["wte.weight"])
+    assert out["wte.weight"] == (9, "emb")
+    out = placed(POSITIONS, uses(("head", 0, math.nan), ("emb", 9, 1.0)), ["wte.weight"])
+    assert out["wte.weight"] == POSITIONS["wte.weight"]
 
 
 def test_a_weight_with_one_use_stays_where_backward_put_it():

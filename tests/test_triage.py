@@ -20,11 +20,11 @@ import labkit
 from labkit import SkipStreakWarning, StepRecord, ToyTask, TrainStep
 from labkit.alarms import REMEDIES, ClipAlarm, SkipAlarm
 from labkit.faults import Faults
-from labkit.hooks import DecisionView
+from labkit.hooks import DecisionView, Verdict
 from labkit.lab import describe
 from labkit.lab.defenses import OUTCOMES, ledger
 from labkit.reasons import Reason
-from labkit.triage import Triage, _fp32_loss, rng_state, triage
+from labkit.triage import Triage, _fp32_loss, nonfinite_input, overflow_module, rng_state, triage
 
 NAN = float("nan")
 
@@ -303,3 +303,186 @@ def test_the_rerun_never_moves_the_runs_random_state_even_without_the_steps():
     before = torch.get_rng_state()
     assert triage(model, task.loss_fn, (x, y), precision="fp16") is Reason.FORWARD_OVERFLOW  # no rng given
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_model_without_parameters_is_triaged_on_the_cpu():
+    """A loss computed from the inputs alone (no parameters to say where the model lives) is triaged on the
+    CPU: NaN data, a fp32 forward that overflows by itself (1e30 squared), or a finite one."""
+    model, y = nn.Identity(), torch.zeros(1, 2)
+    assert triage(model, nn.functional.mse_loss, (torch.tensor([[NAN, 1.0]]), y), precision="fp16") \
+        is Reason.NONFINITE_INPUT
+    assert triage(model, nn.functional.mse_loss, (torch.full((1, 2), 1e30), y), precision="fp16") \
+        is Reason.NONFINITE_LOSS
+    assert triage(model, nn.functional.mse_loss, (torch.full((1, 2), 3.0), y), precision="fp16") \
+        is Reason.FORWARD_OVERFLOW
+    hook = Triage(model, nn.functional.mse_loss, "fp16")
+    hook.pre_step(None, 0)  # the CPU's random state: no parameter says where else the forward runs
+    view = DecisionView(0, math.inf, NAN, loss_bad=True, batch=(torch.full((1, 2), 1e30), y))
+    assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
+
+
+def test_triages_fp32_rerun_sees_the_output_of_the_steps_own_dropout_masks():
+    """``triage(..., rng=rng_state(...))`` replays the step's forward with the random state from before it:
+    the loss function is handed the step's output again, to the bit (its dropout masks, not new ones)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5))
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append(out.detach().clone())
+        return (out - y).pow(2).mean()
+
+    x, y = torch.ones(2, 4), torch.zeros(2, 64)
+    rng = rng_state(None)
+    with torch.no_grad():
+        loss_fn(model(x), y)  # the step's forward (here in fp32: its output to compare with)
+    assert triage(model, loss_fn, (x, y), precision="fp16", rng=rng) is Reason.FORWARD_OVERFLOW
+    step, rerun = seen
+    assert (step == 0).any() and torch.equal(rerun, step)
+
+
+def test_the_hook_replays_the_steps_dropout_masks_in_both_reruns():
+    """``Triage.pre_step`` keeps the random state the step's forward draws from: the fp32 re-run and the
+    fp16 one that names the module drop the units the step dropped."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5), nn.Linear(64, 1))
+    with torch.no_grad():  # 32-odd kept units of 2 x 2 x 1e4: ~1e6, past fp16's 65504, finite in fp32
+        model[0].weight.fill_(0.5), model[0].bias.zero_(), model[2].weight.fill_(1e4)
+    dropped = []
+    model[1].register_forward_hook(lambda m, args, out: dropped.append(out.detach() == 0))
+    hook = Triage(model, nn.functional.mse_loss, "fp16")
+    x, y = torch.ones(2, 4), torch.zeros(2, 1)
+    hook.pre_step(None, 0)
+    with torch.autocast("cpu", dtype=torch.float16):  # the step's forward
+        loss = nn.functional.mse_loss(model(x), y)
+    assert not torch.isfinite(loss)
+    verdict = hook.on_decision(None, DecisionView(0, loss.item(), NAN, loss_bad=True, batch=(x, y)))
+    assert verdict.skip is Reason.FORWARD_OVERFLOW and verdict.fields == {"culprit_module": "2"}
+    step, fp32, fp16 = dropped
+    assert step.any() and torch.equal(fp32, step) and torch.equal(fp16, step)
+
+
+def test_an_overflow_in_the_loss_itself_names_no_module():
+    """No module's fp16 output went non-finite (400 is in range), the loss's square did (160000): the
+    verdict is the skip alone, with no ``culprit_module`` (None would stand for "no module" there too)."""
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(100.0), model.bias.zero_()
+    x = torch.full((1, 2), 2.0)
+
+    def loss_fn(out):
+        return (out * out).sum()
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model(x)).all() and not torch.isfinite(loss_fn(model(x)))
+    hook = Triage(model, loss_fn, "fp16")
+    hook.pre_step(None, 0)
+    verdict = hook.on_decision(None, DecisionView(0, math.inf, NAN, loss_bad=True, batch=(x, None)))
+    assert verdict == Verdict(skip=Reason.FORWARD_OVERFLOW)
+
+
+def test_nonfinite_input_is_a_0_dim_bool_for_any_batch():
+    """``nonfinite_input`` answers with a 0-dim bool tensor: for one tensor, several, and a batch of token
+    ids (no floating tensor: nothing can be non-finite)."""
+    for batch, want in [((torch.ones(2),), False), ((torch.tensor([1.0, NAN]),), True),
+                        ((torch.ones(2), {"y": torch.tensor([math.inf])}), True),
+                        ((torch.tensor([[1, 2]]), torch.tensor([3])), False)]:
+        got = nonfinite_input(*batch)
+        assert got.dtype == torch.bool and got.shape == () and bool(got) is want
+
+
+def test_bad_data_is_told_without_a_forward():
+    """``triage`` checks the batch first: NaN inputs read ``nonfinite_input`` and the model never runs."""
+    model = nn.Linear(2, 1, bias=False)  # one parameter
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    y = torch.zeros(1, 1)
+    assert triage(model, nn.functional.mse_loss, (torch.tensor([[NAN, 1.0]]), y), precision="fp16") \
+        is Reason.NONFINITE_INPUT
+    assert calls == []
+    assert triage(model, nn.functional.mse_loss, (torch.ones(1, 2), y), precision="fp16") \
+        is Reason.FORWARD_OVERFLOW and calls == [1]  # finite data: one fp32 re-run
+
+
+def test_triage_takes_a_steps_batch_a_mapping_or_a_bare_tensor():
+    """The batch ``triage`` is handed: the step's ``Batch`` (its micro-batches), inputs as a mapping
+    (``model(**x)``) or a bare tensor (``loss_fn(output)``), NaN in it or not."""
+    from labkit.step.batch import Batch
+
+    task = ToyTask()
+    model = overflowing_head(task)
+    x, y = task.batch(0)
+    cpu = torch.device("cpu")
+    assert triage(model, task.loss_fn, Batch(x, y, 2, cpu, None), precision="fp16") is Reason.FORWARD_OVERFLOW
+    bad = x.clone()
+    bad[-1, 0] = NAN  # in the second micro-batch
+    assert triage(model, task.loss_fn, Batch(bad, y, 2, cpu, None), precision="fp16") \
+        is Reason.NONFINITE_INPUT
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = overflowing_head(task)
+
+        def forward(self, x):
+            return self.net(x)
+
+    def mean_square(out):
+        return out.pow(2).mean()
+
+    kw = Keyword()
+    assert triage(kw, mean_square, {"x": x}, precision="fp16") is Reason.FORWARD_OVERFLOW
+    assert triage(kw, mean_square, {"x": bad}, precision="fp16") is Reason.NONFINITE_INPUT
+    assert triage(model, mean_square, x, precision="fp16") is Reason.FORWARD_OVERFLOW
+    assert triage(model, mean_square, bad, precision="fp16") is Reason.NONFINITE_INPUT
+
+
+def test_overflow_module_names_the_layer_whose_output_overflowed():
+    """Called on its own: the Linear whose fp16 output passed 65504 (4e5) from finite inputs, not the ReLU
+    or the Linear after it; None when no module's output went non-finite."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    batch = (torch.ones(1, 2), torch.zeros(1, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(1.0), net[0].bias.zero_()
+    assert overflow_module(net, nn.functional.mse_loss, batch, precision="fp16") is None
+    with torch.no_grad():
+        net[1].weight.fill_(1e5)
+    assert overflow_module(net, nn.functional.mse_loss, batch, precision="fp16") == "1"
+
+
+def test_the_hooks_verdict_on_bad_data_or_bad_weights_is_the_reason_alone():
+    """``Triage.on_decision`` skips with the reason and names no module when the forward did not overflow."""
+    task = ToyTask()
+    model = task.model()
+    hook = Triage(model, task.loss_fn, "fp16")
+    x, y = task.batch(0)
+    hook.pre_step(None, 0)
+    view = DecisionView(0, NAN, NAN, loss_bad=True, batch=(x * NAN, y))
+    assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_INPUT)
+    with torch.no_grad():
+        model[0].weight.fill_(NAN)
+    view = DecisionView(0, NAN, NAN, loss_bad=True, batch=(x, y))
+    assert hook.on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
+    # a loop that never calls pre_step: the re-run draws fresh masks, and still reads the weights
+    assert Triage(model, task.loss_fn, "fp16").on_decision(None, view) == Verdict(skip=Reason.NONFINITE_LOSS)
+
+
+def test_what_the_hook_was_given_wins_over_the_trainers():
+    """``attach`` takes from the trainer only what was not given: a model, loss function and precision
+    passed to ``Triage`` stay (an fp16 overflow is triaged as fp16 even on an fp32 trainer)."""
+    from types import SimpleNamespace
+
+    task = ToyTask()
+    model, other, loss_fn = overflowing_head(task), task.model(), task.loss_fn
+    x, y = task.batch(0)
+    trainer = SimpleNamespace(model=other, loss_fn=lambda out, y: out.sum() * NAN, precision="fp32",
+                              process_group=None)
+    given = Triage(model, loss_fn, "fp16")
+    given.attach(trainer)
+    assert given.model is model and given.loss_fn is loss_fn and given.precision == "fp16"
+    given.pre_step(None, 0)
+    view = DecisionView(0, math.inf, NAN, loss_bad=True, batch=(x, y))
+    assert given.on_decision(None, view).skip is Reason.FORWARD_OVERFLOW
+    taken = Triage()
+    taken.attach(trainer)
+    assert taken.model is other and taken.loss_fn is trainer.loss_fn and taken.precision == "fp32"
