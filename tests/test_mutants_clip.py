@@ -121,6 +121,15 @@ def two_scalers(**kwargs):
     return torch.amp.GradScaler("cpu", **kwargs), GradScaler("cpu", **kwargs)
 
 
+def begun(scaler, optimizer_class):
+    """Return ``(w, opt)``: one parameter with gradient ones, its iteration begun by ``scaler.scale``."""
+    w = torch.zeros(2, requires_grad=True)
+    opt = optimizer_class([w], lr=1.0)
+    scaler.scale(w.sum())
+    w.grad = torch.ones(2)
+    return w, opt
+
+
 def scaled_step(scaler, opt, w, grad):
     """One iteration on one parameter whose scaled gradient is ``grad`` (inf: an overflow)."""
     scaler.scale(w.sum())
@@ -303,10 +312,7 @@ class OldContract(torch.optim.SGD):
 def test_an_optimizer_taking_grad_scaler_gets_the_scaler_and_the_arguments_as_from_torch():
     """The older contract: step(*args, grad_scaler=scaler), a FutureWarning, and a second step() refused."""
     for scaler in two_scalers():
-        w = torch.zeros(2, requires_grad=True)
-        opt = OldContract([w], lr=1.0)
-        scaler.scale(w.sum())
-        w.grad = torch.ones(2)
+        _, opt = begun(scaler, OldContract)
         with pytest.warns(FutureWarning, match="passing itself"):
             scaler.step(opt, 0.5)
         assert opt.seen == (0.5, scaler)
@@ -379,10 +385,7 @@ class Failing(torch.optim.SGD):
 def test_a_fused_step_that_raised_leaves_the_iteration_begun_as_torch_does():
     """After a self-unscaling optimizer raised in step(): no pickling (as torch), no second inf check."""
     for scaler in two_scalers():
-        w = torch.zeros(2, requires_grad=True)
-        opt = Failing([w], lr=1.0)
-        scaler.scale(w.sum())
-        w.grad = torch.ones(2)
+        _, opt = begun(scaler, Failing)
         with pytest.raises(ValueError, match="the optimizer failed"):
             scaler.step(opt)
         with pytest.raises(AssertionError):
