@@ -279,7 +279,7 @@ class Buffers:
 
 
 def _buffers(model: nn.Module) -> list[Tensor]:
-    """Return the tensors of ``model.buffers()`` (in another order): one loop, no generators, names or memo.
+    """Return the tensors of ``model.buffers()`` (in another order) in one loop: no generators, names, memo.
 
     A buffer held by two modules is listed twice; copying it back twice puts back the same value.
     """

@@ -211,9 +211,9 @@ class GuardedParams:
     def zero_grad(self) -> None:
         """Set every gradient to None, as ``optimizer.zero_grad(set_to_none=True)``.
 
-        torch's own ``zero_grad`` does only that, inside a profiler label that costs ~20 us a step
-        (a fifth of a small model's optimizer step) and shows nowhere unless a profiler records:
-        then, or when the optimizer has a ``zero_grad`` of its own, that one is called.
+        torch's own ``zero_grad`` does only that, inside a profiler label: two dispatched operations
+        a step (entering and leaving it) that show nowhere unless a profiler records. Then, or when
+        the optimizer has a ``zero_grad`` of its own, that one is called.
 
         >>> layer = nn.Linear(2, 1); layer(torch.ones(2)).sum().backward()
         >>> GuardedParams(layer, torch.optim.SGD(layer.parameters(), lr=0.1)).zero_grad(); layer.weight.grad
