@@ -10,8 +10,9 @@
 (b) ``TrainStep`` against torch's textbook AMP loop (autocast, ``scale().backward()``,
     ``unscale_``, ``clip_grad_norm_``, ``step``, ``update``, reading loss, norm and scale each
     step) on the toy model and on a wide MLP, with AdamW foreach and fused, per-step records
-    (``sync_every=None``) and deferred ones (``sync_every=N``); each loop is timed after one
-    warm-up step, with the model, optimizer state and scaler set up outside the timer.
+    (``sync_every=None``) and deferred ones (``sync_every=N``). The loops take turns every N steps
+    on the same batches and each gets the median of its blocks: on a shared machine, whole loops
+    timed in turn scattered the ratio by +-0.15 between runs, blocks by about +-0.02.
 (c) host syncs per step of each, counted by trapping ``.item()``, ``bool()``, ``float()``,
     ``int()``, ``.tolist()``, ``.cpu()`` called from labkit, torch.amp or the loop itself
     (torch's optimizers' reads of their CPU step counters are no device syncs).
@@ -29,6 +30,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,11 +45,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def interleaved(fns: dict, repeat: int, device: torch.device, self_timed: bool = False) -> dict[str, float]:
-    """Run each fn once per round, in turn, ``repeat`` rounds; return each one's median seconds.
-
-    ``self_timed``: each fn returns the seconds of its own timed part (setup left out).
-    """
+def interleaved(fns: dict, repeat: int, device: torch.device) -> dict[str, float]:
+    """Run each fn once per round, in turn, ``repeat`` rounds; return each one's median seconds."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up
         fn()
@@ -55,9 +54,9 @@ def interleaved(fns: dict, repeat: int, device: torch.device, self_timed: bool =
         for name, fn in fns.items():
             sync(device)
             t = time.perf_counter()
-            inner = fn()
+            fn()
             sync(device)
-            times[name].append(inner if self_timed else time.perf_counter() - t)
+            times[name].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -112,21 +111,23 @@ class Wide(nn.Sequential):
         super().__init__(*layers)
 
 
+def textbook_step(model, opt, x, y, dtype, device, scaler, max_norm=1.0):
+    """One step of torch's AMP recipe, reading loss, norm and scale (TrainStep's record has them)."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        loss = nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return loss.item(), norm.item(), scale  # the same observability as TrainStep's record
+
+
 def textbook_loop(model, opt, batches, dtype, device, max_norm=1.0, scaler=None):
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    seen = []
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = nn.functional.mse_loss(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        scale = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        seen.append((loss.item(), norm.item(), scale))  # the same observability as TrainStep's record
-    return seen
+    return [textbook_step(model, opt, x, y, dtype, device, scaler, max_norm) for x, y in batches]
 
 
 def trainstep_loop(model, opt, batches, precision, sync_every, max_norm=1.0, step=None):
@@ -150,36 +151,37 @@ def make_setup(width, fused, device, steps, batch=64):
     return model, opt, batches
 
 
-def bench_step(width, fused, precision, device, steps, repeat, sync_every):
-    """Per loop, the seconds of ``steps`` steps after one warm-up step (model, optimizer state and
-    scaler set up outside the timer, as a training run pays them once)."""
+def bench_step(width, fused, precision, device, steps, block, sync_every):
+    """Per loop, the median seconds per step of blocks of ``block`` steps, the loops taking turns block
+    by block on the same batches (a machine's slow minute falls on all of them alike); each loop's
+    model, optimizer, scaler and ``TrainStep`` are set up, and stepped once, before the timer. A block
+    of ``sync_every`` steps holds one flush of the deferred records."""
     dtype = labkit.step.PRECISIONS[precision]
-
-    def timed(loop, batches):
-        sync(device)
-        t = time.perf_counter()
-        loop(batches)
-        sync(device)
-        return time.perf_counter() - t
-
-    def run_textbook():
-        model, opt, batches = make_setup(width, fused, device, steps + 1)
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        textbook_loop(model, opt, batches[:1], dtype, device, scaler=scaler)
-        return timed(lambda b: textbook_loop(model, opt, b, dtype, device, scaler=scaler), batches[1:])
-
-    def run_ours(every):
-        def run():
-            model, opt, batches = make_setup(width, fused, device, steps + 1)
-            step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=1.0,
-                                    sync_every=every, hooks=[SkipAlarm(None), ClipAlarm(None)])
-            trainstep_loop(model, opt, batches[:1], precision, every, step=step)
-            return timed(lambda b: trainstep_loop(model, opt, b, precision, every, step=step), batches[1:])
-        return run
-
-    fns = {"torch": run_textbook, "labkit": run_ours(None),
-           f"labkit sync_every={sync_every}": run_ours(sync_every)}
-    return interleaved(fns, repeat, device, self_timed=True)
+    loops: dict[str, Any] = {}
+    model, opt, batches = make_setup(width, fused, device, steps + 1)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    textbook_step(model, opt, *batches[0], dtype, device, scaler)
+    loops["torch"] = lambda x, y, m=model, o=opt, s=scaler: textbook_step(m, o, x, y, dtype, device, s)
+    for every in (None, sync_every):
+        model, opt, _ = make_setup(width, fused, device, 1)
+        step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=1.0,
+                                sync_every=every, hooks=[SkipAlarm(None), ClipAlarm(None)])
+        step(*batches[0])
+        step.flush()
+        loops["labkit" if every is None else f"labkit sync_every={every}"] = step
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    for start in range(1, steps + 1 - block + 1, block):
+        chunk = batches[start:start + block]
+        for name, run in loops.items():
+            sync(device)
+            t = time.perf_counter()
+            for x, y in chunk:
+                run(x, y)
+            if isinstance(run, labkit.TrainStep):
+                run.flush()
+            sync(device)
+            times[name].append((time.perf_counter() - t) / block)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 # ---------------------------------------------------------------- (c) host syncs per step
@@ -281,18 +283,18 @@ def clip_part(numel, device, repeat):
 
 
 def step_part(args, width, device):
-    print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, AdamW, timed after one warm-up step; "
-          "ratio labkit/torch (goal <= 1.0)")
-    # the toy's step is ~1 ms of Python and small kernels: many steps and rounds; the MLP's is ~0.2 s
-    sizes = {"toy": (0, 200, 7), "mlp": (width, 16 if args.quick else 20, 5)}
+    print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, AdamW, per step: median of blocks of "
+          f"{args.sync_every} steps, the loops taking turns; ratio labkit/torch (goal <= 1.0)")
+    # the toy's step is ~1 ms of Python and small kernels: many blocks; the MLP's is ~0.2 s
+    sizes = {"toy": (0, 1600), "mlp": (width, 32 if args.quick else 64)}
     for name in args.models.split(","):
-        w, steps, rounds = sizes[name]
+        w, steps = sizes[name]
         n = sum(p.numel() for p in make_setup(w, False, device, 1)[0].parameters())
         for fused in (False, True):
-            t = bench_step(w, fused, args.precision, device, steps, rounds, args.sync_every)
+            t = bench_step(w, fused, args.precision, device, steps, args.sync_every, args.sync_every)
             label = f"{'toy' if not w else 'MLP'} {n / 1e6:.2f}M params, {'fused' if fused else 'foreach'}"
             ratios = "  ".join(f"{k} {v / t['torch']:.2f}x" for k, v in t.items() if k != "torch")
-            print(f"    {label:<34} torch {t['torch'] * 1e3 / steps:7.2f} ms/step   {ratios}")
+            print(f"    {label:<34} torch {t['torch'] * 1e3:7.2f} ms/step   {ratios}")
 
 
 def sync_part(args, device):

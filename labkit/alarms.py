@@ -120,7 +120,8 @@ class SkipAlarm(Hook):
     def observe(self, skipped: bool, reason: str | None, step: int) -> int:
         """Record one step; return the current streak of consecutive skips."""
         if not skipped:
-            self.streak, self.reasons = 0, []
+            if self.streak:  # a streak ends: no new list on every stepped step
+                self.streak, self.reasons = 0, []
             return 0
         self.streak += 1
         self.reasons.append(reason or "?")

@@ -262,7 +262,8 @@ class BackwardOrder(Hook):
 
     def gradient_order(self, trainer: Any, step: int) -> GradientOrder:
         """Return this step's ``(positions, uses)`` (the next ``pre_step`` starts new ones: these stay)."""
-        return self.positions, self.uses
+        trace = self._current()
+        return _View(trace, 0), _View(trace, 1)
 
     def _optimizer_key(self, trainer: Any) -> tuple:
         # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter

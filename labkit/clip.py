@@ -343,18 +343,27 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
     >>> clip_coef(torch.tensor(5.0), 1.0), clip_coef(torch.tensor(float("inf")), torch.tensor(1.0))
     (tensor(0.2000), tensor(1.))
     """
+    eps, one = _eps_one(norm.device, norm.dtype)
     if isinstance(max_norm, Tensor):
         coef = torch.div(max_norm, norm + EPS)
-    else:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
-        dev, dtype = norm.device, norm.dtype
-        exact = dtype in (torch.float32, torch.float64)  # fp16/bf16 take a Python number in float32
-        eps, m = (constant(EPS, dev, dtype), constant(max_norm, dev, dtype)) if exact else (EPS, max_norm)
-        coef = (norm + eps).reciprocal_().mul_(m)
+        one = one if coef.dtype is norm.dtype else constant(1.0, coef.device, coef.dtype)
+    elif eps is not None:  # torch's `max_norm / t` is t.reciprocal() * max_norm: the same bits
+        coef = (norm + eps).reciprocal_().mul_(constant(max_norm, norm.device, norm.dtype))
+    else:  # fp16/bf16 take a Python number in float32
+        coef = (norm + EPS).reciprocal_().mul_(max_norm)
     # a select, not `if`: a Python branch on a device tensor forces a host sync. root - root is 0, or NaN
     # for a NaN, infinite or negative norm (no norm is negative; torch would flip the gradients' sign),
     # and fmin(NaN, 1) is 1: those gradients are left alone, and min(coef, 1) is torch's clamp
     root = norm.sqrt()
-    return torch.fmin(coef + (root - root), constant(1.0, coef.device, coef.dtype))
+    return torch.fmin(coef + (root - root), one)
+
+
+@functools.lru_cache(maxsize=16)
+def _eps_one(device: torch.device, dtype: torch.dtype) -> tuple[Tensor | None, Tensor]:
+    # clip_coef's constants in one lookup: 1e-6 (None where a Python number is rounded as torch rounds
+    # it: fp16/bf16) and 1 in the norm's dtype
+    exact = dtype in (torch.float32, torch.float64)
+    return (constant(EPS, device, dtype) if exact else None), constant(1.0, device, dtype)
 
 
 def round_to(x: float, dtype: torch.dtype) -> float:

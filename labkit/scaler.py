@@ -300,9 +300,11 @@ class GradScaler:
         return self._state
 
     def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self._per_optimizer.setdefault(
-            id(optimizer), {"stage": Stage.READY, "found_inf": None, "has_grads": False}
-        )
+        state = self._per_optimizer.get(id(optimizer))  # no fresh dict made per call, as setdefault would
+        if state is None:
+            state = self._per_optimizer[id(optimizer)] = {"stage": Stage.READY, "found_inf": None,
+                                                          "has_grads": False}
+        return state
 
     def is_enabled(self) -> bool:
         """Return whether this scaler scales (a disabled one passes everything through)."""

@@ -805,3 +805,52 @@ def test_clipping_that_subsides_is_the_design_clipping_that_holds_is_the_symptom
     assert len(fired(held)) == 1
     onset = [False] * 200 + [True] * 100  # a run that clipped rarely starts clipping every step
     assert len(fired(onset)) == 1
+
+
+# ---------------------------------------------------------------- the step's own fast paths keep torch's contract
+
+
+def test_zero_grad_is_torchs_own_where_a_profiler_records_or_the_optimizer_has_its_own():
+    """TrainStep frees the gradients itself (torch's zero_grad without its ~20 us profiler label) only where
+    nothing can tell: a profiler still sees torch's label, and an optimizer's own zero_grad still runs."""
+    task = labkit.ToyTask()
+
+    class Counting(torch.optim.SGD):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            Counting.calls += 1
+            super().zero_grad(set_to_none)
+
+    model = task.model()
+    step = labkit.TrainStep(model, Counting(model.parameters(), lr=0.01), task.loss_fn)
+    for i in range(3):
+        step(*task.batch(i))
+    assert Counting.calls == 3
+
+    model = task.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = labkit.TrainStep(model, opt, task.loss_fn)
+    step(*task.batch(0))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(*task.batch(1))
+    names = [e.name for e in prof.events()]
+    assert "Optimizer.zero_grad#SGD.zero_grad" in names
+    assert all(p.grad is not None for p in model.parameters())  # the last step's, kept for its forensics
+    labkit.step.parts.GuardedParams(model, opt).zero_grad()  # outside a profiler: freed all the same
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_buffers_kept_are_the_modules_buffers_nested_shared_and_none():
+    """Buffers' walk lists what model.buffers() does (as a set: a shared one twice is harmless)."""
+    shared = nn.BatchNorm1d(2)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Sequential(nn.Linear(3, 2), shared, shared), nn.Identity())
+    model.register_buffer("empty", None)
+    model[1].register_buffer("count", torch.zeros(()))
+    kept = labkit.step.batch.Buffers(model)
+    assert {id(b) for b in kept.live} == {id(b) for b in model.buffers()}
+    assert len({id(b) for b in model.buffers()}) == 7
+    before = [b.clone() for b in model.buffers()]
+    model.train()(torch.randn(4, 3))
+    kept.restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))

@@ -24,7 +24,14 @@ def batch_size(inputs: Any, targets: Any, k: int) -> int:
     >>> batch_size(torch.zeros(8, 3), torch.zeros(8), 2)
     8
     """
-    if isinstance(inputs, Mapping):
+    # a tensor first, and shape[0], not len(): the usual batch costs a few attribute reads a step
+    if isinstance(inputs, Tensor):
+        if not inputs.dim():
+            raise ValueError(
+                "inputs is a 0-d tensor: a batch needs a first (batch) dimension, e.g. x.unsqueeze(0)."
+            )
+        n, what = inputs.shape[0], "inputs"
+    elif isinstance(inputs, Mapping):
         sizes = {key: v.shape[0] if v.dim() else None for key, v in inputs.items() if isinstance(v, Tensor)}
         if not sizes or None in sizes.values() or len(set(sizes.values())) != 1:
             raise ValueError(
@@ -32,25 +39,19 @@ def batch_size(inputs: Any, targets: Any, k: int) -> int:
                 f"got sizes {sizes}."
             )
         n, what = next(iter(sizes.values())), "samples in the dict batch"
-    elif isinstance(inputs, Tensor):
-        if inputs.dim() == 0:
-            raise ValueError(
-                "inputs is a 0-d tensor: a batch needs a first (batch) dimension, e.g. x.unsqueeze(0)."
-            )
-        n, what = len(inputs), "inputs"
     else:
         raise TypeError(
             f"inputs must be a torch.Tensor or a dict of tensors (passed as model(**batch)), got "
             f"{type(inputs).__name__}; convert it with torch.as_tensor(...)."
         )
     if targets is not None:
-        if not isinstance(targets, Tensor) or targets.dim() == 0:
+        if not isinstance(targets, Tensor) or not targets.dim():
             raise TypeError(
                 "targets must be a torch.Tensor with a batch dimension, or None for a one-argument "
                 f"loss_fn(output), "
                 f"got {type(targets).__name__ if not isinstance(targets, Tensor) else '0-d tensor'}."
             )
-        if len(targets) != n:
+        if targets.shape[0] != n:
             raise ValueError(f"need as many targets as {what}; got {n} {what} and {len(targets)} targets.")
     if n < k:
         raise ValueError(f"need at least accumulation_steps={k} samples to split, got {n}.")
@@ -69,8 +70,8 @@ def split(batch: Any, k: int) -> list[Any]:
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Return ``batch`` (a tensor, a dict of them, or None) on ``device``, copied without blocking."""
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Tensor):  # already there: no dispatch of a .to that does nothing
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {key: to_device(v, device) for key, v in batch.items()}
     return batch
@@ -231,10 +232,13 @@ class Batch:
         Under ``torch.no_grad()`` (triage's re-run) the loss is not asked to require grad.
         """
         inj = self.injection
-        with inj.forward(model) if inj is not None else contextlib.nullcontext():
-            out = model(**x) if isinstance(x, Mapping) else model(x)
+        if inj is None:
+            out = model(x) if isinstance(x, Tensor) else model(**x)
+            return check_loss(loss_fn(out) if y is None else loss_fn(out, y), grad=torch.is_grad_enabled())
+        with inj.forward(model):
+            out = model(x) if isinstance(x, Tensor) else model(**x)
         loss = check_loss(loss_fn(out) if y is None else loss_fn(out, y), grad=torch.is_grad_enabled())
-        return loss if inj is None else inj.loss(loss)
+        return inj.loss(loss)
 
     def share(self, loss: Tensor, weight: float) -> Tensor:
         """Return a micro-batch's share of the step's loss, the one backward runs on."""
@@ -256,7 +260,7 @@ class Buffers:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.live = list(model.buffers())
+        self.live = _buffers(model)
         self.saved = [b.detach().clone() for b in self.live]
 
     def restore(self) -> None:
@@ -272,6 +276,22 @@ class Buffers:
         with torch.no_grad():
             for b, s in zip(self.live, self.saved):
                 b.copy_(torch.where(skipped.to(b.device), s, b))
+
+
+def _buffers(model: nn.Module) -> list[Tensor]:
+    """Return the tensors of ``model.buffers()`` (in another order) in one loop: no generators, names, memo.
+
+    A buffer held by two modules is listed twice; copying it back twice puts back the same value.
+    """
+    live: list[Tensor] = []
+    todo: list[nn.Module | None] = [model]
+    while todo:
+        m = todo.pop()
+        if m is not None:
+            if m._buffers:
+                live += [b for b in m._buffers.values() if b is not None]
+            todo += m._modules.values()
+    return live
 
 
 class LossCheck:

@@ -91,9 +91,13 @@ def read(*tensors: Tensor) -> list[float]:
     first = tensors[0]
     if len(tensors) == 1:
         return [first.item()]
-    dtype, device = first.dtype, first.device
-    return torch.stack([first, *(t if t.dtype is dtype and t.device == device else t.to(first)
-                                 for t in tensors[1:])]).tolist()
+    dtype = first.dtype
+    if all(t.dtype is dtype for t in tensors):  # the step's row: one dtype, and one device but rarely
+        try:
+            return torch.stack(tensors).tolist()
+        except RuntimeError:  # on several devices
+            pass
+    return torch.stack([t.to(first) for t in tensors]).tolist()
 
 
 def unscaled_norms(

@@ -207,3 +207,23 @@ class GuardedParams:
             self.params = ours + others
             self.key = key
         return self.params
+
+    def zero_grad(self) -> None:
+        """Set every gradient to None, as ``optimizer.zero_grad(set_to_none=True)``.
+
+        torch's own ``zero_grad`` does only that, inside a profiler label: two dispatched operations
+        a step (entering and leaving it) that show nowhere unless a profiler records. Then, or when
+        the optimizer has a ``zero_grad`` of its own, that one is called.
+
+        >>> layer = nn.Linear(2, 1); layer(torch.ones(2)).sum().backward()
+        >>> GuardedParams(layer, torch.optim.SGD(layer.parameters(), lr=0.1)).zero_grad(); layer.weight.grad
+        """
+        if type(self.optimizer).zero_grad is not _TORCH_ZERO_GRAD or torch.autograd._profiler_enabled():
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad

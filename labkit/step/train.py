@@ -178,7 +178,7 @@ class TrainStep:
         # the last step's gradients, kept for its forensics: let zero_grad free them, or they would live
         # through this forward and backward (a second set of gradients, freed late)
         self._named_grads = []
-        self.optimizer.zero_grad(set_to_none=True)
+        self._named_params.zero_grad()
         deferred, total, flag = self.sync_every is not None, 0.0, None
         for i, (x, y, weight) in enumerate(batch.micro_batches()):
             with gradient_sync(self.model, on=i == batch.k - 1):  # DDP/FSDP2 reduce in the last backward only
