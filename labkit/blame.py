@@ -127,7 +127,9 @@ class _Trace:
                 positions[name] = (len(positions) if region is None else
                                    region_rank.setdefault(region, len(positions)), module)
             ranks.append(len(positions))
-            uses = {name: {path: [ranks[i], amax] for path, (i, amax) in seen.items()}
+            # a use's largest |output gradient| over the step's micro-batches: a NaN in any is kept
+            uses = {name: {path: [ranks[i], amax[0] if len(amax) == 1 else torch.stack(amax).amax()]
+                           for path, (i, amax) in seen.items()}
                     for name, seen in self._raw_uses.items()}
             self._done = positions, uses
         return self._done
@@ -181,7 +183,8 @@ class BackwardOrder(Hook):
         self.model: nn.Module | None = None
         # what fired this step, in order: a parameter (its hook appends it) or (name, module) (a tied use)
         self._fired: collections.deque[Any] = collections.deque(maxlen=FIRED_MAX)
-        self._raw_uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [entry, amax]
+        # tied parameter -> module -> [entry, [amax per micro-batch]]
+        self._raw_uses: dict[str, dict[str, list[Any]]] = {}
         self._trace: _Trace | None = None  # this step's, once read
         self._handles: list[Any] = []
         weakref.finalize(self, _remove, self._handles)  # a dropped BackwardOrder unhooks the model
@@ -298,10 +301,10 @@ class BackwardOrder(Hook):
         amax = torch.linalg.vector_norm(g.detach(), math.inf)
         for name in names:
             seen = self._raw_uses.setdefault(name, {})
-            if path in seen:  # a later micro-batch: the order stays the first's, a NaN anywhere counts
-                seen[path][1] = torch.maximum(seen[path][1], amax)
+            if path in seen:  # a later micro-batch: the order stays the first's, a NaN anywhere counts (its
+                seen[path][1].append(amax)  # largest, taken only when a record reads it: a skipped step)
             else:
-                seen[path] = [len(self._fired), amax]  # its entry: the trace turns it into a rank
+                seen[path] = [len(self._fired), [amax]]  # its entry: the trace turns it into a rank
             self._fired.append((name, path))
 
 
