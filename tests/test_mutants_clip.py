@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import re
 import weakref
 
 import pytest
@@ -394,3 +395,241 @@ def test_a_fused_step_that_raised_leaves_the_iteration_begun_as_torch_does():
         scaler.inf_check_(opt, False, unscaled=False)
     scaler.abandon_iteration()
     scaler.inf_check_(opt, False, unscaled=False)
+
+
+# ---------------------------------------------------------------- the scaler's state_dict: what it refuses
+
+
+def saved(**entries):
+    """A state_dict from a scaler that ran, with ``entries`` replaced."""
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=4, hysteresis=2)
+    scaler.scale(torch.ones(()))
+    return {**scaler.state_dict(), **entries}
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("growth_factor", "2", TypeError), ("backoff_factor", "0.5", TypeError), ("scale", "8", TypeError),
+    ("scale", 0.0, ValueError), ("scale", math.inf, ValueError), ("_growth_tracker", -1, ValueError),
+    ("_growth_tracker", 2**31, ValueError), ("_hysteresis_left", -1, ValueError),
+    ("_hysteresis_left", 3, ValueError), ("skip_count", -1, ValueError), ("skip_count", 2**63, ValueError),
+    ("skip_streak", -1, ValueError), ("skip_streak", 1, ValueError),  # a streak longer than the count
+])
+def test_a_bad_state_dict_entry_is_refused_naming_it_and_nothing_is_written(key, value, error):
+    """Every entry out of its range (int32 counters, an int64 skip count, hysteresis_left <= hysteresis,
+    a float32-normal scale) is refused by an error that names it, before the scaler changes."""
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=4, hysteresis=2)
+    scaler.scale(torch.ones(()))
+    before = scaler.state_dict()
+    with pytest.raises(error, match=re.escape(f"state_dict['{key}']")):
+        scaler.load_state_dict(saved(**{key: value}))
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("count", [0, 126, 10**6, 2**63 - 1])
+def test_any_int64_skip_count_is_taken(count):
+    _, (scale, tracker, left, got, streak) = GradScaler.parse_state(saved(skip_count=count, skip_streak=0))
+    assert (got, streak, scale, tracker, left) == (count, 0, 8.0, 0, 2)
+
+
+def test_a_state_dict_lacking_entries_names_every_missing_one():
+    state = saved()
+    del state["scale"], state["_growth_tracker"]
+    with pytest.raises(KeyError, match=r"\['_growth_tracker', 'scale'\]"):
+        GradScaler.parse_state(state)
+
+
+def test_torchs_state_dict_resumes_with_no_skips_counted():
+    """torch's state_dict has no skip counters, no hysteresis: they start at 0 and 1, as a fresh scaler's."""
+    ref = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=3)
+    ref.scale(torch.ones(()))
+    scaler = GradScaler("cpu")
+    scaler.load_state_dict(ref.state_dict())
+    assert (scaler.skip_count, scaler.skip_streak, scaler.get_scale()) == (0, 0, 64.0)
+    assert scaler.state_dict()["_hysteresis_left"] == 1
+
+
+class Recording(torch.optim.SGD):
+    """A self-unscaling optimizer (torch's grad_scale/found_inf contract) that keeps its step's arguments."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, factor=1.0, *, tag=None):
+        self.seen = (factor, tag)
+
+
+def test_a_self_unscaling_optimizer_gets_the_steps_arguments_once_as_from_torch():
+    """step(opt, *args, **kwargs) reaches the optimizer's step; a second step() or an unscale_ is refused."""
+    seen = []
+    for scaler in two_scalers():
+        _, opt = begun(scaler, Recording)
+        scaler.step(opt, 0.5, tag="x")
+        seen.append(opt.seen)
+        with pytest.raises(RuntimeError, match="already been called"):
+            scaler.step(opt)
+        with pytest.raises(RuntimeError, match="after step"):
+            scaler.unscale_(opt)
+    assert seen == [(0.5, "x"), (0.5, "x")]
+
+
+def test_unscale_then_a_fused_step_under_a_float64_default_dtype_is_torchs():
+    """unscale_'s found_inf is float32 whatever the default dtype: a fused kernel takes it after unscale_."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, ours = fused_pair()
+        for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
+            for scaler, opt, w in (ref, ours):
+                scaler.scale(w.sum())
+                w.grad = torch.tensor(g, dtype=torch.float32)
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            assert_same_adam(ref, ours)
+            assert ref[0].get_scale() == ours[0].get_scale()
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_get_scale_async_is_a_float32_tensor_before_the_first_scale_and_one_when_disabled():
+    """The documented 0-dim float32 scale, whatever the default dtype; 1.0 disabled (torch's get_scale)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = GradScaler("cpu", init_scale=2.0**-3).get_scale_async()
+    finally:
+        torch.set_default_dtype(before)
+    assert got.dtype == torch.float32 and got.shape == () and got.item() == 2.0**-3
+    off = GradScaler("cpu", enabled=False)
+    assert torch.equal(off.get_scale_async(), torch.ones(())) and off.get_scale() == 1.0
+    assert torch.amp.GradScaler("cpu", enabled=False).get_scale() == 1.0
+
+
+@pytest.mark.parametrize("method", ["unscale_", "update"])
+def test_a_method_called_before_scale_names_itself_as_torchs_does(method):
+    """unscale_()/update() before scale(): the error names the method called, as torch's does."""
+    for scaler in two_scalers():
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=1.0)
+        with pytest.raises(AssertionError, match=method):
+            if method == "unscale_":
+                scaler.unscale_(opt)
+            else:
+                scaler.update()
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(params=st.lists(st.tuples(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+                                 st.sampled_from([None, 1.0, -3.0, 1e30, math.inf, math.nan])),
+                       min_size=1, max_size=4),
+       scale=st.sampled_from([2.0**-120, 2.0**-10, 1.0, 2.0**16]))
+def test_unscale_and_step_over_mixed_dtypes_and_missing_grads_are_torchs(params, scale):
+    """Gradients of several dtypes, some None, some inf/NaN: the same skip, parameters and scale as torch."""
+    out = []
+    for scaler in two_scalers(init_scale=scale, growth_interval=1):
+        ws = [torch.ones(2, dtype=dtype, requires_grad=True) for dtype, _ in params]
+        opt = torch.optim.SGD(ws, lr=1.0)
+        scaler.scale(torch.ones(()))
+        for w, (dtype, g) in zip(ws, params):
+            w.grad = None if g is None else torch.full((2,), g, dtype=dtype)
+        if all(g is None for _, g in params):
+            continue
+        scaler.unscale_(opt)
+        grads = [None if w.grad is None else w.grad.clone() for w in ws]
+        scaler.step(opt)
+        scaler.update()
+        out.append((grads, [w.detach() for w in ws], scaler.get_scale()))
+    if out:
+        (g_ref, w_ref, s_ref), (g, w, s) = out
+        assert s == s_ref
+        for a, b in zip(g + w, g_ref + w_ref):
+            assert (a is None and b is None) or torch.equal(a.nan_to_num(), b.nan_to_num()), (a, b)
+
+
+def test_a_dead_scale_skips_a_self_unscaling_optimizer_too():
+    """A dead scale (1/scale = inf) flags found_inf for a fused kernel as for a plain step: nothing moves."""
+    scaler, opt, w = fused_pair()[1]
+    w0 = w.detach().clone()
+    scaler.scale(w.sum())
+    scaler.update(new_scale=1e-40)
+    scaler.scale(w.sum())
+    w.grad = torch.tensor([1.0, -2.0, 0.5])
+    scaler.unscale_(opt)
+    assert scaler.step(opt) is False
+    assert torch.equal(w, w0)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**-126 and scaler.skip_count == 1
+
+
+def test_inf_check_before_scale_names_itself():
+    scaler = GradScaler("cpu")
+    _, opt = begun(torch.amp.GradScaler("cpu"), torch.optim.SGD)
+    with pytest.raises(AssertionError, match="inf_check_"):
+        scaler.inf_check_(opt, False, unscaled=True)
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_a_host_decision_drives_a_fused_kernel_under_a_float64_default_dtype(found):
+    """inf_check_(opt, bool)'s flag is float32 whatever the default dtype: the kernel takes it, as torch's."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, ours = fused_pair()
+        grad = [math.inf, 0.0, 0.0] if found else [1.0, -2.0, 0.5]
+        fused_iteration(*ref, grad)
+        scaler, opt, w = ours
+        scaler.scale(w.sum())
+        w.grad = torch.tensor([math.inf, 0.0, 0.0] if found else [1.0, -2.0, 0.5], dtype=torch.float32)
+        scaler.inf_check_(opt, found, unscaled=False)
+        assert scaler.step(opt) is not found
+        scaler.update()
+    finally:
+        torch.set_default_dtype(before)
+    assert_same_adam(ref, ours)
+    assert scaler.get_scale() == ref[0].get_scale()
+
+
+@pytest.mark.parametrize("flag", [torch.tensor(True), torch.tensor(1, dtype=torch.int32),
+                                  torch.tensor(1.0, dtype=torch.float64), torch.tensor(False),
+                                  torch.tensor(0.0, dtype=torch.float64)], ids=str)
+def test_inf_check_takes_a_flag_of_any_dtype_for_a_fused_kernel(flag):
+    """A 0-dim bool/int/float64 found_inf reaches the kernel as float32: it skips or steps as torch's."""
+    ref, ours = fused_pair()
+    grad = [math.inf, 0.0, 0.0] if bool(flag) else [1.0, -2.0, 0.5]
+    fused_iteration(*ref, grad)
+    scaler, opt, w = ours
+    scaler.scale(w.sum())
+    w.grad = torch.tensor(grad)
+    scaler.inf_check_(opt, flag, unscaled=False)
+    assert scaler.step(opt) is not bool(flag)
+    scaler.update()
+    assert_same_adam(ref, ours)
+    assert scaler.get_scale() == ref[0].get_scale()
+
+
+def test_inf_check_unscaled_tells_a_fused_kernel_the_gradients_are_unscaled_already():
+    """inf_check_(unscaled=True) is unscale_ done elsewhere: the kernel is not given the scale again."""
+    ref, ours = fused_pair()
+    for scaler, opt, w in (ref, ours):
+        scaler.scale(w.sum())
+        w.grad = torch.tensor([1.0, -2.0, 0.5]) * scaler.get_scale()
+        if scaler is ref[0]:
+            scaler.unscale_(opt)
+        else:
+            w.grad /= scaler.get_scale()
+            scaler.inf_check_(opt, torch.tensor(0.0), unscaled=True)
+        with pytest.raises(RuntimeError, match="already been called"):
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert_same_adam(ref, ours)
+
+
+def test_inf_check_of_scaled_gradients_is_refused_for_a_plain_optimizer():
+    """unscaled=False: only a self-unscaling optimizer can step on the still-scaled gradients."""
+    scaler = GradScaler("cpu")
+    _, opt = begun(scaler, torch.optim.SGD)
+    scaler.inf_check_(opt, torch.tensor(0.0), unscaled=False)
+    with pytest.raises(RuntimeError, match="unscale themselves"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="fresh iteration"):
+        scaler.inf_check_(opt, False, unscaled=False)
