@@ -504,15 +504,17 @@ def test_get_scale_async_is_a_float32_tensor_before_the_first_scale_and_one_when
     assert torch.amp.GradScaler("cpu", enabled=False).get_scale() == 1.0
 
 
-@pytest.mark.parametrize("method", ["unscale_", "update"])
+@pytest.mark.parametrize("method", ["unscale_", "step", "update"])
 def test_a_method_called_before_scale_names_itself_as_torchs_does(method):
-    """unscale_()/update() before scale(): the error names the method called, as torch's does."""
+    """unscale_()/step()/update() before scale(): the error names the method called, as torch's does."""
     for scaler in two_scalers():
         w = torch.zeros(2, requires_grad=True)
         opt = torch.optim.SGD([w], lr=1.0)
         with pytest.raises(AssertionError, match=method):
             if method == "unscale_":
                 scaler.unscale_(opt)
+            elif method == "step":
+                scaler.step(opt)
             else:
                 scaler.update()
 
@@ -633,3 +635,69 @@ def test_inf_check_of_scaled_gradients_is_refused_for_a_plain_optimizer():
         scaler.step(opt)
     with pytest.raises(RuntimeError, match="fresh iteration"):
         scaler.inf_check_(opt, False, unscaled=False)
+
+
+# ---------------------------------------------------------------- update_scale, the pure rule
+
+
+def t32(v, dtype=torch.int32):
+    return torch.tensor(v, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("found", [0, 1])
+def test_update_scale_reads_found_inf_of_any_dtype_as_nonzero_on_overflow(dtype, found):
+    """found_inf is "nonzero on overflow" in any dtype: the same step as with torch's float32 flag."""
+    args = (t32(1024.0, torch.float32), t32(0), t32(1))
+    config = labkit.ScalerConfig(growth_interval=1)
+    want = labkit.update_scale(*args, t32(float(found), torch.float32), config)
+    got = labkit.update_scale(*args, t32(found, dtype), config)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want)), (got, want)
+    assert want[0].item() == (512.0 if found else 2048.0)
+
+
+def test_update_scale_keeps_the_states_dtypes_under_a_float64_default_dtype():
+    """A back-off onto the floor under a float64 default still gives a float32 scale and int32 counters."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        # a floor of its own (2**-93): no constant made under float32 by another test is reused
+        got = labkit.update_scale(t32(2.0**-92, torch.float32), t32(0), t32(1), t32(1.0, torch.float32),
+                                  labkit.ScalerConfig(min_scale=2.0**-93, backoff_factor=0.25))
+    finally:
+        torch.set_default_dtype(before)
+    assert [t.dtype for t in got] == [torch.float32, torch.int32, torch.int32]
+    assert [t.item() for t in got] == [2.0**-93, 0, 0]
+
+
+class PlainRecording(torch.optim.SGD):
+    def step(self, factor=1.0, *, tag=None):
+        self.seen = (factor, tag)
+        return super().step()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_plain_optimizer_steps_with_the_arguments_as_from_torch(enabled):
+    seen = []
+    for scaler in two_scalers(enabled=enabled):
+        _, opt = begun(scaler, PlainRecording)
+        scaler.step(opt, 0.5, tag="x")
+        seen.append(opt.seen)
+    assert seen == [(0.5, "x"), (0.5, "x")]
+
+
+@pytest.mark.parametrize("grad", [[1.0, -2.0], [math.inf, 1.0]])
+def test_will_skip_before_unscale_checks_the_gradients_itself_and_step_agrees(grad):
+    """will_skip on a fresh iteration unscales and checks once; step() then does what torch's step does."""
+    out = []
+    for scaler in two_scalers(init_scale=4.0):
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=1.0)
+        scaler.scale(w.sum())
+        w.grad = torch.tensor(grad) * 4.0
+        if isinstance(scaler, GradScaler):
+            assert scaler.will_skip(opt) is (grad[0] == math.inf)
+        scaler.step(opt)
+        scaler.update()
+        out.append((w.detach().clone(), scaler.get_scale()))
+    assert torch.equal(out[0][0], out[1][0]) and out[0][1] == out[1][1]
