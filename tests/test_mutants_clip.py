@@ -701,3 +701,53 @@ def test_will_skip_before_unscale_checks_the_gradients_itself_and_step_agrees(gr
         scaler.update()
         out.append((w.detach().clone(), scaler.get_scale()))
     assert torch.equal(out[0][0], out[1][0]) and out[0][1] == out[1][1]
+
+
+@pytest.mark.parametrize("keep_if", [False, torch.tensor(False)], ids=["host", "device"])
+def test_update_with_a_false_keep_if_is_a_plain_update(keep_if):
+    """keep_if False moves the scale, the tracker and the skip counters as update() without it does."""
+    states = []
+    for kwargs in ({}, {"keep_if": keep_if}):
+        scaler = GradScaler("cpu", init_scale=64.0, growth_interval=2)
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=1.0)
+        for g in (1.0, math.inf, 1.0, 1.0):
+            scaler.scale(w.sum())
+            w.grad = torch.full((2,), g)
+            scaler.step(opt)
+            scaler.update(**kwargs)
+        states.append(scaler.state_dict())
+    assert states[0] == states[1] and states[0]["scale"] == 64.0 and states[0]["skip_count"] == 1
+
+
+def test_update_with_a_new_scale_sets_it_whatever_keep_if_says():
+    scaler = GradScaler("cpu", init_scale=64.0)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=8.0, keep_if=True)
+    assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("new_scale", [4.0, torch.tensor(4.0, dtype=torch.float64)], ids=["float", "float64"])
+def test_update_with_a_new_scale_keeps_a_float32_scale_as_torchs(new_scale):
+    """torch copies new_scale into its float32 scale: the scale stays a 0-dim float32 whatever is passed."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for scaler in two_scalers(init_scale=64.0):
+            scaler.scale(torch.ones((), dtype=torch.float32))
+            scaler.update(new_scale=new_scale)
+            got = scaler._scale if isinstance(scaler, torch.amp.GradScaler) else scaler.get_scale_async()
+            assert got.dtype == torch.float32 and got.item() == 4.0
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_update_after_unscaling_an_optimizer_without_gradients_is_refused_as_by_torch():
+    """No gradient, no inf check: update() has nothing to go on and says so, as torch's does."""
+    for scaler in two_scalers():
+        w = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=1.0)
+        scaler.scale(w.sum())
+        scaler.unscale_(opt)
+        with pytest.raises(AssertionError, match="No inf checks were recorded"):
+            scaler.update()
