@@ -751,3 +751,44 @@ def test_update_after_unscaling_an_optimizer_without_gradients_is_refused_as_by_
         scaler.unscale_(opt)
         with pytest.raises(AssertionError, match="No inf checks were recorded"):
             scaler.update()
+
+
+def test_a_scaler_without_a_device_takes_the_losss():
+    """device=None (labkit's default): the state is made on the first loss's device, and it scales."""
+    scaler = GradScaler(init_scale=4.0)
+    assert torch.equal(scaler.scale(torch.ones(3)), torch.full((3,), 4.0))
+    assert scaler.get_scale_async().device == torch.device("cpu")
+
+
+def test_float32s_largest_number_is_a_valid_scale():
+    """The scale is a float32: any finite float32 > 0 in the normal range is taken, the largest too."""
+    big = torch.finfo(torch.float32).max
+    scaler = GradScaler("cpu", init_scale=big)
+    assert scaler.get_scale() == big
+    scaler.load_state_dict(saved(scale=big))
+    assert scaler.get_scale() == big
+
+
+def test_a_non_number_init_scale_is_refused_naming_it():
+    with pytest.raises(TypeError, match="init_scale must be a number"):
+        GradScaler("cpu", init_scale="8")
+
+
+@pytest.mark.parametrize("name", ["growth_factor", "backoff_factor", "min_scale", "max_scale"])
+def test_a_non_number_setting_is_refused_naming_it(name):
+    with pytest.raises(TypeError, match=f"{name} must be a number"):
+        labkit.ScalerConfig(**{name: "0.5"})
+
+
+def test_the_config_takes_its_documented_extremes_and_refuses_past_them():
+    """backoff >= 2**-24 (below: a reset); bounds in float32's normal range; int32 counters (<= 2**31-1)."""
+    assert labkit.ScalerConfig(backoff_factor=2.0**-24).backoff_factor == 2.0**-24
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    config = labkit.ScalerConfig(min_scale=tiny, max_scale=big)  # float32's normal range, ends included
+    assert (config.min_scale, config.max_scale) == (tiny, big)
+    with pytest.raises(ValueError, match="below 2"):
+        labkit.ScalerConfig(backoff_factor=2.0**-25)
+    for name in ("growth_interval", "hysteresis"):
+        assert getattr(labkit.ScalerConfig(**{name: 2**31 - 1}), name) == 2**31 - 1
+        with pytest.raises(ValueError, match=name):
+            labkit.ScalerConfig(**{name: 2**31})
