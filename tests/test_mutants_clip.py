@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit import GradScaler
-from labkit.clip import clip_coef
+from labkit.clip import check_scaled_norm_type, clip_coef, round_to
 
 FAST = settings(max_examples=60, deadline=None, database=None)
 
@@ -792,3 +792,54 @@ def test_the_config_takes_its_documented_extremes_and_refuses_past_them():
         assert getattr(labkit.ScalerConfig(**{name: 2**31 - 1}), name) == 2**31 - 1
         with pytest.raises(ValueError, match=name):
             labkit.ScalerConfig(**{name: 2**31})
+
+
+# ------------------------------------------------------------- the norms against torch's, any dtype and order
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(tensors=st.lists(st.tuples(st.sampled_from([torch.float32, torch.float64]),
+                                  st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=3)),
+                        min_size=1, max_size=4),
+       norm_type=st.sampled_from([1.0, 2.0, 3.0, 0.0, math.inf, -math.inf, 0.5]),
+       max_norm=st.sampled_from([1e-3, 1.0, 1e6]), foreach=st.sampled_from([None, False, True]))
+def test_norms_and_clipping_over_dtypes_and_orders_are_torchs(tensors, norm_type, max_norm, foreach):
+    """get_total_norm, grad_norm, clip_grad_norm_ over float32/float64 gradients, any order: torch's bits."""
+    def params():
+        out = []
+        for dtype, values in tensors:
+            p = torch.zeros(len(values), dtype=dtype, requires_grad=True)
+            p.grad = torch.tensor(values, dtype=dtype)
+            out.append(p)
+        return out
+
+    ours, theirs = params(), params()
+    want_total = torch.nn.utils.get_total_norm([p.grad for p in theirs], norm_type, foreach=foreach)
+    got_total = labkit.get_total_norm([p.grad for p in ours], norm_type, foreach=foreach)
+    assert got_total.dtype == want_total.dtype and torch.equal(got_total, want_total)
+    assert torch.equal(labkit.grad_norm(ours, norm_type, foreach=foreach), want_total)
+    want = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type, foreach=foreach)
+    got = labkit.clip_grad_norm_(ours, max_norm, norm_type, foreach=foreach)
+    assert torch.equal(got, want)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.grad, q.grad), (p.grad, q.grad)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 4.0, math.inf])
+def test_norm_orders_up_to_4_and_inf_are_taken_with_a_scaler(p):
+    """The documented orders for scaled gradients: p <= 4 (65504**4 stays finite in float32) and inf."""
+    assert check_scaled_norm_type(p) == p
+
+
+@pytest.mark.parametrize("p", [4.5, 16.0])
+def test_norm_orders_above_4_are_refused_with_a_scaler(p):
+    with pytest.raises(ValueError, match="norm_type"):
+        check_scaled_norm_type(p)
+
+
+@FAST
+@given(x=st.one_of(st.floats(allow_nan=False), st.sampled_from([3.5e38, -3.5e38, 1e39, -1e300, 3.402824e38])))
+def test_round_to_float32_is_a_float32_tensors_value(x):
+    """round_to(x, float32) is what a float32 tensor of x holds: the nearest float32, +-inf past the range."""
+    assert round_to(x, torch.float32) == torch.tensor(x, dtype=torch.float32).item()
+    assert round_to(x, torch.float64) == x
