@@ -38,8 +38,8 @@ def _to_json(x: Any) -> Any:
         return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, (list, tuple)):
         return [_to_json(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _to_json(v) for k, v in x.items()}
+    if isinstance(x, dict):  # a float key is written as its text, a non-finite one as "Infinity"...
+        return {(_to_json(k) if isinstance(k, float) else k): _to_json(v) for k, v in x.items()}
     return x
 
 
