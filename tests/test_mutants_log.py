@@ -9,15 +9,25 @@ written as strict JSON; ``put`` says which of its three rules a name broke.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
+import os
+import pathlib
 import pickle
+import stat
+import sys
+import threading
+import time
+import warnings
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from labkit import LogWriteError, logfile
 from labkit.alarms import LabkitWarning
+from labkit.logfile import MAX_LINE
 from labkit.records import CORE, NONFINITE, Field, RewindEvent, StepRecord, declare, put, read_line
 from labkit.steplog import StepLog
 
@@ -235,3 +245,225 @@ def test_an_empty_or_blank_lined_log_reads_every_record_it_has(tmp_path):
     lines = [r.to_json() for r in rs]
     path.write_text(lines[0] + "\n\n  \n" + "\n".join(lines[1:]) + "\n", encoding="utf-8")
     assert [r.to_json() for r in StepLog.read_jsonl(path)] == [r.to_json() for r in rs]
+
+
+# --- the log file (logfile.JsonlFile) -------------------------------------------------------------------
+# This process's stdout and stderr are named through /proc/self/fd (under capfd: pytest's capture files),
+# never through /dev: a rename of a /proc name is refused, so no mutant can move a device aside.
+
+
+def lines(rs):
+    return [r.to_json() for r in rs]
+
+
+@pytest.mark.parametrize("fd, name", [(1, "stdout"), (2, "stderr")])
+def test_a_log_to_this_processs_own_stdout_or_stderr_keeps_print_order(fd, name, monkeypatch, capfd):
+    print("earlier", file=getattr(sys, name), flush=True)  # the stream holds text: still no other run's file
+    buffered = open(os.dup(fd), "w", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, name, buffered)
+    log = StepLog(stream=f"/proc/self/fd/{fd}")
+    assert log.file.kind == name
+    rs = run([1.0] * 2)
+    for i, r in enumerate(rs):
+        print(f"print {i}", file=buffered)  # still in print's buffer when the record is written
+        log.append(r)
+    log.close()
+    buffered.close()
+    out = capfd.readouterr()
+    assert getattr(out, "out" if fd == 1 else "err").splitlines() == ["earlier", "print 0", lines(rs)[0],
+                                                                      "print 1", lines(rs)[1]]
+
+
+class NoFlush:
+    def write(self, text):
+        return len(text)
+
+
+class FailingFlush(NoFlush):
+    def flush(self):
+        raise BrokenPipeError(errno.EPIPE, "pipe")
+
+
+@pytest.mark.parametrize("replaced", [NoFlush(), FailingFlush(), "closed"])
+def test_a_log_to_stdout_is_written_whatever_sys_stdout_was_replaced_by(replaced, monkeypatch, capfd):
+    if replaced == "closed":
+        replaced = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (closed at once)
+        replaced.close()
+    log = StepLog(stream="/proc/self/fd/1")
+    monkeypatch.setattr(sys, "stdout", replaced)
+    rs = run([1.0] * 2)
+    for r in rs:
+        log.append(r)
+    log.close()
+    monkeypatch.undo()
+    assert capfd.readouterr().out.splitlines() == lines(rs)
+
+
+@pytest.mark.parametrize("rank, plain, each", [(0, "log.jsonl", "log.0.jsonl"), (3, None, "log.3.jsonl")])
+def test_rank_0_writes_a_plain_path_and_every_rank_its_own_rank_path(rank, plain, each, monkeypatch):
+    monkeypatch.setattr(logfile, "rank", lambda: rank)
+    assert logfile.rank_path("log.jsonl") == plain and logfile.rank_path("log.{rank}.jsonl") == each
+    assert logfile.rank_path(pathlib.Path("runs") / "{rank}" / "log.jsonl") == f"runs/{rank}/log.jsonl"
+
+
+def test_a_new_log_file_is_plain_data_nobody_executes(tmp_path):
+    path = tmp_path / "log.jsonl"
+    StepLog(stream=path).close()
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    assert mode & 0o111 == 0 and mode & 0o600 == 0o600
+
+
+@FAST
+@given(old=st.sampled_from([b"\n", b"{}\n", b"x\n", b" \n\n"]))
+def test_a_file_holding_anything_is_another_runs_and_this_run_starts_afresh(old, tmp_path_factory):
+    path = tmp_path_factory.mktemp("log") / "log.jsonl"
+    path.write_bytes(old)
+    log = StepLog(stream=path)
+    rs = run([1.0] * 2)
+    with pytest.warns(LabkitWarning, match="holds the records of another run"):
+        for r in rs:
+            log.append(r)
+    log.close()
+    assert path.read_text(encoding="utf-8").splitlines() == lines(rs)
+    assert pathlib.Path(f"{path}.1").read_bytes() == old
+
+
+class Flaky:
+    """os.write failing (EAGAIN) once at each of ``at`` (bytes written so far), writing up to it exactly."""
+
+    def __init__(self, monkeypatch, at):
+        self.at, self.total, self.real = list(at), 0, os.write
+        monkeypatch.setattr(os, "write", self)
+
+    def __call__(self, fd, data):
+        if self.at and self.total >= self.at[0]:
+            self.at.pop(0)
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        n = self.real(fd, data[: self.at[0] - self.total] if self.at else data)
+        self.total += n
+        return n
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_failing_at_and_inside_lines_delivers_each_line_once(tmp_path, monkeypatch):
+    fifo = tmp_path / "records.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    rs = run([1.0] * 4)
+    a, b = (len(x) + 1 for x in lines(rs)[:2])
+    try:
+        log = StepLog(stream=fifo)
+        assert log.file.kind == "stream"
+        Flaky(monkeypatch, at=[0, a, a + b + 30, a + b + 60])
+        expected = ["steps 0-0", "steps 1-1", "steps 2-2", "steps 2-3"]  # the lines not (wholly) sent yet
+        for r, missing in zip(rs, expected):
+            with pytest.raises(LogWriteError, match=f"{missing} are not in the file yet"):
+                log.append(r)
+        log.close()
+        received = b""
+        while chunk := os.read(reader, 1 << 16):
+            received += chunk
+    finally:
+        os.close(reader)
+    assert received.decode().splitlines() == lines(rs)
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_nobody_reads_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "records.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="nothing is reading it"):
+        StepLog(stream=fifo)
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_reader_slows_the_log_and_loses_nothing(tmp_path):
+    fifo = tmp_path / "records.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    got = []
+
+    def read_later():
+        time.sleep(0.2)
+        os.set_blocking(reader, True)
+        while chunk := os.read(reader, 1 << 16):
+            got.append(chunk)
+
+    rs = [StepRecord(i, 1.0, pad="x" * 4000) for i in range(40)]  # 160 KB: more than a pipe holds
+    log = StepLog(stream=fifo)
+    thread = threading.Thread(target=read_later)
+    thread.start()
+    try:
+        for r in rs:
+            log.append(r)
+        log.close()
+    finally:
+        thread.join(10)
+        os.close(reader)
+    assert b"".join(got).decode().splitlines() == lines(rs)
+
+
+def test_a_checkpoint_after_a_failed_first_write_marks_where_the_file_will_end(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    log = StepLog(stream=path)
+    rs = run([1.0] * 2)
+    with monkeypatch.context() as m:
+        Flaky(m, at=[0, 0])
+        for r in rs:
+            with pytest.raises(LogWriteError):
+                log.append(r)
+        state = log.state_dict()
+    log.flush()  # the disk has room again
+    assert os.path.getsize(path) == state["stream"]["size"]
+    assert path.read_text(encoding="utf-8").splitlines() == lines(rs)
+
+
+def test_a_log_that_cannot_move_another_runs_file_names_the_steps_it_holds_back(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    path.write_text(lines(run([1.0]))[0] + "\n", encoding="utf-8")
+    log = StepLog(stream=path)
+    monkeypatch.setattr(os, "rename", lambda *a: (_ for _ in ()).throw(PermissionError(errno.EACCES, "no")))
+    rs = run([1.0] * 2)
+    with pytest.raises(LogWriteError, match="steps 0-0 are not in the file yet"):
+        log.append(rs[0])
+    with pytest.raises(LogWriteError, match="steps 0-1 are not in the file yet"):
+        log.append(rs[1])
+
+
+def test_a_torn_tail_is_cut_to_the_byte_and_the_warning_counts_it(tmp_path):
+    path = tmp_path / "log.jsonl"
+    for head, torn in ((b"", b"x" * 5), (b"\n", b"y" * (1 << 16)), (b"{}\n", b'{"step": 3, "lo')):
+        path.write_bytes(head + torn)
+        with pytest.warns(LabkitWarning, match=rf"\({len(torn)} bytes"):
+            logfile.cut_torn_tail(path)
+        assert path.read_bytes() == head  # the lines before the torn one, each byte of them
+
+
+def big(step, n):
+    """A record whose line, newline included, is ``n`` bytes."""
+    return StepRecord(step, 1.0, pad="x" * (n - len(StepRecord(step, 1.0, pad="").to_json()) - 1))
+
+
+@pytest.mark.parametrize("n, kept", [(MAX_LINE, True), (MAX_LINE + 1, False)])
+def test_a_last_line_without_its_newline_is_a_record_up_to_max_line_bytes(n, kept, tmp_path):
+    path = tmp_path / "log.jsonl"
+    whole = big(1, n + 1).to_json().encode()  # n bytes, complete but for its newline
+    for head in (b"", big(0, MAX_LINE - 10).to_json().encode() + b"\n"):  # also after a long first line
+        path.write_bytes(head + whole)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if not kept else "error")
+            logfile.cut_torn_tail(path)
+        assert path.read_bytes() == (head + whole + b"\n" if kept else head)
+
+
+def test_a_resume_that_cuts_more_than_max_line_bytes_says_how_many(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = StepLog(stream=path)
+    log.append(StepRecord(0, 1.0))
+    state = log.state_dict()
+    log.append(big(1, MAX_LINE + 5))  # a line no record is: only its bytes are counted
+    log.close()
+    extra = os.path.getsize(path) - state["stream"]["size"]
+    with pytest.warns(LabkitWarning, match=f"cut {extra} bytes written after the checkpoint"):
+        StepLog(stream=path).load_state_dict(state)
+    assert os.path.getsize(path) == state["stream"]["size"]
