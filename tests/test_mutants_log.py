@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from labkit import LogWriteError, logfile
 from labkit.alarms import LabkitWarning
+from labkit.hooks import DecisionView, Hook, Hooks, Verdict
 from labkit.logfile import MAX_LINE
 from labkit.records import CORE, NONFINITE, Field, RewindEvent, StepRecord, declare, put, read_line
 from labkit.steplog import StepLog
@@ -467,3 +468,78 @@ def test_a_resume_that_cuts_more_than_max_line_bytes_says_how_many(tmp_path):
     with pytest.warns(LabkitWarning, match=f"cut {extra} bytes written after the checkpoint"):
         StepLog(stream=path).load_state_dict(state)
     assert os.path.getsize(path) == state["stream"]["size"]
+
+
+# --- the hook protocol (hooks.Hooks) --------------------------------------------------------------------
+
+
+class Seen(Hook):
+    """Records every moment it is called at, with the arguments it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attach(self, trainer):
+        self.calls.append(("attach", trainer))
+
+    def pre_step(self, trainer, step):
+        self.calls.append(("pre_step", trainer, step))
+
+    def pre_forward(self, trainer, step):
+        self.calls.append(("pre_forward", trainer, step))
+
+    def post_backward(self, trainer, step):
+        self.calls.append(("post_backward", trainer, step))
+
+    def gradient_order(self, trainer, step):
+        self.calls.append(("gradient_order", trainer, step))
+
+    def on_decision(self, trainer, view):
+        self.calls.append(("on_decision", trainer, view))
+
+    def pre_optim_step(self, trainer, step, params):
+        self.calls.append(("pre_optim_step", trainer, step, params))
+
+    def post_step(self, trainer, params, record):
+        self.calls.append(("post_step", trainer, params, record))
+
+    def on_record(self, trainer, record):
+        self.calls.append(("on_record", trainer, record))
+
+
+def test_hooks_call_each_moment_of_every_member_with_the_steps_own_arguments():
+    members = [Seen(), Seen()]
+    hooks, trainer, params, record = Hooks(members), object(), [("w", None)], StepRecord(7, 0.5)
+    view = DecisionView(7, 0.5, 1.0)
+    hooks.attach(trainer)
+    hooks.pre_step(trainer, 7)
+    assert hooks.pre_forward(trainer, 7) is None and hooks.post_backward(trainer, 7) == {}
+    assert hooks.gradient_order(trainer, 7) is None
+    hooks.on_decision(trainer, view)
+    hooks.pre_optim_step(trainer, 7, params)
+    hooks.post_step(trainer, params, record)
+    assert hooks.on_record(trainer, record) == []
+    expected = [("attach", trainer), ("pre_step", trainer, 7), ("pre_forward", trainer, 7),
+                ("post_backward", trainer, 7), ("gradient_order", trainer, 7), ("on_decision", trainer, view),
+                ("pre_optim_step", trainer, 7, params), ("post_step", trainer, params, record),
+                ("on_record", trainer, record)]
+    assert all(h.calls == expected for h in members)
+
+
+class Decides(Hook):
+    def on_decision(self, trainer, view):
+        return Verdict(clip_to=1.0)
+
+
+class EveryStep(Hook):
+    per_step = True
+
+
+@pytest.mark.parametrize("members, decides, per_step", [
+    ([], False, False), ([Hook()], False, False), ([Decides()], True, False),
+    ([Hook(), Decides()], True, False), ([EveryStep()], False, True),
+    ([Hook(), EveryStep(), Decides()], True, True),
+])
+def test_hooks_decide_if_a_member_decides_and_need_every_step_if_a_member_does(members, decides, per_step):
+    hooks = Hooks(members)
+    assert hooks.decides is decides and hooks.per_step is per_step
