@@ -15,6 +15,7 @@ import math
 import os
 import pathlib
 import pickle
+import re
 import stat
 import sys
 import threading
@@ -457,15 +458,17 @@ def test_a_last_line_without_its_newline_is_a_record_up_to_max_line_bytes(n, kep
         assert path.read_bytes() == (head + whole + b"\n" if kept else head)
 
 
-def test_a_resume_that_cuts_more_than_max_line_bytes_says_how_many(tmp_path):
+@pytest.mark.parametrize("n", [MAX_LINE, MAX_LINE + 5])
+def test_a_resume_names_the_steps_it_cuts_or_past_max_line_bytes_how_many_bytes(n, tmp_path):
     path = tmp_path / "log.jsonl"
     log = StepLog(stream=path)
     log.append(StepRecord(0, 1.0))
     state = log.state_dict()
-    log.append(big(1, MAX_LINE + 5))  # a line no record is: only its bytes are counted
+    log.append(big(1, n))  # up to MAX_LINE bytes a record; a longer line is none: only its bytes are counted
     log.close()
     extra = os.path.getsize(path) - state["stream"]["size"]
-    with pytest.warns(LabkitWarning, match=f"cut {extra} bytes written after the checkpoint"):
+    what = "1 records (steps 1-1)" if n <= MAX_LINE else f"{extra} bytes"
+    with pytest.warns(LabkitWarning, match=re.escape(f"cut {what} written after the checkpoint")):
         StepLog(stream=path).load_state_dict(state)
     assert os.path.getsize(path) == state["stream"]["size"]
 
