@@ -546,3 +546,25 @@ class EveryStep(Hook):
 def test_hooks_decide_if_a_member_decides_and_need_every_step_if_a_member_does(members, decides, per_step):
     hooks = Hooks(members)
     assert hooks.decides is decides and hooks.per_step is per_step
+
+
+def test_another_runs_lines_longer_than_max_line_are_no_records_in_its_warning(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(big(5, MAX_LINE + 2).to_json().encode() + b"\n")  # JSON, but too long to be a record
+    log = StepLog(stream=path)
+    with pytest.warns(LabkitWarning, match=r"another run \(steps None-None\)"):
+        log.append(StepRecord(0, 1.0))
+    log.close()
+
+
+def test_stderr_is_found_when_stdout_is_closed(capfd):
+    saved = os.dup(1)
+    os.close(1)  # a daemon without stdout: fd 1 cannot be compared, fd 2 still is
+    try:
+        log = StepLog(stream="/proc/self/fd/2")
+        kind = log.file.kind
+        log.close()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert kind == "stderr"
