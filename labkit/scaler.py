@@ -325,7 +325,9 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
-            return outputs * self._lazy_init(outputs.device)["scale"].to(outputs.device, non_blocking=True)
+            scale = self._lazy_init(outputs.device)["scale"]
+            return outputs * (scale if scale.device == outputs.device else
+                              scale.to(outputs.device, non_blocking=True))
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, Iterable):
