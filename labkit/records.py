@@ -161,8 +161,8 @@ class StepRecord:
                  reason: str | None = None, *, lr: float = math.nan,
                  lrs: list[float] | tuple[float, ...] = (), fields: Mapping[str, Any] | None = None,
                  **more: Any) -> None:
-        # the core's one write, by the slots' own setters (__setattr__ refuses every later one); a record is
-        # built every step, and one call of object.__setattr__ per field costs twice as much
+        # the core's one write, by the slots' own setters (__setattr__ refuses every later one): a record is
+        # built every step, and a call of object.__setattr__ per field costs more than the setter itself
         values = (step, loss, grad_norm, clip_coef, clipped, scale, next_scale, skipped, reason, lr,
                   list(lrs), {**fields, **more} if fields else more)
         for set_, value in zip(_SETTERS, values):
