@@ -17,11 +17,12 @@ Where a gradient is placed:
   share made it non-finite: its gradient is complete only after the last use (the embedding, at
   the very end of backward), so its own hook would place it last. A forward hook on each module
   holding it marks when that module's output gradient arrives, right before the module's
-  backward computes its share, and keeps that gradient's largest magnitude (one reduction, on
-  the device). The parameter is placed at its first use (``lm_head``: an fp16 head's share can
-  overflow from finite inputs, 04's sawtooth), unless that use's output gradient was finite and
-  a later use's was not: then the non-finite value came from upstream of the first use (a
-  block in between) and reached the later use's share (the embedding's), so it is placed there.
+  backward computes its share, and keeps that gradient's min and max (one reduction, on the
+  device; its largest magnitude is taken from them when a record reads it). The parameter is
+  placed at its first use (``lm_head``: an fp16 head's share can overflow from finite inputs,
+  04's sawtooth), unless that use's output gradient was finite and a later use's was not: then
+  the non-finite value came from upstream of the first use (a block in between) and reached the
+  later use's share (the embedding's), so it is placed there.
   ``culprit_module`` names that module (``lm_head``, not ``wte``). An overflow of the first
   share *and* a non-finite value further down in the same step reads as the latter;
 - inside a compiled region (``torch.compile``): the region is one node to autograd and hands
@@ -52,7 +53,6 @@ gradient. The ranks are worked out from the list only when a record asks (a non-
 from __future__ import annotations
 
 import collections
-import math
 import operator
 import weakref
 from collections.abc import Mapping, Sequence
@@ -127,10 +127,18 @@ class _Trace:
                 positions[name] = (len(positions) if region is None else
                                    region_rank.setdefault(region, len(positions)), module)
             ranks.append(len(positions))
-            uses = {name: {path: [ranks[i], amax] for path, (i, amax) in seen.items()}
+            uses = {name: {path: [ranks[i], _largest(extremes)] for path, (i, extremes) in seen.items()}
                     for name, seen in self._raw_uses.items()}
             self._done = positions, uses
         return self._done
+
+
+def _largest(extremes: list[Any]) -> Tensor:
+    """Return the largest |value| of a use's output gradients from their ``(min, max)`` per micro-batch.
+
+    A NaN or an inf in any of them is in the result (on the device: read only when a record asks).
+    """
+    return torch.stack([t for lo, hi in extremes for t in (lo.neg(), hi)]).amax()
 
 
 class _View(Mapping):
@@ -181,7 +189,8 @@ class BackwardOrder(Hook):
         self.model: nn.Module | None = None
         # what fired this step, in order: a parameter (its hook appends it) or (name, module) (a tied use)
         self._fired: collections.deque[Any] = collections.deque(maxlen=FIRED_MAX)
-        self._raw_uses: dict[str, dict[str, list[Any]]] = {}  # tied parameter -> module -> [entry, amax]
+        # tied parameter -> module -> [entry, [(min, max) of the output gradient per micro-batch]]
+        self._raw_uses: dict[str, dict[str, list[Any]]] = {}
         self._trace: _Trace | None = None  # this step's, once read
         self._handles: list[Any] = []
         weakref.finalize(self, _remove, self._handles)  # a dropped BackwardOrder unhooks the model
@@ -293,15 +302,16 @@ class BackwardOrder(Hook):
                 node.register_prehook(lambda grads: self._use(names, path, grads[nr]))
 
     def _use(self, names: Sequence[str], path: str, g: Tensor) -> None:
-        # NaN/inf in the gradient reaching this use's output is in its share of the weight too; the
-        # inf-norm is NaN/inf exactly then (one reduction on the device, read only on a skipped step)
-        amax = torch.linalg.vector_norm(g.detach(), math.inf)
+        # NaN/inf in the gradient reaching this use's output is in its share of the weight too; its min and
+        # max hold them (one plain reduction on the device, where the inf-norm takes the norm's generic
+        # path; the largest |value| is taken only when a record reads it: a skipped step)
+        extremes = torch.aminmax(g.detach())
         for name in names:
             seen = self._raw_uses.setdefault(name, {})
             if path in seen:  # a later micro-batch: the order stays the first's, a NaN anywhere counts
-                seen[path][1] = torch.maximum(seen[path][1], amax)
+                seen[path][1].append(extremes)
             else:
-                seen[path] = [len(self._fired), amax]  # its entry: the trace turns it into a rank
+                seen[path] = [len(self._fired), [extremes]]  # its entry: the trace turns it into a rank
             self._fired.append((name, path))
 
 

@@ -231,6 +231,10 @@ class Hook:
 
 
 
+def _nothing(*args: Any) -> None:
+    """A moment no member keeps."""
+
+
 class Hooks(Hook):
     """Hooks called by ``priority`` (higher first, ties as given): one hook to the step, each moment to
     the members that define it.
@@ -256,6 +260,11 @@ class Hooks(Hook):
         # per moment, the members that define it: a step calls no empty method (the alarms define one)
         self._at = {m: [h for h in self.members if getattr(type(h), m) is not getattr(Hook, m)]
                     for m in self.MOMENTS}
+        # a moment that returns nothing or the first answer, kept by no member or one: called straight, not
+        # through a loop (the step calls each moment every step; the defaults keep one or none of them)
+        for m in ("pre_step", "pre_forward", "gradient_order", "pre_optim_step", "post_step"):
+            if len(self._at[m]) <= 1:
+                setattr(self, m, getattr(self._at[m][0], m) if self._at[m] else _nothing)
         self._named: set[str] = set()  # measure names already checked
 
     def attach(self, trainer: Any) -> None:
@@ -276,6 +285,8 @@ class Hooks(Hook):
 
     def post_backward(self, trainer: Any, step: int) -> dict[str, Tensor]:
         measures: dict[str, Tensor] = {}
+        if not self._at["post_backward"]:
+            return measures
         for h in self._at["post_backward"]:
             measures.update(h.post_backward(trainer, step) or {})
         if not self._named.issuperset(measures):  # each name checked once, before the step decides
@@ -310,8 +321,12 @@ class Hooks(Hook):
             h.post_step(trainer, params, record)
 
     def on_record(self, trainer: Any, record: Any) -> list[RewindEvent]:
-        events = [h.on_record(trainer, record) for h in self._at["on_record"]]
-        return [e for e in events if e is not None]
+        events = []
+        for h in self._at["on_record"]:
+            event = h.on_record(trainer, record)
+            if event is not None:
+                events.append(event)
+        return events
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{state_key: state}`` of every member that has a ``state_key``."""

@@ -161,19 +161,12 @@ class StepRecord:
                  reason: str | None = None, *, lr: float = math.nan,
                  lrs: list[float] | tuple[float, ...] = (), fields: Mapping[str, Any] | None = None,
                  **more: Any) -> None:
-        set_ = object.__setattr__  # the core's one write: __setattr__ refuses every later one
-        set_(self, "step", step)
-        set_(self, "loss", loss)
-        set_(self, "grad_norm", grad_norm)
-        set_(self, "clip_coef", clip_coef)
-        set_(self, "clipped", clipped)
-        set_(self, "scale", scale)
-        set_(self, "next_scale", next_scale)
-        set_(self, "skipped", skipped)
-        set_(self, "reason", reason)
-        set_(self, "lr", lr)
-        set_(self, "lrs", list(lrs))
-        set_(self, "fields", {**fields, **more} if fields else more)
+        # the core's one write, by the slots' own setters (__setattr__ refuses every later one): a record is
+        # built every step, and a call of object.__setattr__ per field costs more than the setter itself
+        values = (step, loss, grad_norm, clip_coef, clipped, scale, next_scale, skipped, reason, lr,
+                  list(lrs), {**fields, **more} if fields else more)
+        for set_, value in zip(_SETTERS, values):
+            set_(self, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a StepRecord is not changed once built (record.{name} = ...): build it with "
@@ -254,6 +247,7 @@ class StepRecord:
         return f"StepRecord({core}, fields={self.fields!r})"
 
 
+_SETTERS = tuple(getattr(StepRecord, name).__set__ for name in (*CORE, "fields"))  # in __init__'s order
 _LEGACY = frozenset({"rewound", "rewind_to"})  # an older labkit's rewind marks: a RewindEvent now
 
 

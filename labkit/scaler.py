@@ -158,6 +158,9 @@ def _takes_grad_scaler(step: Callable) -> bool:
     return "grad_scaler" in inspect.signature(step).parameters
 
 
+_CPU = torch.device("cpu")
+
+
 def update_scale(
     scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, found_inf: Tensor, config: ScalerConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -197,9 +200,13 @@ def update_scale(
     (512.0, 0, 0)
     """
     dev = scale.device
-    overflow = found_inf.ne(constant(0.0, dev, found_inf.dtype))
-    # torch's kernel writes its arguments in place: it gets fresh ones (the clamp's result is one)
-    new_scale, new_tracker = scale.clone(), growth_tracker.clamp(max=config.growth_interval - 1)
+    # every operand in its tensor's dtype (the constants made once): with a Python number or a mixed-dtype
+    # select torch promotes the types first, which costs more than the 0-dim operation, every step
+    clean = found_inf.eq(constant(0.0, dev, found_inf.dtype))  # no overflow: the selects' condition
+    # torch's kernel writes its arguments in place: it gets fresh ones (the minimum's result is one)
+    new_scale = scale.clone()
+    last = constant(config.growth_interval - 1, dev, growth_tracker.dtype)
+    new_tracker = torch.minimum(growth_tracker, last)
     torch._amp_update_scale_(new_scale, new_tracker, found_inf if found_inf.dtype == torch.float32 else
                              found_inf.float(), config.growth_factor, config.backoff_factor,
                              config.growth_interval)
@@ -207,15 +214,16 @@ def update_scale(
         # on a clean step the kernel's scale is the scale or its growth; a back-off is below both
         new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
     floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
-    new_scale = torch.where(overflow, new_scale.clamp(min=floor), new_scale)  # without a floor it could die
+    # without a floor it could die (float32's floor is exact in a float32 constant)
+    new_scale = torch.where(clean, new_scale, torch.maximum(new_scale, constant(floor, dev, torch.float32)))
     if config.hysteresis == 1:  # every overflow backs off; hysteresis_left is 0 after one, 1 after a growth
-        after = ~overflow
+        after = clean.to(hysteresis_left.dtype)
     else:  # fewer than H overflows since the last growth: the back-off waits
         hyst_after = (hysteresis_left - 1).clamp_(min=0)
-        new_scale = torch.where(overflow & (hyst_after > 0), scale, new_scale)
-        after = torch.where(overflow, hyst_after, config.hysteresis)
+        new_scale = torch.where(~clean & (hyst_after > 0), scale, new_scale)
+        after = torch.where(clean, config.hysteresis, hyst_after)
     # the tracker is 0 after an overflow and after a growth, which refills the hysteresis
-    new_hyst = torch.where(new_tracker.eq(constant(0, dev, torch.int32)), after, hysteresis_left)
+    new_hyst = torch.where(new_tracker.eq(constant(0, dev, new_tracker.dtype)), after, hysteresis_left)
     return new_scale, new_tracker, new_hyst
 
 
@@ -317,7 +325,9 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
-            return outputs * self._lazy_init(outputs.device)["scale"].to(outputs.device, non_blocking=True)
+            scale = self._lazy_init(outputs.device)["scale"]
+            return outputs * (scale if scale.device == outputs.device else
+                              scale.to(outputs.device, non_blocking=True))
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, Iterable):
@@ -394,7 +404,7 @@ class GradScaler:
                 f"inf_check_() needs a fresh iteration for this optimizer; it is {opt_state['stage'].value}."
             )
         if isinstance(found_inf, bool):
-            device = self._state["scale"].device if self._state is not None else torch.device("cpu")
+            device = self._state["scale"].device if self._state is not None else _CPU
             opt_state["host"] = found_inf
             found = self._flag(device, found_inf)  # update() moves the scale on the device
         else:
@@ -598,14 +608,15 @@ class GradScaler:
                     "scaler.step(optimizer) after backward and before update()."
                 )
             device = state["scale"].device
-            found_inf = (
-                found[0].to(device) if len(found) == 1 else torch.stack([f.to(device) for f in found]).sum()
-            )
+            if len(found) == 1:  # one optimizer: no copy when its flag is on the scale's device already
+                found_inf = found[0] if found[0].device == device else found[0].to(device)
+            else:
+                found_inf = torch.stack([f.to(device) for f in found]).sum()
             new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
                                self.config)
-            skipped = found_inf.ne(constant(0.0, device, found_inf.dtype))
-            one = constant(1, device, torch.int64)
-            counters = (state["skip_count"] + skipped, (state["skip_streak"] + one) * skipped)
+            skipped = found_inf.ne(constant(0.0, device, found_inf.dtype)).long()  # the counters' dtype
+            # the streak is (streak + 1) * skipped, in one operation: skipped + streak * skipped
+            counters = (state["skip_count"] + skipped, torch.addcmul(skipped, state["skip_streak"], skipped))
             # new tensors, not writes into the old ones: a scale read before (get_scale_async) stays this
             # iteration's, as a record needs it, with no copy
             for key, value in zip(STATE_KEYS, (*new, *counters)):

@@ -483,3 +483,105 @@ def test_a_rewind_returns_to_the_newest_snapshot_back_steps_old(back):
 def test_rewinds_defaults_are_palms_scale_as_its_repr_says():
     """PaLM §5.1: ~100 steps back, 200-500 batches skipped."""
     assert repr(Rewind()) == "Rewind(back=100, skip=300, every=100)"
+
+
+# ------------------------------------------------------------------------------ spikes: settings, defaults
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"window": 1}, "window"), ({"window": 0}, "window"), ({"skip_z": 0}, "skip_z"),
+    ({"skip_z": -1.0}, "skip_z"),
+    ({"clip_z": 0, "skip_z": None}, "clip_z"), ({"clip_z": -1.0, "skip_z": None}, "clip_z"),
+])
+def test_a_detector_setting_out_of_range_is_refused_naming_it(kwargs, name):
+    rule = "a number of standard deviations" if name != "window" else "an int"
+    with pytest.raises(ValueError, match=f"^{name} must be {rule}"):
+        SpikeDetector(**kwargs)
+
+
+def test_a_detectors_clip_z_must_be_below_its_skip_z_and_the_edges_are_accepted():
+    """Clip the moderate spikes, skip the big ones: ``clip_z == skip_z`` would leave no band to clip in."""
+    with pytest.raises(ValueError, match="clip_z"):
+        SpikeDetector(skip_z=6.0, clip_z=6.0)
+    assert SpikeDetector(skip_z=6.0, clip_z=5.999).clip_z == 5.999
+    assert SpikeDetector(window=2).window == 2
+    assert SpikeDetector(skip_z=1e-9, clip_z=None).skip_z == 1e-9
+    assert SpikeDetector(skip_z=None, clip_z=1e-9).clip_z == 1e-9
+
+
+def test_a_detector_scores_from_its_min_count_or_half_its_window():
+    """OLMo-core: inactive until ``window // 2`` values (4 of a window of 9); ``min_count`` overrides it."""
+    det = SpikeDetector(window=9, skip_z=None)
+    given_min = SpikeDetector(window=9, skip_z=None, min_count=2)
+    for v in [0.0, 2.0]:
+        det.observe(v, v, admitted=True)
+        given_min.observe(v, v, admitted=True)
+    assert math.isnan(det.score(3.0, 3.0)[0]) and given_min.score(3.0, 3.0) == (2.0, 2.0)
+    for v in [0.0, 2.0]:
+        det.observe(v, v, admitted=True)
+    assert det.score(3.0, 3.0) == (2.0, 2.0)  # 4 values in: 9 // 2
+
+
+def test_the_detectors_defaults_are_olmo_cores_window_of_128_and_6_sigma():
+    """OLMo-core's SkipStepOptimizer: the last 128 values (active from 64), a skip beyond 6 sigma; no clip."""
+    g = torch.Generator().manual_seed(5)
+    values = (1.0 + torch.rand(200, generator=g, dtype=torch.float64)).tolist()
+    default = SpikeDetector()
+    published = SpikeDetector(window=128, skip_z=6.0, clip_z=None, min_count=64)
+    for i, v in enumerate(values):
+        past = values[max(0, i - 128):i]
+        z = (v - statistics.fmean(past)) / statistics.pstdev(past) if len(past) >= 64 else math.nan
+        got = default.score(v, v)
+        assert got == published.score(v, v)
+        assert (math.isnan(got[0]) and math.isnan(z)) or got[0] == pytest.approx(z, rel=1e-9)
+        default.observe(v, v, admitted=True)
+        published.observe(v, v, admitted=True)
+    past = values[-128:]
+    mean, std = statistics.fmean(past), statistics.pstdev(past)
+    for z, want in [(5.9, (None, None)), (6.1, ("skip", "spike_loss"))]:
+        x = mean + z * std
+        assert default.decide(*default.score(x, 1.5)) == want == published.decide(*published.score(x, 1.5))
+
+
+# ------------------------------------------------------------------------------ rewind: settings, all ranks
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"back": 0}, "back"), ({"skip": -1}, "skip"), ({"max_rewinds": 0}, "max_rewinds"),
+    ({"every": 0}, "every"),
+])
+def test_a_rewind_setting_out_of_range_is_refused_naming_it(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name} must"):
+        Rewind(**kwargs)
+
+
+def test_every_rank_rewinds_when_one_ranks_record_says_so(monkeypatch):
+    """Under torch.distributed the trigger is all-reduced by MAX over the trainer's process group: a quiet
+    record on this rank still rewinds when another rank's record spiked (a fake two-rank group)."""
+    import labkit.rewind as rewind_module
+
+    group = object()
+    peer = {"want": 0}
+    calls = []
+
+    def all_reduce_(tensor, op, group_=None):
+        assert group_ is group, "reduced over another group than the trainer's"
+        ops = {"max": torch.maximum, "min": torch.minimum, "sum": torch.add}
+        calls.append(op)
+        tensor.copy_(ops[op](tensor, torch.tensor([peer["want"]])))
+        return tensor
+
+    monkeypatch.setattr(rewind_module, "is_distributed", lambda: True)
+    monkeypatch.setattr(rewind_module, "all_reduce_", all_reduce_)
+    train = Train()
+    train.process_group = group
+    rewind = Rewind(back=2, skip=2)
+    rewind.attach(train)
+    for step in range(4):
+        train.step_count += 1
+        assert rewind.after(train, StepRecord(step, 1.0)) is None
+    peer["want"] = 1  # the other rank's record at step 4 spiked; this rank's did not
+    train.step_count += 1
+    event = rewind.after(train, StepRecord(4, 1.0))
+    assert event is not None and (event.step, event.to) == (4, 2) and train.step_count == 2
+    assert calls == ["max"] * 5

@@ -148,17 +148,17 @@ def gradient_sync(model: nn.Module, on: bool) -> contextlib.AbstractContextManag
 
 @contextlib.contextmanager
 def _sync_off(model: nn.Module) -> Iterator[None]:
-    no_sync = getattr(model, "no_sync", None)
-    switch = getattr(model, "set_requires_gradient_sync", None)
-    if callable(no_sync):
-        with no_sync():
+    # asked of the class (DDP's no_sync and FSDP2's switch are methods): a plain module's __getattr__ would
+    # raise and catch an AttributeError for each, every micro-batch
+    if callable(getattr(type(model), "no_sync", None)):
+        with model.no_sync():  # type: ignore[operator]
             yield
-    elif callable(switch):
-        switch(False)
+    elif callable(getattr(type(model), "set_requires_gradient_sync", None)):
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            switch(True)
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
     else:
         yield
 
