@@ -20,9 +20,9 @@ Where a gradient is placed:
   backward computes its share, and keeps that gradient's min and max (one reduction, on the
   device; its largest magnitude is taken from them when a record reads it). The parameter is
   placed at its first use (``lm_head``: an fp16 head's share can overflow from finite inputs,
-  04's sawtooth), unless that use's output gradient was finite and
-  a later use's was not: then the non-finite value came from upstream of the first use (a
-  block in between) and reached the later use's share (the embedding's), so it is placed there.
+  04's sawtooth), unless that use's output gradient was finite and a later use's was not: then
+  the non-finite value came from upstream of the first use (a block in between) and reached the
+  later use's share (the embedding's), so it is placed there.
   ``culprit_module`` names that module (``lm_head``, not ``wte``). An overflow of the first
   share *and* a non-finite value further down in the same step reads as the latter;
 - inside a compiled region (``torch.compile``): the region is one node to autograd and hands

@@ -38,8 +38,8 @@ def _to_json(x: Any) -> Any:
         return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, (list, tuple)):
         return [_to_json(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _to_json(v) for k, v in x.items()}
+    if isinstance(x, dict):  # a float key is written as its text, a non-finite one as "Infinity"...
+        return {(_to_json(k) if isinstance(k, float) else k): _to_json(v) for k, v in x.items()}
     return x
 
 
@@ -161,8 +161,8 @@ class StepRecord:
                  reason: str | None = None, *, lr: float = math.nan,
                  lrs: list[float] | tuple[float, ...] = (), fields: Mapping[str, Any] | None = None,
                  **more: Any) -> None:
-        # the core's one write, by the slots' own setters (__setattr__ refuses every later one); a record is
-        # built every step, and one call of object.__setattr__ per field costs twice as much
+        # the core's one write, by the slots' own setters (__setattr__ refuses every later one): a record is
+        # built every step, and a call of object.__setattr__ per field costs more than the setter itself
         values = (step, loss, grad_norm, clip_coef, clipped, scale, next_scale, skipped, reason, lr,
                   list(lrs), {**fields, **more} if fields else more)
         for set_, value in zip(_SETTERS, values):

@@ -200,8 +200,8 @@ def update_scale(
     (512.0, 0, 0)
     """
     dev = scale.device
-    # every operand in its tensor's dtype (the constants made once): a Python number or a mixed-dtype select
-    # costs a type promotion, up to 3x the operation, and the scaler updates every step
+    # every operand in its tensor's dtype (the constants made once): with a Python number or a mixed-dtype
+    # select torch promotes the types first, which costs more than the 0-dim operation, every step
     clean = found_inf.eq(constant(0.0, dev, found_inf.dtype))  # no overflow: the selects' condition
     # torch's kernel writes its arguments in place: it gets fresh ones (the minimum's result is one)
     new_scale = scale.clone()
@@ -325,7 +325,9 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
-            return outputs * self._lazy_init(outputs.device)["scale"].to(outputs.device, non_blocking=True)
+            scale = self._lazy_init(outputs.device)["scale"]
+            return outputs * (scale if scale.device == outputs.device else
+                              scale.to(outputs.device, non_blocking=True))
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, Iterable):

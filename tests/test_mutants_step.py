@@ -525,3 +525,27 @@ def test_measured_fields_join_a_verdict_without_changing_what_it_asks():
     m = v.measured([("z_grad", 3.0), ("z_loss", 2.0)])
     assert m == Verdict("spike_grad", 0.5, "Mine", {"z_loss": 2.0, "z_grad": 3.0})
     assert v.fields == {"z_loss": 1.0} and v.measured([]) is v
+
+
+def test_a_hook_raising_at_a_deferred_flush_leaves_every_record_whole_and_the_others_logged():
+    """sync_every: a hook that raises on one record of the batched copy leaves none with placeholder numbers;
+    the others reach the hooks and the log, as they would step by step, then the error is raised."""
+    seen = []
+
+    class Fussy(Hook):
+        def on_record(self, trainer, record):
+            seen.append(record.step)
+            if record.step == 1:
+                raise RuntimeError("this hook refuses step 1")
+
+    step, task = _toy_step(sync_every=3, hooks=[Fussy()])
+    ref, _ = _toy_step()
+    records = [step(*task.batch(i)) for i in range(2)]
+    with pytest.raises(RuntimeError, match="refuses step 1"):
+        step(*task.batch(2))  # the third call copies the three over
+    assert seen == [0, 1, 2]
+    logged = list(step.log)
+    assert [r.step for r in logged] == [0, 2]  # step 1's hook raised before it was logged, as step by step
+    expected = [ref(*task.batch(i)) for i in range(3)]  # the same steps, read step by step
+    for r, e in zip([*records, logged[1]], expected[:2] + expected[2:]):
+        assert (r.loss, r.grad_norm, r.scale, r.skipped) == (e.loss, e.grad_norm, e.scale, e.skipped)

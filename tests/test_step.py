@@ -807,7 +807,7 @@ def test_clipping_that_subsides_is_the_design_clipping_that_holds_is_the_symptom
     assert len(fired(onset)) == 1
 
 
-# ---------------------------------------------------------------- the step's own fast paths keep torch's contract
+# ---------------------------------------------------------------- the step's fast paths keep torch's contract
 
 
 def test_zero_grad_is_torchs_own_where_a_profiler_records_or_the_optimizer_has_its_own():

@@ -68,7 +68,8 @@ class Decision:
         coef, inv = self.coef, self.inv_scale
         if inv is None:
             return None if self.host is not None and self.host[1] == 1.0 else coef
-        return (coef * inv.to(coef.device)).to(coef.dtype)
+        factor = coef * inv.to(coef.device)
+        return factor if factor.dtype is coef.dtype else factor.to(coef.dtype)  # no cast that does nothing
 
     def grad_scale(self) -> Tensor | None:
         """Return ``1 / coef``, a fused optimizer's ``grad_scale`` (the scaler adds the scale); None: 1."""

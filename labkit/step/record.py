@@ -20,7 +20,6 @@ from ..blame import placed
 from ..clip import first_nonfinite
 from ..clippers import Clipper
 from ..distributed import ProcessGroup, all_reduce_, is_distributed
-from ..logfile import LogWriteError
 from ..names import module_of
 from ..reasons import Reason
 from ..records import CORE, StepRecord, put
@@ -193,17 +192,18 @@ class Pending:
         return record
 
     def flush(self, scaler_enabled: bool, finish: Callable[[StepRecord], None]) -> None:
-        """Copy every pending outcome over (one host sync), fill its record and ``finish`` each, in order.
+        """Copy every pending outcome over (one host sync), fill every record, then ``finish`` each, in order.
 
-        A ``LogWriteError`` from ``finish`` does not stop the others: every record is finished,
-        then the first such error is raised.
+        An error from ``finish`` (a log write failing, a hook raising) does not stop the others:
+        every record already holds its numbers before the first is finished, every record is
+        finished, then the first error is raised.
         """
         items, self.items = self.items, []
         if not items:
             return
         rows = [torch.cat([o.values, o.norms.to(o.values)]) for _, o in items]  # type: ignore[union-attr, arg-type]
         flat = torch.cat(rows).tolist()  # the one host sync
-        offset, write_error = 0, None
+        offset = 0
         for (record, o), row in zip(items, rows):
             width = len(o.values)
             numbers, offset = flat[offset:offset + len(row)], offset + len(row)
@@ -212,9 +212,11 @@ class Pending:
             done = build(o, numbers[:width], scaler_enabled, None)
             for name in (*CORE, "fields"):
                 object.__setattr__(record, name, object.__getattribute__(done, name))
+        error = None
+        for record, _ in items:
             try:
                 finish(record)
-            except LogWriteError as e:  # every record is still finished and kept; the first error is raised
-                write_error = write_error or e
-        if write_error is not None:
-            raise write_error
+            except Exception as e:  # the steps ran: each is still given to the hooks and the log
+                error = error or e
+        if error is not None:
+            raise error
