@@ -26,6 +26,14 @@ from labkit.faults import Faults
 NAN, INF = float("nan"), float("inf")
 
 
+def read_to_end(fd: int) -> bytes:
+    """Return what a pipe's reading end gets until its writer closes (os.read's b"")."""
+    received = b""
+    while chunk := os.read(fd, 1 << 16):
+        received += chunk
+    return received
+
+
 @pytest.fixture
 def task():
     return labkit.ToyTask()
@@ -374,9 +382,7 @@ def test_a_fifo_gets_every_record_and_one_nobody_reads_is_refused_not_waited_on(
         for i in range(3):
             step(*task.batch(i))
         step.log.close()
-        received = b""
-        while chunk := os.read(reader, 1 << 16):  # b"" once the writer has closed
-            received += chunk
+        received = read_to_end(reader)
     finally:
         os.close(reader)
     assert received.decode().splitlines() == [r.to_json() for r in step.log]
@@ -496,9 +502,7 @@ def test_a_stream_that_fails_mid_line_gets_the_rest_of_it_once_not_twice(tmp_pat
             log.append(records(2)[1])
         log.append(records(3)[2])  # the rest of line 2, then line 3
         log.close()
-        received = b""
-        while chunk := os.read(reader, 1 << 16):
-            received += chunk
+        received = read_to_end(reader)
     finally:
         os.close(reader)
     assert received.decode() == "".join(r.to_json() + "\n" for r in records(3))

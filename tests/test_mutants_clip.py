@@ -7,6 +7,7 @@ to the norm: a drop-in that subtracts it gives other gradients), and the scaler'
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
@@ -17,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_clip import params_from_values
 
 import labkit
 from labkit import GradScaler
@@ -24,6 +26,17 @@ from labkit.clip import check_scaled_norm_type, clip_coef, round_to
 
 FAST = settings(max_examples=60, deadline=None, database=None)
 
+
+
+@contextlib.contextmanager
+def float64_default():
+    """Run the block with float64 as torch's default dtype (a user's ``torch.set_default_dtype``)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 def grads_of(values, scale):
     out = []
@@ -209,16 +222,12 @@ def test_a_fused_adamw_step_is_torchs_bit_for_bit_and_skips_on_inf(grads):
 
 def test_a_fused_step_under_a_float64_default_dtype_is_torchs():
     """found_inf and the unit scale are float32 whatever the default dtype: torch's kernels take no other."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_default():
         ref, ours = fused_pair()
         for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
             for scaler, opt, w in (ref, ours):
                 fused_iteration(scaler, opt, w, g)
             assert_same_adam(ref, ours)
-    finally:
-        torch.set_default_dtype(before)
     assert ours[0].skip_count == 1
 
 
@@ -473,9 +482,7 @@ def test_a_self_unscaling_optimizer_gets_the_steps_arguments_once_as_from_torch(
 
 def test_unscale_then_a_fused_step_under_a_float64_default_dtype_is_torchs():
     """unscale_'s found_inf is float32 whatever the default dtype: a fused kernel takes it after unscale_."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_default():
         ref, ours = fused_pair()
         for g in ([1.0, -2.0, 0.5], [math.inf, 0.0, 0.0], [0.25, 1.0, -1.0]):
             for scaler, opt, w in (ref, ours):
@@ -486,18 +493,12 @@ def test_unscale_then_a_fused_step_under_a_float64_default_dtype_is_torchs():
                 scaler.update()
             assert_same_adam(ref, ours)
             assert ref[0].get_scale() == ours[0].get_scale()
-    finally:
-        torch.set_default_dtype(before)
 
 
 def test_get_scale_async_is_a_float32_tensor_before_the_first_scale_and_one_when_disabled():
     """The documented 0-dim float32 scale, whatever the default dtype; 1.0 disabled (torch's get_scale)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_default():
         got = GradScaler("cpu", init_scale=2.0**-3).get_scale_async()
-    finally:
-        torch.set_default_dtype(before)
     assert got.dtype == torch.float32 and got.shape == () and got.item() == 2.0**-3
     off = GradScaler("cpu", enabled=False)
     assert torch.equal(off.get_scale_async(), torch.ones(())) and off.get_scale() == 1.0
@@ -572,9 +573,7 @@ def test_inf_check_before_scale_names_itself():
 @pytest.mark.parametrize("found", [True, False])
 def test_a_host_decision_drives_a_fused_kernel_under_a_float64_default_dtype(found):
     """inf_check_(opt, bool)'s flag is float32 whatever the default dtype: the kernel takes it, as torch's."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_default():
         ref, ours = fused_pair()
         grad = [math.inf, 0.0, 0.0] if found else [1.0, -2.0, 0.5]
         fused_iteration(*ref, grad)
@@ -584,8 +583,6 @@ def test_a_host_decision_drives_a_fused_kernel_under_a_float64_default_dtype(fou
         scaler.inf_check_(opt, found, unscaled=False)
         assert scaler.step(opt) is not found
         scaler.update()
-    finally:
-        torch.set_default_dtype(before)
     assert_same_adam(ref, ours)
     assert scaler.get_scale() == ref[0].get_scale()
 
@@ -658,14 +655,10 @@ def test_update_scale_reads_found_inf_of_any_dtype_as_nonzero_on_overflow(dtype,
 
 def test_update_scale_keeps_the_states_dtypes_under_a_float64_default_dtype():
     """A back-off onto the floor under a float64 default still gives a float32 scale and int32 counters."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_default():
         # a floor of its own (2**-93): no constant made under float32 by another test is reused
         got = labkit.update_scale(t32(2.0**-92, torch.float32), t32(0), t32(1), t32(1.0, torch.float32),
                                   labkit.ScalerConfig(min_scale=2.0**-93, backoff_factor=0.25))
-    finally:
-        torch.set_default_dtype(before)
     assert [t.dtype for t in got] == [torch.float32, torch.int32, torch.int32]
     assert [t.item() for t in got] == [2.0**-93, 0, 0]
 
@@ -730,16 +723,12 @@ def test_update_with_a_new_scale_sets_it_whatever_keep_if_says():
 @pytest.mark.parametrize("new_scale", [4.0, torch.tensor(4.0, dtype=torch.float64)], ids=["float", "float64"])
 def test_update_with_a_new_scale_keeps_a_float32_scale_as_torchs(new_scale):
     """torch copies new_scale into its float32 scale: the scale stays a 0-dim float32 whatever is passed."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64_default():
         for scaler in two_scalers(init_scale=64.0):
             scaler.scale(torch.ones((), dtype=torch.float32))
             scaler.update(new_scale=new_scale)
             got = scaler._scale if isinstance(scaler, torch.amp.GradScaler) else scaler.get_scale_async()
             assert got.dtype == torch.float32 and got.item() == 4.0
-    finally:
-        torch.set_default_dtype(before)
 
 
 def test_update_after_unscaling_an_optimizer_without_gradients_is_refused_as_by_torch():
@@ -809,15 +798,7 @@ def test_norms_and_clipping_in_one_dtype_are_torchs(dtype, tensors, norm_type, m
     One dtype per model: with float32 and float64 gradients mixed torch sums the norms grouped by dtype,
     labkit in the parameters' order, and at some orders (0.5) the last bit differs.
     """
-    def params():
-        out = []
-        for values in tensors:
-            p = torch.zeros(len(values), dtype=dtype, requires_grad=True)
-            p.grad = torch.tensor(values, dtype=dtype)
-            out.append(p)
-        return out
-
-    ours, theirs = params(), params()
+    ours, theirs = params_from_values(tensors, dtype), params_from_values(tensors, dtype)
     want_total = torch.nn.utils.get_total_norm([p.grad for p in theirs], norm_type, foreach=foreach)
     got_total = labkit.get_total_norm([p.grad for p in ours], norm_type, foreach=foreach)
     assert got_total.dtype == want_total.dtype and torch.equal(got_total, want_total)

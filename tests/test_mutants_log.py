@@ -25,6 +25,7 @@ import warnings
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_log_recovery import read_to_end
 
 from labkit import LogWriteError, logfile
 from labkit.alarms import LabkitWarning
@@ -362,9 +363,7 @@ def test_a_stream_failing_at_and_inside_lines_delivers_each_line_once(tmp_path, 
             with pytest.raises(LogWriteError, match=f"{missing} are not in the file yet"):
                 log.append(r)
         log.close()
-        received = b""
-        while chunk := os.read(reader, 1 << 16):
-            received += chunk
+        received = read_to_end(reader)
     finally:
         os.close(reader)
     assert received.decode().splitlines() == lines(rs)
