@@ -209,6 +209,11 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="labkit-norm")
 
 
+# A forked child has none of its parent's threads: the parent's pool would take its work and never run
+# it (a forked mutation run hung so). The child makes its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def foreach_norm(tensors: list[Tensor], norm_type: float, dtype: torch.dtype | None = None) -> list[Tensor]:
     """Return ``torch._foreach_norm(tensors, norm_type, dtype=dtype)``, on CPU over torch's threads.
 

@@ -1,4 +1,5 @@
 import math
+import os
 
 import pytest
 import torch
@@ -710,6 +711,23 @@ def test_clip_grads_with_norm_on_no_gradients_is_a_no_op():
 
 
 # ---------------------------------------------------------------- CPU norms over torch's threads
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_splits_the_norms_over_a_pool_of_its_own():
+    """The norms' thread pool, made in a parent that then forks, is not the child's: the child's work runs."""
+    from labkit import clip as clip_module
+
+    assert clip_module._pool(1).submit(int, 3).result(timeout=10) == 3  # the parent's pool, its thread up
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status only, never return into pytest
+        try:
+            ok = clip_module._pool(1).submit(int, 7).result(timeout=10) == 7
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.fixture
