@@ -147,6 +147,21 @@ def named_grads(parameters: Parameters) -> tuple[list[Tensor], list[str]]:
 def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None = None) -> Tensor:
     """Return a 1-d tensor of each gradient's ``norm_type``-norm, in order.
 
+    >>> per_tensor_norms([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
+    tensor([3., 4.])
+    """
+    return grouped_norms(grads, norm_type, foreach)[0]
+
+
+def grouped_norms(
+    grads: list[Tensor], norm_type: float, foreach: bool | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Return each gradient's ``norm_type``-norm, in order, and the order torch sums them in.
+
+    The order is ``None`` where it is the list's own (one device and dtype, the usual case);
+    else it is torch's grouping by device and dtype (``total_norm``'s ``order``), so that the
+    global norm of mixed float32/float64 gradients is torch's to the bit.
+
     fp16/bf16 gradients are accumulated in float32; the result has the promoted dtype of
     float32 and the other gradients' dtypes (float64 gradients keep a float64 norm, so
     ``[3e20, 4e20]`` has norm ``5e20``, as in torch, not ``inf``).
@@ -154,16 +169,17 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
     A sharded ``DTensor`` gradient gets the norm of the whole tensor, the same on every rank
     (one all-reduce per mesh, for all such gradients together).
 
-    >>> per_tensor_norms([torch.tensor([3.0]), torch.tensor([4.0])], 2.0)
-    tensor([3., 4.])
+    >>> f64 = torch.tensor([4.0], dtype=torch.float64)
+    >>> grouped_norms([torch.tensor([3.0]), f64, torch.tensor([0.0])], 2.0)  # torch's order: float64's first
+    (tensor([3., 4., 0.], dtype=torch.float64), tensor([1, 0, 2]))
     """
     if not grads:
-        return torch.zeros(0)
+        return torch.zeros(0), None
     dtype, device = grads[0].dtype, grads[0].device
     if foreach is not False and device.type in ("cpu", "cuda") and all(
         type(g) is Tensor and g.dtype is dtype and g.device == device and g.numel() for g in grads
     ):  # the usual case (no DTensor, one device and dtype): no grouping, less Python a step
-        return torch.stack(foreach_norm(grads, norm_type, torch.float32 if dtype in HALF else None))
+        return torch.stack(foreach_norm(grads, norm_type, torch.float32 if dtype in HALF else None)), None
     sharded, grads = grads, [local_tensor(g) for g in grads]
     first = grads[0].device
     out_dtype = functools.reduce(torch.promote_types, [_acc_dtype(g.dtype) for g in grads])
@@ -188,10 +204,14 @@ def per_tensor_norms(grads: list[Tensor], norm_type: float, foreach: bool | None
         if len(idx) == len(grads):
             stacked = torch.stack(out)
             return reduce_sharded_norms_(stacked if stacked.dtype == out_dtype else stacked.to(out_dtype),
-                                         sharded, norm_type)
+                                         sharded, norm_type), None
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=out_dtype)
-    return reduce_sharded_norms_(torch.stack(norms), sharded, norm_type)  # type: ignore[arg-type]
+    # torch's get_total_norm stacks the norms group by group (an empty gradient in its group), and a
+    # sum's rounding depends on its order: a permutation, read only by the global norm
+    order = [i for _, (_, where) in group_by_device_and_dtype(grads).items() for i in where]
+    return (reduce_sharded_norms_(torch.stack(norms), sharded, norm_type),  # type: ignore[arg-type]
+            torch.tensor(order, device=first))
 
 
 # Below this many elements a second thread's hand-off costs more than it saves.
@@ -256,11 +276,17 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF else dtype
 
 
-def total_norm(norms: Tensor, norm_type: float) -> Tensor:
-    """Combine per-tensor norms into the norm of all gradients viewed as one vector."""
+def total_norm(norms: Tensor, norm_type: float, order: Tensor | None = None) -> Tensor:
+    """Combine per-tensor norms into the norm of all gradients viewed as one vector.
+
+    ``order`` (``grouped_norms``') is the order the norms are summed in, as torch sums them.
+
+    >>> total_norm(torch.tensor([3.0, 4.0]), 2.0)
+    tensor(5.)
+    """
     if norms.numel() == 0:
         return torch.tensor(0.0)
-    return torch.linalg.vector_norm(norms, norm_type)
+    return torch.linalg.vector_norm(norms if order is None else norms[order], norm_type)
 
 
 NONFINITE = ("The total norm of order {p} for gradients from `parameters` is non-finite, "
@@ -286,7 +312,8 @@ def get_total_norm(
         if not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"get_total_norm takes floating-point tensors (gradients); item {i} is "
                             f"{_describe(t)}. Convert it with .float(), or pass the parameters to grad_norm.")
-    norm = total_norm(per_tensor_norms(tensors, p, foreach), p)
+    norms, order = grouped_norms(tensors, p, foreach)
+    norm = total_norm(norms, p, order)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         raise RuntimeError(
             NONFINITE.format(p=p) + " To disable this error pass error_if_nonfinite=False "
@@ -322,7 +349,8 @@ def grad_norm(parameters: Parameters, norm_type: float = 2.0, foreach: bool | No
             "require grad: they look like the gradients themselves. Pass the parameters "
             "(model.parameters()), or call labkit.get_total_norm(tensors) for the norm of plain tensors."
         )
-    return total_norm(per_tensor_norms(grads, p, foreach), p)
+    norms, order = grouped_norms(grads, p, foreach)
+    return total_norm(norms, p, order)
 
 
 @functools.lru_cache(maxsize=64)
@@ -482,7 +510,8 @@ def clip_grad_norm_(
     if is_generator and not parameters:  # torch's warning: a spent model.parameters() is a common bug
         warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
     grads, names = named_grads(parameters)
-    norm = total_norm(per_tensor_norms(grads, p, foreach), p)
+    norms, order = grouped_norms(grads, p, foreach)
+    norm = total_norm(norms, p, order)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):
         culprit = first_nonfinite(grads, names)
         where = (f"parameter {culprit}" if culprit is not None

@@ -48,8 +48,10 @@ def make_params(shapes, dtype=torch.float32, seed=0, gradless=(), scale=1.0):
 
 
 def params_from_values(values, dtype=torch.float32):
+    """One parameter per row, its gradient the row; ``dtype`` is one for all or a list, one per row."""
+    dtypes = dtype if isinstance(dtype, list) else [dtype] * len(values)
     params = []
-    for row in values:
+    for row, dtype in zip(values, dtypes, strict=True):
         p = torch.zeros(len(row), dtype=dtype, requires_grad=True)
         p.grad = torch.tensor(row, dtype=dtype)
         params.append(p)

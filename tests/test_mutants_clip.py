@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_clip import params_from_values
 
@@ -786,19 +786,37 @@ def test_the_config_takes_its_documented_extremes_and_refuses_past_them():
 # ------------------------------------------------------------- the norms against torch's, any dtype and order
 
 
-@settings(max_examples=40, deadline=None, database=None)
-@given(dtype=st.sampled_from([torch.float32, torch.float64]),
+F32, F64 = torch.float32, torch.float64
+# summed in the parameters' order, these totals (order 0.5, order 2) differed from torch's in the last bit
+MIXED = [[340.13630263058826, -596.0173824010928, 219.54122083356083], [-980.5906811323717],
+         [925.1329265093634, 798.0160760620151, 636.2367618355881], [50.21476966689329],
+         [205.17342961082704, -688.1892704615993]]
+MIXED_L2 = [[-921.2966269416163, -639.2212174873324], [-559.8990004049917, 680.9180210693573],
+            [868.9217768922977, -360.80600329236484], [-785.4292458734801, 799.2512626276282],
+            [82.15139491912282, -597.6299090524324, -406.7174974461742],
+            [28.070935676543286, -75.84511434785998]]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(dtypes=st.lists(st.sampled_from([F32, F64]), min_size=6, max_size=6),
        tensors=st.lists(st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=3), min_size=1,
-                        max_size=4),
+                        max_size=6),
        norm_type=st.sampled_from([1.0, 2.0, 3.0, 0.0, math.inf, -math.inf, 0.5]),
        max_norm=st.sampled_from([1e-3, 1.0, 1e6]), foreach=st.sampled_from([None, False, True]))
-def test_norms_and_clipping_in_one_dtype_are_torchs(dtype, tensors, norm_type, max_norm, foreach):
-    """get_total_norm, grad_norm, clip_grad_norm_ over float32 or float64 gradients, any order: torch's bits.
+@example(dtypes=[F64, F64, F64, F32, F32, F32], norm_type=0.5, max_norm=1.0, foreach=None,
+         tensors=MIXED)
+@example(dtypes=[F64, F64, F32, F32, F32, F32], norm_type=2.0, max_norm=1e6, foreach=False,
+         tensors=MIXED_L2)
+def test_norms_and_clipping_are_torchs_over_any_mix_of_float32_and_float64(
+    dtypes, tensors, norm_type, max_norm, foreach
+):
+    """get_total_norm, grad_norm, clip_grad_norm_ over float32 and float64 gradients, any mix: torch's bits.
 
-    One dtype per model: with float32 and float64 gradients mixed torch sums the norms grouped by dtype,
-    labkit in the parameters' order, and at some orders (0.5) the last bit differs.
+    torch sums the norms group by group (by device and dtype), not in the parameters' order: a sum's
+    rounding depends on its order, and at some orders (0.5) the last bit differed before labkit did so too.
     """
-    ours, theirs = params_from_values(tensors, dtype), params_from_values(tensors, dtype)
+    dtypes = dtypes[:len(tensors)]
+    ours, theirs = params_from_values(tensors, dtypes), params_from_values(tensors, dtypes)
     want_total = torch.nn.utils.get_total_norm([p.grad for p in theirs], norm_type, foreach=foreach)
     got_total = labkit.get_total_norm([p.grad for p in ours], norm_type, foreach=foreach)
     assert got_total.dtype == want_total.dtype and torch.equal(got_total, want_total)
@@ -808,6 +826,29 @@ def test_norms_and_clipping_in_one_dtype_are_torchs(dtype, tensors, norm_type, m
     assert torch.equal(got, want)
     for p, q in zip(ours, theirs):
         assert torch.equal(p.grad, q.grad), (p.grad, q.grad)
+
+
+@pytest.mark.parametrize("scale", [None, 2.0**-3, 2.0**10])
+@pytest.mark.parametrize("dtypes", [[F64, F64, F32, F32, F32, F32], [F32, F64, F32, F64, F32, F64]],
+                         ids=["64-then-32", "mixed"])
+def test_the_steps_unscaled_global_norm_over_mixed_dtypes_is_torchs(dtypes, scale):
+    """The step's 2-norm (scaled norms times 1/scale, summed as torch groups them) is torch's after unscale_.
+
+    Order 2 and a power-of-two scale: scaling by s scales each square by s**2, exactly, so the norm of the
+    scaled gradients times 1/s is the unscaled gradients' norm, bit for bit, in any one summation order.
+    """
+    from labkit.step.decision import unscaled_norms
+
+    s = 1.0 if scale is None else scale
+    scaled = [p.grad for p in params_from_values([[v * s for v in row] for row in MIXED_L2], dtypes)]
+    unscaled = [g.clone() for g in scaled]
+    torch._amp_foreach_non_finite_check_and_unscale_(  # torch's unscale_, one dtype group at a time
+        [g for g in unscaled if g.dtype == F32], torch.zeros(1), torch.full((1,), 1 / s))
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [g for g in unscaled if g.dtype == F64], torch.zeros(1), torch.full((1,), 1 / s))
+    want = torch.nn.utils.get_total_norm(unscaled, 2.0)
+    _, got, _ = unscaled_norms(scaled, None if scale is None else torch.tensor(scale), 2.0)
+    assert torch.equal(got, want), (got.item(), want.item())
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0, 4.0, math.inf])

@@ -410,7 +410,7 @@ def test_accumulation_does_one_norm_pass_one_unscale_clip_pass_one_step(make_ste
         return wrapper
 
     monkeypatch.setattr(
-        labkit.step.decision, "per_tensor_norms", counting("norms", labkit.step.decision.per_tensor_norms)
+        labkit.step.decision, "grouped_norms", counting("norms", labkit.step.decision.grouped_norms)
     )
     monkeypatch.setattr(labkit.step.train, "scale_grads_", counting("write", labkit.step.train.scale_grads_))
     train.optimizer.register_step_post_hook(lambda *a: calls.__setitem__("step", calls["step"] + 1))

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..alarms import LabkitWarning
-from ..clip import EPS, Parameters, named_grads, named_tensors, per_tensor_norms, scale_grads_, total_norm
+from ..clip import EPS, Parameters, grouped_norms, named_grads, named_tensors, scale_grads_, total_norm
 from ..distributed import rank
 from ..records import Field, declare
 from ..validate import check_int
@@ -148,8 +148,8 @@ class Clipper:
         (``norm_type``)."""
         params = parameters_list(parameters)
         grads, _ = named_grads(params)
-        norms = per_tensor_norms(grads, self.norm_type)
-        norm = total_norm(norms, self.norm_type)
+        norms, order = grouped_norms(grads, self.norm_type)
+        norm = total_norm(norms, self.norm_type, order)
         self.clip_with_norms_([p for p in params if p.grad is not None], norms, norm)
         return norm
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..clip import clip_coef, per_tensor_norms, total_norm
+from ..clip import clip_coef, grouped_norms, total_norm
 from ..clippers import Clipper
 from ..hooks import Verdict
 
@@ -117,12 +117,12 @@ def unscaled_norms(
     >>> norms, norm, inv
     (tensor([3., 4.]), tensor(5.), tensor(0.5000))
     """
-    scaled = per_tensor_norms(grads, norm_type)
+    scaled, order = grouped_norms(grads, norm_type)
     if scale is None:  # a disabled scaler's scale is 1: nothing to undo
-        return scaled, total_norm(scaled, norm_type), None
+        return scaled, total_norm(scaled, norm_type, order), None
     inv_scale = scale.double().reciprocal().float()  # as torch's unscale_: exact for powers of two
     norms = scaled * inv_scale.to(scaled.device)
-    return norms, total_norm(norms, norm_type), inv_scale
+    return norms, total_norm(norms, norm_type, order), inv_scale
 
 
 def decide(
