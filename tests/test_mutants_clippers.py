@@ -369,3 +369,24 @@ def test_agcs_defaults_are_timms():
         return w.grad
     assert torch.equal(run(AGC()), run(AGC(clipping=0.01, eps=1e-3)))
     assert torch.allclose(run(AGC()), torch.tensor([[0.01, 0.0], [0.0, 0.01]]))  # row 0 cut to 0.01 * 1
+
+
+# ------------------------------------------------------------- a per-tensor clip's global-norm factor
+
+
+@pytest.mark.parametrize(("post", "norm", "finite", "want"), [
+    ([3.0, 4.0], 10.0, True, 0.5),        # the post-clip global norm over the pre-clip one: 5 / 10
+    ([0.3, 0.4], 0.5, True, 1.0),         # a norm below 1 nothing cut: 0.5 / 0.5
+    ([0.1], 0.5, True, 0.2),              # a norm below 1, cut: the ratio, not 1
+    ([], 2.0, True, 1.0),                 # no per-tensor norms reported: nothing cut
+    ([0.0, 0.0], 0.0, True, 1.0),         # all-zero gradients: 1, not 0 / 0
+    ([], math.inf, False, 1.0),           # a non-finite step (it skips): 1, not inf / inf
+    ([1.0], math.nan, False, 1.0),
+], ids=["cut", "uncut-below-1", "cut-below-1", "no-post", "zero", "inf", "nan"])
+def test_a_per_tensor_clips_effective_coef_is_the_ratio_of_global_norms(post, norm, finite, want):
+    """effective_coef: ||post-clip norms|| / pre-clip norm, 1 where that is undefined, and a NaN threshold."""
+    from labkit.clippers.base import effective_coef
+
+    out = effective_coef([torch.tensor(v) for v in post], torch.tensor(norm), torch.tensor(finite))
+    assert out.dtype == torch.float32 and out.shape == (2,)
+    assert out[0].item() == pytest.approx(want, rel=1e-6) and math.isnan(out[1].item())
