@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .alarms import LabkitWarning
+from .alarms import LabkitWarning, warn
 from .distributed import rank
 
 __all__ = ["JsonlFile", "LogWriteError", "cut_torn_tail", "rank_path"]
@@ -94,7 +94,7 @@ class JsonlFile:
         self._last = (item.to_json() + "\n").encode("utf-8")
         self._pending.append(self._last)
         if self._others:  # another run's file: moved aside before our first line (again if that failed)
-            self._move_aside(stacklevel=6)
+            self._move_aside()
         self.flush()
 
     def flush(self) -> None:
@@ -102,7 +102,7 @@ class JsonlFile:
         if self._fd is None or not self._pending:
             return
         if self._others:
-            self._move_aside(stacklevel=4)
+            self._move_aside()
         data, written = b"".join(self._pending)[self._sent:], 0
         try:
             # a failed write may leave part of a line in a file: cut back to the last whole one first
@@ -180,10 +180,12 @@ class JsonlFile:
         warnings.warn(f"{self.path}: cut {what} written after the checkpoint; the resumed run redoes those "
                       "steps.", LabkitWarning, stacklevel=4)
 
-    def _move_aside(self, stacklevel: int) -> None:
+    def _move_aside(self) -> None:
         """Move another run's file to the first free ``<path>.N``; start ``path`` empty for this run.
 
         If it cannot be moved, nothing changes: ``LogWriteError``, and the next line tries again.
+        The warning names the user's line, whichever path reached here (a ``TrainStep``, a
+        ``StepLog.append``, a ``flush``).
         """
         assert self._fd is not None
         aside = _free_name(self.path)
@@ -192,23 +194,26 @@ class JsonlFile:
             last = _step_of(_last_line(f))
         try:
             os.rename(self._where, aside)  # before closing: if it fails, the file is open and ours as it was
+            try:
+                fd, kind = _open_stream(self.path)
+            except OSError:  # no fresh file (out of descriptors, say): put the old one back, as it was
+                os.rename(aside, self._where)
+                raise
         except OSError as e:
             first_ours, last_ours = _step_of(self._pending[0]), _step_of(self._pending[-1])
             raise LogWriteError(
                 e.errno,
                 f"could not move {self.path!r}, another run's log (steps {first}-{last}), aside to {aside!r} "
-                f"({e.strerror}): steps {first_ours}-{last_ours} are not in the file yet. They are kept in "
-                "memory (the log) and written, in order, at the next step or log.flush() once it can be "
-                "moved; or save them with log.to_jsonl(other_path).",
+                f"and start it afresh ({e.strerror}): steps {first_ours}-{last_ours} are not in the file "
+                "yet. They are kept in memory (the log) and written, in order, at the next step or "
+                "log.flush() once it can be moved; or save them with log.to_jsonl(other_path).",
             ) from e
         os.close(self._fd)
-        self._fd = None
-        self._fd, self.kind = _open_stream(self.path)
+        self._fd, self.kind = fd, kind
         self._good_size, self._others = 0, False
-        warnings.warn(f"{self.path} holds the records of another run (steps {first}-{last}): moved it to "
-                      f"{aside!r}, and this run's records start {self.path!r} afresh (one log per run; to "
-                      "continue a run's log, resume it: load_state_dict with the state saved while writing "
-                      "it).", LabkitWarning, stacklevel=stacklevel)
+        warn(f"{self.path} holds the records of another run (steps {first}-{last}): moved it to {aside!r}, "
+             f"and this run's records start {self.path!r} afresh (one log per run; to continue a run's log, "
+             "resume it: load_state_dict with the state saved while writing it).", LabkitWarning)
 
 
 def _free_name(path: str) -> str:
@@ -290,10 +295,18 @@ def _line_start(f: Any, end: int) -> int:
 
 
 def _last_line(f: Any) -> bytes:
-    size = f.seek(0, os.SEEK_END)
-    start = _line_start(f, max(size - 1, 0))
+    """Return the last line of ``f`` that is not blank (at most ``MAX_LINE`` bytes), without its newline."""
+    end = f.seek(0, os.SEEK_END)
+    while end > 0:  # blank lines at the end (a hand edit, another tool's file) are no record: skip them
+        n = min(1 << 16, end)
+        f.seek(end - n)
+        kept = len(f.read(n).rstrip())
+        end -= n - kept
+        if kept:
+            break
+    start = _line_start(f, end)
     f.seek(start)
-    return f.read(min(size - start, MAX_LINE))
+    return f.read(min(end - start, MAX_LINE))
 
 
 def _is_json(tail: bytes) -> bool:

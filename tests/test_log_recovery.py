@@ -108,15 +108,34 @@ def test_a_torn_last_line_is_reported_not_fatal_and_cut_before_anything_is_appen
     assert [r.step for r in log] == [0, 1, 2, 3] and log.torn_tail and not log.torn_tail.endswith("}")
     with pytest.warns(LabkitWarning, match="cut off a torn last line"):
         nxt = StepLog(stream=path)
-    with pytest.warns(LabkitWarning, match=r"holds the records of another run \(steps 0-3\): moved it to"):
+    another = r"holds the records of another run \(steps 0-3\): moved it to"
+    with pytest.warns(LabkitWarning, match=another) as seen:
         for r in records(3, start=4):  # a new run (no resume): one log per run
             nxt.append(r)
     nxt.close()
+    assert [w.filename for w in seen] == [__file__]  # it points at the line that appended, not into labkit
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # clean: no torn tail any more
         back, before = StepLog.read_jsonl(path), StepLog.read_jsonl(f"{path}.1")
     assert [r.step for r in back] == [4, 5, 6] and back.torn_tail is None
     assert [r.step for r in before] == [0, 1, 2, 3] and before.torn_tail is None
+
+
+@pytest.mark.parametrize("sync_every", [None, 2], ids=["every-step", "deferred"])
+def test_a_trainsteps_warning_about_another_runs_log_names_the_users_line(task, tmp_path, sync_every):
+    """The move-aside warning, reached through the step (deferred: through a flush), names the user's line."""
+    path = tmp_path / "log.jsonl"
+    StepLog(records(2)).to_jsonl(path)
+    model = task.model()
+    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, log=path,
+                            sync_every=sync_every)
+    with pytest.warns(LabkitWarning, match="another run") as seen:
+        for i in range(2):
+            step(*task.batch(i))
+        step.log.flush()
+    step.log.close()
+    assert [w.filename for w in seen if "another run" in str(w.message)] == [__file__]
+    assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1]
 
 
 def test_a_complete_last_line_without_its_newline_is_kept(tmp_path):

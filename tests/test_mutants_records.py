@@ -464,11 +464,49 @@ def test_a_log_that_cannot_move_another_runs_file_aside_keeps_its_records(tmp_pa
             log.append(StepRecord(i, 1.0))
     assert steps_in(path) == [0] and [r.step for r in log] == [5, 6]
     monkeypatch.setattr(os, "rename", real)
-    with pytest.warns(LabkitWarning, match="holds the records of another run"):
+    with pytest.warns(LabkitWarning, match="holds the records of another run") as seen:
         log.flush()
+    assert [w.filename for w in seen] == [__file__]  # it points at the flush, not into labkit
     log.append(StepRecord(7, 1.0))
     log.close()
     assert steps_in(path) == [5, 6, 7] and steps_in(f"{path}.1") == [0]
+
+
+def test_no_fresh_file_after_the_move_puts_another_runs_log_back_and_retries(tmp_path, monkeypatch):
+    """Moved aside but no fresh file opened (out of descriptors): the old file goes back where it was, the
+    records stay in memory (a LogWriteError), and the next line moves it again and writes them all."""
+    import labkit.logfile
+
+    path = tmp_path / "log.jsonl"
+    old = StepLog(stream=path)
+    old.append(StepRecord(0, 1.0))
+    old.close()
+    log = StepLog(stream=path)
+    real = labkit.logfile._open_stream
+
+    def no_descriptors(where):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(labkit.logfile, "_open_stream", no_descriptors)
+    refused = r"could not move .*another run's log \(steps 0-0\), aside .* afresh"
+    with pytest.raises(LogWriteError, match=refused):
+        log.append(StepRecord(5, 1.0))
+    assert steps_in(path) == [0] and not os.path.exists(f"{path}.1") and [r.step for r in log] == [5]
+    monkeypatch.setattr(labkit.logfile, "_open_stream", real)
+    with pytest.warns(LabkitWarning, match=r"another run \(steps 0-0\)"):
+        log.append(StepRecord(6, 1.0))
+    log.close()
+    assert steps_in(path) == [5, 6] and steps_in(f"{path}.1") == [0]
+
+
+@pytest.mark.parametrize("tail", [b"\n", b"\n\n", b" \n\n \n", b"\n" * 70_000])
+def test_another_runs_last_step_is_its_last_record_past_blank_lines(tmp_path, tail):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b"".join(StepRecord(i, 1.0).to_json().encode() + b"\n" for i in range(4)) + tail[1:])
+    log = StepLog(stream=path)
+    with pytest.warns(LabkitWarning, match=r"another run \(steps 0-3\)"):
+        log.append(StepRecord(0, 1.0))
+    log.close()
 
 
 def test_parse_line_keeps_every_list_a_list_and_the_reason_a_string():
