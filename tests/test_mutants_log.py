@@ -159,6 +159,21 @@ def test_a_state_whose_counts_are_not_counts_is_refused(change):
         StepLog().load_state_dict({**good_state(), **change})
 
 
+def test_a_states_float_totals_come_back_python_floats_whatever_number_type_was_saved():
+    """A state saved with a scale as a 0-dim tensor (or a whole number as an int, as a hand-written or
+    another tool's state has it) is resumed with Python floats: the summary stays JSON, and equal."""
+    import torch
+
+    want = StepLog()
+    want.load_state_dict(good_state())
+    odd = {**good_state(), "min_scale": torch.tensor(good_state()["min_scale"]), "final_loss": 8}
+    log = StepLog()
+    log.load_state_dict(odd)
+    summary = log.summary()
+    assert type(summary["min_scale"]) is float and type(summary["final_loss"]) is float
+    assert json.dumps(summary) == json.dumps({**want.summary(), "final_loss": 8.0})
+
+
 @pytest.mark.parametrize("key", ["final_loss", "reasons", "min_scale"])
 def test_a_state_missing_a_total_or_holding_another_is_refused(key):
     state = good_state()
