@@ -313,6 +313,23 @@ def test_a_tied_weights_uses_in_a_plain_loop():
     assert math.isnan(order.uses["wte.weight"]["lm_head"][1].item())
 
 
+def test_past_its_bound_the_order_keeps_the_latest_gradients_and_every_use_a_rank(monkeypatch):
+    """The order holds at most FIRED_MAX entries a step (memory stays bounded however many micro-batches):
+    past it the oldest go, and a use recorded once the bound is reached still gets a rank, after the rest."""
+    import labkit.blame
+
+    monkeypatch.setattr(labkit.blame, "FIRED_MAX", 3)
+    model = TiedNet()
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model(torch.ones(2, 3)).sum().backward()
+    ranks = {n: r for n, (r, _) in order.positions.items()}
+    assert sorted(ranks.values()) == [0, 1, 2] and {"pre.weight", "pre.bias"} <= set(ranks)  # the last three
+    uses = {path: rank for path, (rank, _) in order.uses["wte.weight"].items()}
+    assert uses == {"lm_head": 0, "wte": 3}  # the second use, past the bound: after every kept gradient
+
+
 def test_a_later_micro_batchs_nan_counts_at_that_use():
     """Two micro-batches in one step: the order stays the first's, and a NaN in the second's output
     gradient at the head makes that use non-finite (the largest |gradient| over both)."""

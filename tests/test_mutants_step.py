@@ -335,6 +335,38 @@ def test_a_damaged_hook_state_changes_nothing_when_it_is_refused():
     assert hook.counts == {"skips": 0}
 
 
+class InPlaceClip(NormClip):
+    """A custom clipper whose load_state_dict writes its tensors in place, then checks the rest."""
+
+    def __init__(self):
+        super().__init__(1.0)
+        self.state = {"seen": torch.zeros(()), "limit": torch.ones(())}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state["seen"].copy_(state["seen"])
+        if not bool(state["limit"] > 0):
+            raise ValueError("limit must be > 0")
+        self.state["limit"].copy_(state["limit"])
+
+
+def test_a_damaged_clipper_state_changes_nothing_when_it_is_refused():
+    """The clipper's entry is tried on a deep copy: one that writes its own tensors in place before it
+    checks leaves the real clipper's as they were when the state is refused."""
+    clipper = InPlaceClip()
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      clipper=clipper)
+    state = train.state_dict()
+    state["clipper"] = {"seen": torch.tensor(7.0), "limit": torch.tensor(-1.0)}
+    with pytest.raises(ValueError, match="limit"):
+        train.load_state_dict(state)
+    assert (clipper.state["seen"].item(), clipper.state["limit"].item()) == (0.0, 1.0)
+    assert train.step_count == 0
+
+
 def test_take_reports_what_a_per_tensor_or_update_clip_amounted_to():
     """Decision.take([coef, threshold]): the record's coefficient and threshold become the clip's own."""
     d = Decision(torch.tensor(4.0), torch.tensor(1.0), torch.tensor(0.0), torch.ones(()), None)
