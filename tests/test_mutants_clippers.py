@@ -390,3 +390,51 @@ def test_a_per_tensor_clips_effective_coef_is_the_ratio_of_global_norms(post, no
     out = effective_coef([torch.tensor(v) for v in post], torch.tensor(norm), torch.tensor(finite))
     assert out.dtype == torch.float32 and out.shape == (2,)
     assert out[0].item() == pytest.approx(want, rel=1e-6) and math.isnan(out[1].item())
+
+
+# ------------------------------------------------------------- the global clippers' shared machinery
+
+
+@pytest.mark.parametrize("bound", [0, -1, 1.5, True])
+def test_max_consecutive_clips_below_1_or_not_an_int_is_refused_by_name(bound):
+    with pytest.raises((ValueError, TypeError), match="max_consecutive_clips"):
+        ZClip(max_consecutive_clips=bound)
+
+
+@pytest.mark.parametrize(("limit", "norm"), [(1.0, 2.0), (0.5, 0.5), (3.0, 1e-7), (1.0, 1e-6)])
+def test_a_global_clippers_coef_is_what_torchs_clip_multiplies_by(limit, norm):
+    """coef(limit, norm) is the factor torch's clip_grads_with_norm_ applies, min(1, limit / (norm + 1e-6))."""
+    grad = torch.ones(1)
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = grad
+    torch.nn.utils.clip_grads_with_norm_([p], limit, torch.tensor(norm))
+    got = ZClip().coef(torch.tensor(limit), torch.tensor(norm))
+    assert got.item() == p.grad.item()
+
+
+@pytest.mark.parametrize("feed", ["clipped", "raw", "exclude"])
+def test_a_norm_exactly_at_the_limit_is_not_clipped_and_is_admitted(feed):
+    """Clipping is norm > limit (ZClip clips z > z_thres; llm.c's exclude policy drops norms above the
+    threshold): a norm at the limit is no clip, so it feeds the statistics and starts no lock-in streak."""
+    from labkit.clippers.base import feed_value
+
+    norm = limit = torch.tensor(2.0)
+    value, admit = feed_value(feed, norm, limit)
+    assert bool(admit) and value.item() == 2.0
+    clip = ZClip(warmup=1, max_consecutive_clips=1)
+    clip.observe(torch.tensor(3.0), torch.tensor(math.inf))  # warm
+    before = {k: v.clone() for k, v in clip.state.items()}
+    assert not bool(clip.observe(norm, limit))
+    assert clip.state["streak"].item() == before["streak"].item() == 0
+
+
+def test_a_float64_norm_leaves_a_global_clippers_state_and_coef_float32():
+    """A float64 model's norm is float64: the clipper's statistics stay float32, and so does its factor."""
+    clip = ZClip(warmup=2)
+    for v in (1.0, 2.0, 4.0):
+        clip.observe(torch.tensor(v, dtype=torch.float64), torch.tensor(math.inf))
+    assert {v.dtype for v in clip.state.values() if v.is_floating_point()} == {torch.float32}
+    big = torch.tensor(30.0, dtype=torch.float64)
+    coef, threshold = clip.coef_(big.reshape(1), big)
+    assert coef.dtype == torch.float32 and threshold.dtype == torch.float32
+    assert {v.dtype for v in clip.state.values() if v.is_floating_point()} == {torch.float32}
