@@ -17,6 +17,7 @@ from host_reads import SyncCounter
 
 import labkit
 from labkit.faults import Faults
+from labkit.hooks import Hook, Verdict
 
 STEPS = 6
 
@@ -225,6 +226,36 @@ def test_host_syncs_per_step(task, monkeypatch, kind, precision, sync_every, exp
         train(*task.batch(i))
         counts.append(counter.count - before)
     assert counts == expected
+
+
+class ClipTo(Hook):
+    """A hook that cuts every step's clip to ``limit`` (Verdict.clip_to), as a spike hook does."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def on_decision(self, trainer, view):
+        return Verdict(clip_to=self.limit)
+
+
+@pytest.mark.parametrize("limit, reads", [(1e-3, 3), (1e6, 2)], ids=["cuts", "loose"])
+def test_a_hooks_clip_is_read_with_the_steps_row_not_on_its_own(task, monkeypatch, limit, reads):
+    """Whether a hook's clip cut deeper than the clipper's travels in the decision's one read: fp32 reads
+    the loss check and the row, as without the hook, and a clipped step its per-tensor norms for the
+    record's top_grads (the forensics of every clipped step); the record says which cut."""
+    torch.manual_seed(0)
+    model = task.model()
+    train = labkit.TrainStep(model, make_optimizer("sgd", model.parameters()), task.loss_fn, max_norm=1.0,
+                             hooks=[ClipTo(limit)])
+    train(*task.batch(0))
+    counter = SyncCounter(monkeypatch)
+    counts, records = [], []
+    for i in range(1, 4):
+        before = counter.count
+        records.append(train(*task.batch(i)))
+        counts.append(counter.count - before)
+    assert counts == [reads] * 3
+    assert [r.clip_reason == "ClipTo" for r in records] == [limit < 1.0] * 3
 
 
 @pytest.mark.parametrize("change", ["threshold", "clipper", "none"])

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from labkit import ToyTask, TrainStep
 from labkit.clippers import NormClip
 from labkit.hooks import Hook, Hooks, Verdict
-from labkit.step.decision import Decision, decide
+from labkit.step.decision import Decision, decide, read
 
 FAST = settings(max_examples=60, deadline=None, database=None)
 NORMS = st.floats(0.0, 1e4, allow_nan=False, width=32)
@@ -581,3 +581,13 @@ def test_a_hook_raising_at_a_deferred_flush_leaves_every_record_whole_and_the_ot
     expected = [ref(*task.batch(i)) for i in range(3)]  # the same steps, read step by step
     for r, e in zip([*records, logged[1]], expected[:2] + expected[2:]):
         assert (r.loss, r.grad_norm, r.scale, r.skipped) == (e.loss, e.grad_norm, e.scale, e.skipped)
+
+
+def test_read_copies_a_mixed_row_over_in_the_first_ones_dtype():
+    """read(): one copy, in the first tensor's dtype: a float64 norm first keeps its bits (a float64
+    model's record), and a float32 first rounds a float64 extra to float32, as documented."""
+    fine = 1.0 + 2.0**-40  # not a float32
+    f64 = torch.tensor(fine, dtype=torch.float64)
+    assert read(f64, torch.tensor(0.5), torch.tensor(3, dtype=torch.int32)) == [fine, 0.5, 3.0]
+    assert read(torch.tensor(0.5), f64) == [0.5, 1.0]
+    assert read(torch.tensor(2.0), torch.tensor(3, dtype=torch.int32)) == [2.0, 3.0]
