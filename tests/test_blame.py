@@ -113,6 +113,21 @@ def test_the_tied_head_weight_is_blamed_on_lm_head():
     assert describe(record, 1.0)[0].endswith("(first in backward: wte.weight, as used by lm_head)")
 
 
+@pytest.mark.parametrize("sync_every, module", [(None, "wte"), (2, "lm_head")], ids=["read", "deferred"])
+def test_the_tied_weight_poisoned_at_the_embedding_is_placed_there_unless_the_record_was_deferred(
+    sync_every, module
+):
+    """Only the embedding's use of the tied weight saw a NaN: a record read at its step places the weight
+    there. A deferred record, filled by a flush that one rank may start alone (a collective there could
+    hang), keeps it at its first use in backward, the head (labkit.step.record.forensics)."""
+    task, model, step = gpt_step(sync_every=sync_every)
+    poison_output(model.wte, math.nan)
+    record = step(*task.batch(0))
+    assert record.skipped
+    assert [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()] == ["wte.weight"]
+    assert (record.first_nonfinite, record.culprit_module) == ("wte.weight", module)
+
+
 def test_the_tied_head_weight_alone_overflowing_is_blamed_on_lm_head():
     # the head's share of the tied weight overflows while every activation gradient stays finite (04's
     # sawtooth): nothing upstream is non-finite, the head is where it started

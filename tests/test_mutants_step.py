@@ -591,3 +591,43 @@ def test_read_copies_a_mixed_row_over_in_the_first_ones_dtype():
     assert read(f64, torch.tensor(0.5), torch.tensor(3, dtype=torch.int32)) == [fine, 0.5, 3.0]
     assert read(torch.tensor(0.5), f64) == [0.5, 1.0]
     assert read(torch.tensor(2.0), torch.tensor(3, dtype=torch.int32)) == [2.0, 3.0]
+
+
+# ------------------------------------------------ forensics: which layers a record names
+
+
+def test_forensics_of_finite_gradients_names_the_top_norms_and_no_culprit():
+    """A clipped step: the top norms, largest first, and no first non-finite gradient."""
+    from labkit.step.record import Forensics, forensics
+
+    got = forensics([("a", None), ("b", None), ("c", None), ("d", None)], [1.0, 4.0, 2.0, 3.0], None)
+    assert got == Forensics([("b", 4.0), ("d", 3.0), ("c", 2.0)], None, None)
+
+
+def test_forensics_ranks_a_gradient_missing_from_the_order_last_and_names_its_own_module():
+    """A non-finite gradient the backward order did not see (a parameter hooked after attach) comes after
+    every ordered one, and its module is read from its name."""
+    from labkit.step.record import forensics
+
+    named = [("h.0.w", None), ("h.1.w", None)]
+    first = forensics(named, [math.inf, math.inf], None, {"h.1.w": (0, "h.1")})
+    assert (first.first_nonfinite, first.culprit_module) == ("h.1.w", "h.1")
+    unordered = forensics(named, [math.inf, math.nan], None, {})
+    assert (unordered.first_nonfinite, unordered.culprit_module) == ("h.0.w", "h.0")
+
+
+# ------------------------------------------------ the parameters the step guards follow the optimizer
+
+
+def test_a_param_group_added_during_training_is_guarded_from_the_next_step():
+    """optimizer.add_param_group (progressive unfreezing): the next step's norm and clip cover it too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    train = TrainStep(model, opt, torch.nn.functional.mse_loss, max_norm=1e6)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    train(x, y)
+    opt.add_param_group({"params": list(model[1].parameters())})
+    record = train(x, y)
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert record.grad_norm == want.item()
