@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit import ToyTask, TrainStep
+from labkit import GradScaler, ToyTask, TrainStep
 from labkit.clippers import NormClip
 from labkit.hooks import Hook, Hooks, Verdict
 from labkit.step.decision import Decision, decide, read
@@ -631,3 +631,103 @@ def test_a_param_group_added_during_training_is_guarded_from_the_next_step():
     record = train(x, y)
     want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert record.grad_norm == want.item()
+
+
+def test_given_micro_batches_divide_the_loss_by_their_count_as_the_textbook_loop_does():
+    """A list of k micro-batches: each loss / k (nanoGPT's ``loss / gradient_accumulation_steps``), not
+    times 1/k: backward then divides the scale by k, which rounds differently from multiplying by 1/k
+    when neither is a power of two (a scale of 100, k = 3). The same parameters as torch's loop, bit for bit."""
+    torch.manual_seed(0)
+    k = 3
+    ours, ref = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    ref.load_state_dict(ours.state_dict())
+    ref_opt, scaler = torch.optim.SGD(ref.parameters(), lr=0.1), torch.amp.GradScaler("cpu", init_scale=100.0)
+    train = TrainStep(ours, torch.optim.SGD(ours.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      max_norm=None, accumulation_steps=k, scaler=GradScaler("cpu", init_scale=100.0))
+    for _ in range(4):
+        parts = [(torch.randn(3, 4), torch.randn(3, 1)) for _ in range(k)]
+        for x, y in parts:
+            scaler.scale(torch.nn.functional.mse_loss(ref(x), y) / k).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        train(parts)
+    assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
+
+
+# ------------------------------------------------ the optimizer's step: fused or not, and the hooks around it
+
+
+class SeesTheStep(Hook):
+    """Keep what pre_optim_step was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def pre_optim_step(self, trainer, step, params):
+        self.seen.append((trainer, step, [n for n, _ in params]))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_pre_optim_step_gets_the_trainer_the_step_and_the_guarded_parameters(fused):
+    hook = SeesTheStep()
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused),
+                      torch.nn.functional.mse_loss, max_norm=None, hooks=[hook])
+    for _ in range(2):
+        train(torch.randn(4, 3), torch.randn(4, 1))
+    assert hook.seen == [(train, 0, ["weight", "bias"]), (train, 1, ["weight", "bias"])]
+
+
+def test_a_fused_optimizer_steps_without_a_clipper_and_refuses_one_that_clips_per_tensor():
+    from labkit.clippers import AGC
+
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    ref.load_state_dict(ours.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
+    train = TrainStep(ours, torch.optim.AdamW(ours.parameters(), lr=0.1, fused=True),
+                      torch.nn.functional.mse_loss, max_norm=None)
+    for _ in range(3):
+        x, y = torch.randn(4, 3), torch.randn(4, 1)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert not train(x, y).skipped
+    assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
+    per_tensor = TrainStep(ours, torch.optim.AdamW(ours.parameters(), lr=0.1, fused=True),
+                           torch.nn.functional.mse_loss, clipper=AGC())
+    with pytest.raises(ValueError, match="non-fused optimizer"):
+        per_tensor(torch.randn(4, 3), torch.randn(4, 1))
+
+
+def test_an_update_clip_with_a_loss_scaler_runs_after_the_step():
+    """UpdateNormClip under fp16: after the step the scaler is asked again whether it skipped (its answer
+    kept from the step's read), and the update is clipped to mean + k std of the past ones (k tiny: about
+    the mean, so a growing update is cut)."""
+    from labkit.clippers import UpdateNormClip
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      precision="fp16", clipper=UpdateNormClip(window=2, k=1e-6),
+                      scaler=GradScaler("cpu", init_scale=16.0))
+    x = torch.randn(4, 3)
+    records = [train(x, torch.full((4, 1), 2.0 * (i + 1))) for i in range(3)]  # ever larger errors
+    assert [r.skipped for r in records] == [False] * 3
+    assert records[0].clip_coef == 1.0 and records[2].clip_coef < 1.0
+
+
+def test_a_param_groups_parameters_swapped_for_others_are_guarded_from_the_next_step():
+    """A group's parameter list replaced by another of the same length (training a different layer): the
+    step's norm covers the parameters the optimizer holds now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    train = TrainStep(model, opt, torch.nn.functional.mse_loss, max_norm=1e6)
+    x, y = torch.randn(8, 3), torch.randn(8, 3)
+    train(x, y)
+    opt.param_groups[0]["params"] = list(model[1].parameters())
+    model.zero_grad(set_to_none=True)
+    record = train(x, y)
+    assert record.grad_norm == torch.nn.utils.get_total_norm([p.grad for p in model[1].parameters()]).item()
