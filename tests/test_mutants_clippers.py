@@ -403,7 +403,7 @@ def test_max_consecutive_clips_below_1_or_not_an_int_is_refused_by_name(bound):
 
 @pytest.mark.parametrize(("limit", "norm"), [(1.0, 2.0), (0.5, 0.5), (3.0, 1e-7), (1.0, 1e-6)])
 def test_a_global_clippers_coef_is_what_torchs_clip_multiplies_by(limit, norm):
-    """coef(limit, norm) is the factor torch's clip_grads_with_norm_ applies, min(1, limit / (norm + 1e-6))."""
+    """coef(limit, norm) is the factor torch's clip_grads_with_norm_ applies: min(1, limit / (norm + eps))."""
     grad = torch.ones(1)
     p = torch.zeros(1, requires_grad=True)
     p.grad = grad

@@ -636,7 +636,7 @@ def test_a_param_group_added_during_training_is_guarded_from_the_next_step():
 def test_given_micro_batches_divide_the_loss_by_their_count_as_the_textbook_loop_does():
     """A list of k micro-batches: each loss / k (nanoGPT's ``loss / gradient_accumulation_steps``), not
     times 1/k: backward then divides the scale by k, which rounds differently from multiplying by 1/k
-    when neither is a power of two (a scale of 100, k = 3). The same parameters as torch's loop, bit for bit."""
+    when neither is a power of two (a scale of 100, k = 3). The same parameters as torch's loop, bitwise."""
     torch.manual_seed(0)
     k = 3
     ours, ref = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
@@ -731,3 +731,24 @@ def test_a_param_groups_parameters_swapped_for_others_are_guarded_from_the_next_
     model.zero_grad(set_to_none=True)
     record = train(x, y)
     assert record.grad_norm == torch.nn.utils.get_total_norm([p.grad for p in model[1].parameters()]).item()
+
+
+@pytest.mark.parametrize("scale, reason", [(2.0**-126, "nonfinite_grad"), (2.0**-127, "dead_scale")],
+                         ids=["the-floor", "below-it"])
+def test_a_skip_at_the_scales_floor_is_an_overflow_and_below_it_a_dead_scale(scale, reason):
+    """float32's smallest normal number (2**-126) is the default floor, a live scale: a skip there is the
+    gradients' own. Below it (set by hand) 1 / scale is inf and every step skips: dead_scale."""
+    from labkit.step.record import Outcome, build
+
+    o = Outcome(0, [0.1], None, [], norms=[math.inf], named=[("w", None)])
+    record = build(o, [1.0, 0.0, math.inf, 1.0, scale, scale, 1.0], True, None)
+    assert (record.skipped, record.reason, record.first_nonfinite) == (True, reason, "w")
+
+
+def test_normclips_defaults_are_a_2_norm_of_at_most_1_and_its_norm_order_must_be_positive():
+    """NormClip() is nanoGPT's grad_clip = 1.0 on the 2-norm; an order <= 0 has no inf check in its norm."""
+    clip = NormClip()
+    assert (clip.max_norm, clip.norm_type) == (1.0, 2.0)
+    for bad in (0, 0.0, -1.0):
+        with pytest.raises(ValueError, match="norm_type"):
+            NormClip(1.0, norm_type=bad)
