@@ -752,3 +752,64 @@ def test_normclips_defaults_are_a_2_norm_of_at_most_1_and_its_norm_order_must_be
     for bad in (0, 0.0, -1.0):
         with pytest.raises(ValueError, match="norm_type"):
             NormClip(1.0, norm_type=bad)
+
+
+# ------------------------------------------------ what a deciding hook is shown
+
+
+class SeesTheDecision(Hook):
+    """Keep every DecisionView; decide nothing."""
+
+    def __init__(self):
+        self.views = []
+
+    def on_decision(self, trainer, view):
+        self.views.append(view)
+
+
+def test_a_deciding_hook_sees_the_scale_the_unscaled_norms_and_the_batch():
+    hook = SeesTheDecision()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      precision="fp16", max_norm=1e6, scaler=GradScaler("cpu", init_scale=1024.0), hooks=[hook])
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    record = train(x, y)
+    view = hook.views[0]
+    assert (view.step, float(view.scale), view.loss_bad) == (0, 1024.0, False)
+    assert view.batch.inputs is x and view.batch.targets is y
+    want = torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])  # unscaled, unclipped
+    assert torch.equal(view.norms, want) and view.norm == record.grad_norm
+    bad = train(torch.full((4, 3), math.nan), y)  # the loss is NaN: backward never runs, the hooks still see it
+    view = hook.views[1]
+    assert bad.skipped and (view.step, float(view.scale), view.loss_bad) == (1, 1024.0, True)
+    assert math.isnan(view.norm) and view.norms is None
+
+
+def test_a_nonfinite_loss_found_on_the_device_is_named_so_in_a_deferred_record():
+    """sync_every: the loss is checked on the device, and its flag reaches the decision: the record says
+    nonfinite_loss (the loss), not nonfinite_grad (what backward then made of it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      sync_every=2)
+    y = torch.randn(4, 2)
+    records = [train(torch.randn(4, 3), y), train(torch.full((4, 3), math.nan), y)]
+    assert [(r.skipped, r.reason) for r in records] == [(False, None), (True, "nonfinite_loss")]
+
+
+def test_a_deferred_step_with_an_infinite_loss_and_finite_gradients_is_skipped():
+    """A loss of inf whose backward still gives finite gradients (an inf term that holds no parameter):
+    with the loss check on the device, its flag alone skips the step; the parameters stay as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+
+    def loss_fn(out, y):
+        return torch.nn.functional.mse_loss(out, y) + torch.tensor(math.inf)
+
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, sync_every=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    record = train(torch.randn(4, 3), torch.randn(4, 2))
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert (record.skipped, record.reason) == (True, "nonfinite_loss")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
