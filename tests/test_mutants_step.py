@@ -7,6 +7,7 @@ coefficient's oracle is torch's own rule, ``min(1, max_norm / (norm + 1e-6))`` c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -772,7 +773,8 @@ def test_a_deciding_hook_sees_the_scale_the_unscaled_norms_and_the_batch():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
-                      precision="fp16", max_norm=1e6, scaler=GradScaler("cpu", init_scale=1024.0), hooks=[hook])
+                      precision="fp16", max_norm=1e6, scaler=GradScaler("cpu", init_scale=1024.0),
+                      hooks=[hook])
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     record = train(x, y)
     view = hook.views[0]
@@ -780,7 +782,7 @@ def test_a_deciding_hook_sees_the_scale_the_unscaled_norms_and_the_batch():
     assert view.batch.inputs is x and view.batch.targets is y
     want = torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])  # unscaled, unclipped
     assert torch.equal(view.norms, want) and view.norm == record.grad_norm
-    bad = train(torch.full((4, 3), math.nan), y)  # the loss is NaN: backward never runs, the hooks still see it
+    bad = train(torch.full((4, 3), math.nan), y)  # a NaN loss: backward never runs, the hooks still see it
     view = hook.views[1]
     assert bad.skipped and (view.step, float(view.scale), view.loss_bad) == (1, 1024.0, True)
     assert math.isnan(view.norm) and view.norms is None
@@ -813,3 +815,100 @@ def test_a_deferred_step_with_an_infinite_loss_and_finite_gradients_is_skipped()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert (record.skipped, record.reason) == (True, "nonfinite_loss")
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+
+# ------------------------------------------------ accumulation: the gradient sync, the loss check, the record
+
+
+class NoSyncNet(torch.nn.Linear):
+    """A module with DDP's ``no_sync()`` protocol, recording for which micro-batches it was entered."""
+
+    def __init__(self):
+        super().__init__(3, 2)
+        self.synced, self._off = [], False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._off = True
+        try:
+            yield
+        finally:
+            self._off = False
+
+    def forward(self, x):
+        self.synced.append(not self._off)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_only_the_last_micro_batchs_backward_syncs_the_gradients(k):
+    """DDP's no_sync() around every micro-batch but the last (nanoGPT's require_backward_grad_sync): the
+    gradients are reduced once per optimizer step. One micro-batch: it syncs."""
+    model = NoSyncNet()
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      accumulation_steps=k)
+    train([(torch.randn(2, 3), torch.randn(2, 2)) for _ in range(k)])
+    assert model.synced == [False] * (k - 1) + [True]
+
+
+def test_deferred_accumulation_flags_a_non_finite_loss_in_any_micro_batch_and_none_in_clean_ones():
+    """sync_every: the loss check stays on the device, over every micro-batch: a NaN in the first of two
+    skips the step as a bad loss; clean micro-batches skip nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      accumulation_steps=2, sync_every=1)
+    y = torch.randn(2, 2)
+    clean = train([(torch.randn(2, 3), y), (torch.randn(2, 3), y)])
+    first_bad = train([(torch.full((2, 3), math.nan), y), (torch.randn(2, 3), y)])
+    assert (clean.skipped, clean.reason) == (False, None)
+    assert (first_bad.skipped, first_bad.reason) == (True, "nonfinite_loss")
+
+
+def test_an_accumulated_steps_logged_loss_is_the_float32_mean_of_its_micro_batches():
+    """The record's loss is the mean of the micro-batches' losses, rounded to float32 as the losses are."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      accumulation_steps=3)
+    parts = [(torch.randn(2, 3), torch.randn(2, 2)) for _ in range(3)]
+    with torch.no_grad():
+        losses = [torch.nn.functional.mse_loss(model(x), y).item() for x, y in parts]
+    record = train(parts)
+    assert record.loss == torch.tensor(record.loss, dtype=torch.float32).item()  # a float32 value
+    assert record.loss == pytest.approx(sum(losses) / 3, rel=1e-6)
+
+
+class SeesPostStep(Hook):
+    def __init__(self):
+        self.seen = []
+
+    def post_step(self, trainer, params, record):
+        self.seen.append((trainer, [n for n, _ in params], record.step))
+
+
+def test_post_step_gets_the_trainer_its_parameters_and_the_record():
+    hook = SeesPostStep()
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[hook])
+    train(torch.randn(4, 3), torch.randn(4, 1))
+    assert hook.seen == [(train, ["weight", "bias"], 0)]
+
+
+class BrokenScheduler:
+    def step(self):
+        raise RuntimeError("the scheduler broke")
+
+
+def test_a_schedulers_error_is_raised_after_the_step_is_complete_and_recorded():
+    """The optimizer has stepped when the scheduler raises: the step is counted and logged, then it raises."""
+    model = torch.nn.Linear(3, 1)
+    before = model.weight.detach().clone()
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      scheduler=BrokenScheduler())
+    with pytest.raises(RuntimeError, match="the scheduler broke"):
+        train(torch.randn(4, 3), torch.randn(4, 1))
+    assert train.step_count == 1 and [r.step for r in train.log] == [0]
+    assert not torch.equal(model.weight, before)
