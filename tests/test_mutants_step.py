@@ -912,3 +912,71 @@ def test_a_schedulers_error_is_raised_after_the_step_is_complete_and_recorded():
         train(torch.randn(4, 3), torch.randn(4, 1))
     assert train.step_count == 1 and [r.step for r in train.log] == [0]
     assert not torch.equal(model.weight, before)
+
+
+class SeesTheCalls(Hook):
+    """Keep the (trainer, step) each per-step call got; change nothing (first: no order to give)."""
+
+    priority = 100
+
+    def __init__(self):
+        self.calls = []
+
+    def pre_forward(self, trainer, step):
+        self.calls.append(("pre_forward", trainer, step))
+
+    def post_backward(self, trainer, step):
+        self.calls.append(("post_backward", trainer, step))
+
+    def gradient_order(self, trainer, step):
+        self.calls.append(("gradient_order", trainer, step))
+
+
+def test_the_per_step_hooks_get_the_trainer_and_the_step_number():
+    hook = SeesTheCalls()
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      hooks=[hook])
+    for _ in range(2):
+        train(torch.randn(4, 3), torch.randn(4, 1))
+    assert hook.calls == [(name, train, step) for step in (0, 1)
+                          for name in ("pre_forward", "post_backward", "gradient_order")]
+
+
+class OwnZeroGrad(torch.optim.SGD):
+    """An optimizer with a zero_grad of its own (as some wrappers have): the step calls it."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.asked = []
+
+    def zero_grad(self, set_to_none=True):
+        self.asked.append(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def test_an_optimizers_own_zero_grad_is_called_to_set_the_gradients_to_none():
+    model = torch.nn.Linear(3, 1)
+    opt = OwnZeroGrad(model.parameters())
+    train = TrainStep(model, opt, torch.nn.functional.mse_loss)
+    train(torch.randn(4, 3), torch.randn(4, 1))
+    train(torch.randn(4, 3), torch.randn(4, 1))
+    assert opt.asked == [True, True]
+
+
+def test_a_tensor_the_optimizer_holds_outside_the_model_is_guarded_by_its_place():
+    """A parameter in the optimizer but not in the model (a learned temperature kept apart) is clipped
+    and checked with the rest, named by its place in the optimizer's groups."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+    def loss_fn(out, y):
+        return torch.nn.functional.mse_loss(out * temperature, y)
+
+    train = TrainStep(model, torch.optim.SGD([*model.parameters(), temperature], lr=0.1), loss_fn,
+                      max_norm=1e6)
+    record = train(torch.randn(4, 3), torch.randn(4, 1))
+    want = torch.nn.utils.get_total_norm([model.weight.grad, model.bias.grad, temperature.grad])
+    assert record.grad_norm == want.item()
+    assert [name for name, _ in train._named_params()] == ["weight", "bias", "group0.param2"]
