@@ -980,3 +980,11 @@ def test_a_tensor_the_optimizer_holds_outside_the_model_is_guarded_by_its_place(
     want = torch.nn.utils.get_total_norm([model.weight.grad, model.bias.grad, temperature.grad])
     assert record.grad_norm == want.item()
     assert [name for name, _ in train._named_params()] == ["weight", "bias", "group0.param2"]
+
+
+def test_every_trainstep_has_the_documented_default_alarms_and_blame():
+    """parts.default_hooks' docstring: a streak of 8 skips, clipping on over half of the last 100 steps."""
+    model = torch.nn.Linear(3, 1)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    assert {repr(h) for h in train.hooks.members} == {
+        "SkipAlarm(threshold=8)", "ClipAlarm(rate=0.5, window=100)", "BackwardOrder()"}
