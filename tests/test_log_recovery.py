@@ -108,12 +108,10 @@ def test_a_torn_last_line_is_reported_not_fatal_and_cut_before_anything_is_appen
     assert [r.step for r in log] == [0, 1, 2, 3] and log.torn_tail and not log.torn_tail.endswith("}")
     with pytest.warns(LabkitWarning, match="cut off a torn last line"):
         nxt = StepLog(stream=path)
-    another = r"holds the records of another run \(steps 0-3\): moved it to"
-    with pytest.warns(LabkitWarning, match=another) as seen:
+    with pytest.warns(LabkitWarning, match=r"holds the records of another run \(steps 0-3\): moved it to"):
         for r in records(3, start=4):  # a new run (no resume): one log per run
             nxt.append(r)
     nxt.close()
-    assert [w.filename for w in seen] == [__file__]  # it points at the line that appended, not into labkit
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # clean: no torn tail any more
         back, before = StepLog.read_jsonl(path), StepLog.read_jsonl(f"{path}.1")
@@ -121,21 +119,38 @@ def test_a_torn_last_line_is_reported_not_fatal_and_cut_before_anything_is_appen
     assert [r.step for r in before] == [0, 1, 2, 3] and before.torn_tail is None
 
 
-@pytest.mark.parametrize("sync_every", [None, 2], ids=["every-step", "deferred"])
-def test_a_trainsteps_warning_about_another_runs_log_names_the_users_line(task, tmp_path, sync_every):
-    """The move-aside warning, reached through the step (deferred: through a flush), names the user's line."""
-    path = tmp_path / "log.jsonl"
-    StepLog(records(2)).to_jsonl(path)
-    model = task.model()
-    step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn, log=path,
-                            sync_every=sync_every)
-    with pytest.warns(LabkitWarning, match="another run") as seen:
-        for i in range(2):
-            step(*task.batch(i))
-        step.log.flush()
-    step.log.close()
+@pytest.mark.parametrize("path", ["append", "flush", "step", "deferred-step"])
+def test_the_warning_about_another_runs_log_names_the_users_line(task, tmp_path, monkeypatch, path):
+    """The move-aside warning is reached by a StepLog's append, its flush after a refused move, or a
+    TrainStep (deferred: through a flush): on every path it names the user's line, not one inside labkit."""
+    log_path = tmp_path / "log.jsonl"
+    StepLog(records(2)).to_jsonl(log_path)
+    if path in ("append", "flush"):
+        log = StepLog(stream=log_path)
+        if path == "flush":  # the first move is refused: the records wait, and the user's flush moves it
+            real = os.rename
+
+            def refused(src, dst):
+                raise PermissionError(errno.EACCES, "Permission denied")
+
+            monkeypatch.setattr(os, "rename", refused)
+            with pytest.raises(LogWriteError):
+                log.append(records(1, start=5)[0])
+            monkeypatch.setattr(os, "rename", real)
+        with pytest.warns(LabkitWarning, match="another run") as seen:
+            log.flush() if path == "flush" else log.append(records(1, start=5)[0])
+        log.close()
+    else:
+        model = task.model()
+        step = labkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05), task.loss_fn,
+                                log=log_path, sync_every=2 if path == "deferred-step" else None)
+        with pytest.warns(LabkitWarning, match="another run") as seen:
+            for i in range(2):
+                step(*task.batch(i))
+            step.log.flush()
+        step.log.close()
     assert [w.filename for w in seen if "another run" in str(w.message)] == [__file__]
-    assert [r.step for r in StepLog.read_jsonl(path)] == [0, 1]
+    assert [r.step for r in StepLog.read_jsonl(log_path)] == ([5] if path in ("append", "flush") else [0, 1])
 
 
 def test_a_complete_last_line_without_its_newline_is_kept(tmp_path):
