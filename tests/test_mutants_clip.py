@@ -869,3 +869,14 @@ def test_round_to_float32_is_a_float32_tensors_value(x):
     """round_to(x, float32) is what a float32 tensor of x holds: the nearest float32, +-inf past the range."""
     assert round_to(x, torch.float32) == torch.tensor(x, dtype=torch.float32).item()
     assert round_to(x, torch.float64) == x
+
+
+def test_per_tensor_norms_passes_foreach_on_where_a_device_has_no_foreach_norm():
+    """foreach=True on a device without a foreach norm (here: meta) is refused, as torch's get_total_norm
+    refuses it; left to choose (None), the per-tensor norm is taken."""
+    from labkit.clip import per_tensor_norms
+
+    grads = [torch.ones(3, device="meta")]
+    with pytest.raises(RuntimeError, match="no foreach norm on meta"):
+        per_tensor_norms(grads, 2.0, foreach=True)
+    assert per_tensor_norms(grads, 2.0).shape == (1,)
