@@ -880,3 +880,15 @@ def test_per_tensor_norms_passes_foreach_on_where_a_device_has_no_foreach_norm()
     with pytest.raises(RuntimeError, match="no foreach norm on meta"):
         per_tensor_norms(grads, 2.0, foreach=True)
     assert per_tensor_norms(grads, 2.0).shape == (1,)
+
+
+@pytest.mark.parametrize("clipper", ["NormClip", "ZClip"])
+def test_a_clippers_own_clip_over_mixed_dtypes_reports_torchs_norm(clipper):
+    """Clipper.clip_ (a plain loop's call) sums the per-tensor norms as torch does: float64's group first."""
+    from labkit.clippers import NormClip, ZClip
+
+    dtypes = [F64, F64, F32, F32, F32, F32]
+    ours = params_from_values(MIXED_L2, dtypes)
+    want = torch.nn.utils.get_total_norm([p.grad for p in params_from_values(MIXED_L2, dtypes)])
+    clip = NormClip(1e6) if clipper == "NormClip" else ZClip()
+    assert torch.equal(clip.clip_(ours), want)
