@@ -605,6 +605,17 @@ def test_forensics_of_finite_gradients_names_the_top_norms_and_no_culprit():
     assert got == Forensics([("b", 4.0), ("d", 3.0), ("c", 2.0)], None, None)
 
 
+def test_forensics_of_an_overflowed_norm_of_finite_gradients_names_the_norm_but_no_culprit():
+    """An inf norm from finite values (the float32 sum of squares overflowed): the top norms still say so,
+    and no gradient holds a NaN/inf to name."""
+    from labkit.step.record import Forensics, forensics
+
+    big = torch.full((2,), 3e38)
+    assert torch.isinf(torch.linalg.vector_norm(big)) and torch.isfinite(big).all()
+    got = forensics([("small", torch.ones(1)), ("big", big)], [1.0, math.inf], None)
+    assert got == Forensics([("big", math.inf), ("small", 1.0)], None, None)
+
+
 def test_forensics_ranks_a_gradient_missing_from_the_order_last_and_names_its_own_module():
     """A non-finite gradient the backward order did not see (a parameter hooked after attach) comes after
     every ordered one, and its module is read from its name."""
