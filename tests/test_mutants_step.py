@@ -1004,7 +1004,7 @@ def test_every_trainstep_has_the_documented_default_alarms_and_blame():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("value, skip", [(3.0, 0.0), (math.inf, 1.0), (math.nan, 1.0)])
 def test_the_decisions_found_inf_is_a_float32_flag_for_any_norm_dtype(dtype, value, skip):
-    """found_inf is what torch's unscale_ and fused optimizers take: a float32 0 or 1, also for a float64 model."""
+    """found_inf as torch's unscale_ and fused optimizers take it: a float32 0 or 1, for float64 too."""
     norm = torch.tensor(value, dtype=dtype)
     d = decide(norm, norm.reshape(1), torch.ones(()), None, NormClip(1.0), Verdict())
     assert d.skip.dtype == torch.float32 and d.skip.item() == skip
