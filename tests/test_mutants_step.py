@@ -1008,3 +1008,87 @@ def test_the_decisions_found_inf_is_a_float32_flag_for_any_norm_dtype(dtype, val
     norm = torch.tensor(value, dtype=dtype)
     d = decide(norm, norm.reshape(1), torch.ones(()), None, NormClip(1.0), Verdict())
     assert d.skip.dtype == torch.float32 and d.skip.item() == skip
+
+
+# ------------------------------------------------ the batches a step takes, and the parts it refuses
+
+
+def linear_step(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss, **kw)
+
+
+def test_a_batch_of_exactly_k_samples_splits_into_k_micro_batches_of_one():
+    record = linear_step(accumulation_steps=4)(torch.randn(4, 3), torch.randn(4, 2))
+    assert not record.skipped
+
+
+@pytest.mark.parametrize("form", ["iterator", "callable"])
+def test_micro_batches_from_an_iterator_or_a_callable_take_exactly_k(form):
+    """An iterator gives k (next k times, no more: a loader goes on where the step left it); a callable is
+    called k times (nanoGPT's get_batch). Micro-batches of one sample each are fine."""
+    parts = [(torch.randn(1, 3), torch.randn(1, 2)) for _ in range(5)]
+    it = iter(parts)
+    step = linear_step(accumulation_steps=2)
+    record = step(it if form == "iterator" else (lambda: next(it)))
+    assert not record.skipped and next(it) is parts[2]  # two taken, the third is the loader's next
+
+
+def test_an_iterator_with_fewer_than_k_micro_batches_is_refused():
+    with pytest.raises(ValueError, match="the iterator gave 1 micro-batches; accumulation_steps=2 needs 2"):
+        linear_step(accumulation_steps=2)(iter([(torch.randn(2, 3), torch.randn(2, 2))]))
+
+
+def test_micro_batches_given_as_tensors_alone_go_to_a_one_argument_loss():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out: out.pow(2).mean(),
+                      accumulation_steps=2)
+    xs = [torch.randn(2, 3), torch.randn(2, 3)]
+    with torch.no_grad():
+        want = sum(model(x).pow(2).mean().item() for x in xs) / 2
+    assert train(xs).loss == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("batch", [{"x": torch.tensor(1.0)}, {"x": torch.tensor(1.0), "y": torch.tensor(2.)}],
+                         ids=["one-scalar", "two-scalars"])
+def test_a_dict_batch_of_0_dim_tensors_is_refused_saying_it_needs_a_batch_dimension(batch):
+    with pytest.raises(ValueError, match="share their first .batch. dimension"):
+        linear_step()(batch)
+
+
+@pytest.mark.parametrize("fault", [None, "spike"])
+def test_a_loss_that_does_not_require_grad_is_refused_before_backward(fault):
+    """With or without a fault injected into the step (labkit.faults), the loss is checked first."""
+    from labkit.faults import Faults
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    train = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      lambda out, y: torch.nn.functional.mse_loss(out, y).detach(),
+                      hooks=[Faults({0: fault})] if fault else [])
+    with pytest.raises(ValueError, match="the loss does not require grad: it was detached"):
+        train(torch.randn(2, 3), torch.randn(2, 2))
+
+
+def test_a_model_without_parameters_of_its_own_trains_what_the_optimizer_holds():
+    """nn.Identity() and a parameter kept apart: the step runs on the CPU and guards that parameter."""
+    w = torch.nn.Parameter(torch.ones(3))
+    train = TrainStep(torch.nn.Identity(), torch.optim.SGD([w], lr=0.1),
+                      lambda out, y: torch.nn.functional.mse_loss(out * w, y))
+    record = train(torch.randn(4, 3), torch.zeros(4, 3))
+    assert train.device == torch.device("cpu") and not record.skipped and not torch.equal(w, torch.ones(3))
+
+
+@pytest.mark.parametrize("hooks", [iter([]), {SeesTheCalls()}], ids=["iterator", "set"])
+def test_hooks_not_given_as_a_list_are_refused(hooks):
+    with pytest.raises(TypeError, match="hooks"):
+        linear_step(hooks=hooks)
+
+
+def test_sync_every_refuses_an_adaptive_clipper_by_name():
+    from labkit.clippers import ZClip
+
+    with pytest.raises(ValueError, match="ZClip decide"):
+        linear_step(clipper=ZClip(), max_norm=None, sync_every=2)

@@ -163,7 +163,7 @@ def _sync_off(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def check_loss(loss: Any, grad: bool = True) -> Tensor:
+def check_loss(loss: Any, *, grad: bool) -> Tensor:
     """Return ``loss`` if backward can run on it (``grad``), else raise saying what loss_fn must return."""
     if not isinstance(loss, Tensor):
         tup = isinstance(loss, (tuple, list))
