@@ -9,6 +9,7 @@ is computed alongside to show it would blame the wrong layer.
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -425,3 +426,46 @@ def test_a_compiled_regions_gradients_are_ranked_as_one():
         order.pre_step(None, 0)
         model(torch.ones(2, 3)).sum().backward()
         assert dict(order.positions) == want
+
+
+def test_a_fresh_order_reads_empty_and_starts_a_step_before_any_attach():
+    """Before attach there is nothing to order: empty mappings, and a step start (even a trainer's) is a no-op."""
+    order = BackwardOrder()
+    assert dict(order.positions) == {} and dict(order.uses) == {}
+    layer = nn.Linear(2, 1)
+    order.pre_step(types.SimpleNamespace(optimizer=torch.optim.SGD(layer.parameters(), lr=0.1)), 0)
+    assert dict(order.positions) == {} and order.model is None
+
+
+def test_a_tied_weight_inside_a_compiled_region_gets_no_per_use_hooks():
+    """No hooks inside a compiled graph: the tied weight is ranked with its region, and no use is recorded."""
+    model = TiedNet()
+    model.wte.compile(backend="eager")
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model(torch.ones(2, 3)).sum().backward()
+    assert dict(order.uses) == {} and "wte.weight" in order.positions
+
+
+def test_parameters_swapped_in_for_frozen_ones_are_hooked_at_the_next_step():
+    """Progressive unfreezing with the count unchanged: one layer frozen, another unfrozen and given to the
+    optimizer in its place. The order follows what trains now (pre_step compares the groups' lists)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    step = TrainStep(model, opt, torch.nn.functional.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    first = step(x, y)
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    for p in model[0].parameters():
+        p.requires_grad_(True)
+    opt.param_groups[0]["params"] = list(model[0].parameters())
+    model.zero_grad(set_to_none=True)
+    poison_output(model[0], math.nan)
+    second = step(x, y)
+    assert not first.skipped
+    assert second.skipped and second.first_nonfinite in ("0.weight", "0.bias") and second.culprit_module == "0"
+    assert set(step.hooks.gradient_order(step, 1)[0]) == {"0.weight", "0.bias"}

@@ -582,3 +582,9 @@ def test_stderr_is_found_when_stdout_is_closed(capfd):
         os.dup2(saved, 1)
         os.close(saved)
     assert kind == "stderr"
+
+
+def test_a_skip_without_a_reason_is_counted_under_a_question_mark():
+    """A record skipped with no reason (one a user made by hand) still counts, under "?"."""
+    summary = StepLog([StepRecord(0, 1.0, skipped=True), StepRecord(1, 1.0)]).summary()
+    assert summary["skipped"] == 1 and summary["skips_by_reason"]["?"] == 1

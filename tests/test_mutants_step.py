@@ -1092,3 +1092,9 @@ def test_sync_every_refuses_an_adaptive_clipper_by_name():
 
     with pytest.raises(ValueError, match="ZClip decide"):
         linear_step(clipper=ZClip(), max_norm=None, sync_every=2)
+
+
+@pytest.mark.parametrize("name", ["accumulation_steps", "sync_every"])
+def test_a_count_below_1_is_refused_by_its_name(name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        linear_step(**{name: 0})
