@@ -429,7 +429,7 @@ def test_a_compiled_regions_gradients_are_ranked_as_one():
 
 
 def test_a_fresh_order_reads_empty_and_starts_a_step_before_any_attach():
-    """Before attach there is nothing to order: empty mappings, and a step start (even a trainer's) is a no-op."""
+    """Before attach there is nothing to order: empty mappings; a step start (a trainer's too) does nothing."""
     order = BackwardOrder()
     assert dict(order.positions) == {} and dict(order.uses) == {}
     layer = nn.Linear(2, 1)
@@ -467,5 +467,6 @@ def test_parameters_swapped_in_for_frozen_ones_are_hooked_at_the_next_step():
     poison_output(model[0], math.nan)
     second = step(x, y)
     assert not first.skipped
-    assert second.skipped and second.first_nonfinite in ("0.weight", "0.bias") and second.culprit_module == "0"
+    assert second.skipped and second.culprit_module == "0"
+    assert second.first_nonfinite in ("0.weight", "0.bias")
     assert set(step.hooks.gradient_order(step, 1)[0]) == {"0.weight", "0.bias"}
