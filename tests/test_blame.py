@@ -429,7 +429,7 @@ def test_a_compiled_regions_gradients_are_ranked_as_one():
 
 
 def test_a_fresh_order_reads_empty_and_starts_a_step_before_any_attach():
-    """Before attach there is nothing to order: empty mappings; a step start (a trainer's too) does nothing."""
+    """Before attach there is nothing to order: empty mappings; a step start (a trainer's too) is a no-op."""
     order = BackwardOrder()
     assert dict(order.positions) == {} and dict(order.uses) == {}
     layer = nn.Linear(2, 1)
