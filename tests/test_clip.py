@@ -737,10 +737,10 @@ def two_threads(monkeypatch):
     from labkit import clip as clip_module
 
     monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", True)  # as under OMP_WAIT_POLICY=passive
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # conftest gives each test process one thread; the split needs two
-    yield
-    torch.set_num_threads(before)
+    # two threads as foreach_norm counts them, not torch's own: the split hands slices to Python threads;
+    # an OpenMP team of two in this process would deadlock a child forked from it (libgomp is not
+    # fork-safe: a mutation run forks a child per mutant from the process that ran these tests)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
 
 @pytest.mark.parametrize("sizes", [[3_000_000] * 3, [1, 9_000_000, 5], [5_000_000, 4_000_000, 0, 7]],
