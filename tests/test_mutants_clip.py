@@ -892,3 +892,27 @@ def test_a_clippers_own_clip_over_mixed_dtypes_reports_torchs_norm(clipper):
     want = torch.nn.utils.get_total_norm([p.grad for p in params_from_values(MIXED_L2, dtypes)])
     clip = NormClip(1e6) if clipper == "NormClip" else ZClip()
     assert torch.equal(clip.clip_(ours), want)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass (as a library's gradient may be): the grouped path, not the one-call fast path."""
+
+
+def test_gradients_of_a_tensor_subclass_are_scaled_by_the_grouped_path_all_the_same():
+    from labkit.clip import scale_grads_
+
+    sub = torch.tensor([2.0, 4.0]).as_subclass(Tagged)
+    plain = torch.tensor([1.0])
+    scale_grads_([sub, plain], torch.tensor(0.5))
+    assert sub.tolist() == [1.0, 2.0] and plain.tolist() == [0.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_norms_clip_coefficient_is_torchs_near_its_epsilon(dtype):
+    """fp16/bf16 norms take torch's 1e-6 as a Python number: at a norm of 2e-5 it moves the coefficient."""
+    norm = torch.tensor(2e-5, dtype=dtype)
+    grad = torch.ones(1, dtype=dtype)
+    p = torch.zeros(1, dtype=dtype, requires_grad=True)
+    p.grad = grad
+    torch.nn.utils.clip_grads_with_norm_([p], 1e-5, norm)
+    assert clip_coef(norm, 1e-5).to(dtype).item() == p.grad.item()
