@@ -743,21 +743,31 @@ def two_threads(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
 
-@pytest.mark.parametrize("sizes", [[3_000_000] * 3, [1, 9_000_000, 5], [5_000_000, 4_000_000, 0, 7]],
-                         ids=["even", "one-large", "with-empty"])
+@pytest.mark.parametrize("sizes, handed", [
+    ([3_000_000] * 3, [1]),                 # cut where half the elements are reached: 2 + 1 tensors
+    ([1, 9_000_000, 5], [1]),
+    ([5_000_000, 4_000_000, 0, 7], [3]),    # the first tensor alone is past half
+    ([9_000_000], []),                      # one tensor: nothing to split
+    ([4_500_000, 4_500_000], [1]),          # exactly half at the first: cut there
+    ([4_500_000, 4_500_001], []),           # one element short of half: the last tensor is never cut off
+    ([4_500_000, 4_500_000, 0], [2]),       # two threads, two slices: no second cut, however it falls
+], ids=["even", "one-large", "with-empty", "one-tensor", "half", "short-of-half", "no-third"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch, sizes, dtype):
-    """Large CPU lists are normed in slices on two threads: the same bits as torch's one call, in order."""
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0])
+def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch, sizes, handed, dtype,
+                                                        norm_type):
+    """Large CPU lists are normed in contiguous slices of about equal elements on two threads (the second
+    handed to the pool): the same bits as torch's one call, in order, for any order of norm."""
     from labkit import clip as clip_module
 
-    handed = []
+    given = []
     real = clip_module._pool
 
     def counting(workers):
         pool = real(workers)
         submit = pool.submit
         return type(
-            "Pool", (), {"submit": lambda self, fn, part: handed.append(len(part)) or submit(fn, part)}
+            "Pool", (), {"submit": lambda self, fn, part: given.append(len(part)) or submit(fn, part)}
         )()
 
     monkeypatch.setattr(clip_module, "_pool", counting)
@@ -767,12 +777,10 @@ def test_norms_split_over_threads_are_torchs_to_the_bit(two_threads, monkeypatch
         p.grad = (torch.randn(p.numel()) * 3).to(dtype)
     grads = [p.grad for p in params]
     acc = torch.float32 if dtype == torch.float16 else None
-    ours = clip_module.foreach_norm(grads, 2.0, acc)
-    assert handed and sum(handed) < len(grads), (
-        "the list was not split: the test would not see the threaded path"
-    )
+    ours = clip_module.foreach_norm(grads, norm_type, acc)
+    assert given == handed
     assert [t.dtype for t in ours] == [acc or dtype] * len(grads)
-    assert all(torch.equal(a, b) for a, b in zip(ours, torch._foreach_norm(grads, 2.0, dtype=acc)))
+    assert all(torch.equal(a, b) for a, b in zip(ours, torch._foreach_norm(grads, norm_type, dtype=acc)))
     if dtype != torch.float16:  # (torch's own fp16 norm is the deliberate deviation tested above)
         theirs = [nn.Parameter(p.detach().clone()) for p in params]
         for t, p in zip(theirs, params):
@@ -797,10 +805,11 @@ def test_small_lists_one_thread_and_spinning_openmp_threads_are_not_split(monkey
         clip_module, "_pool", lambda workers: pytest.fail("a small list was handed to a thread")
     )
     monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", True)
-    grads = [torch.ones(1000), torch.ones(1000)]
+    # the thread counts as foreach_norm reads them, not an OpenMP team of two (see two_threads)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    grads = [torch.ones(1000), torch.ones(1000)]  # two threads, but less than SPLIT_NUMEL a slice
     assert ([t.item() for t in clip_module.foreach_norm(grads, 2.0)]
             == [pytest.approx(math.sqrt(1000), rel=1e-6)] * 2)
-    # the thread counts as foreach_norm reads them, not an OpenMP team of two (see two_threads)
     big = [torch.ones(5_000_000), torch.ones(5_000_000)]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert [t.item() for t in clip_module.foreach_norm(big, 1.0)] == [5e6, 5e6]
