@@ -22,7 +22,7 @@ from test_clip import params_from_values
 
 import labkit
 from labkit import GradScaler
-from labkit.clip import check_scaled_norm_type, clip_coef, round_to
+from labkit.clip import check_scaled_norm_type, clip_coef, round_to, total_norm
 
 FAST = settings(max_examples=60, deadline=None, database=None)
 
@@ -916,3 +916,17 @@ def test_a_half_norms_clip_coefficient_is_torchs_near_its_epsilon(dtype):
     p.grad = grad
     torch.nn.utils.clip_grads_with_norm_([p], 1e-5, norm)
     assert clip_coef(norm, 1e-5).to(dtype).item() == p.grad.item()
+
+
+def test_no_gradients_have_no_per_tensor_norms_and_a_zero_total():
+    from labkit.clip import grouped_norms
+
+    norms, order = grouped_norms([], 2.0)
+    assert norms.shape == (0,) and order is None and total_norm(norms, 2.0).item() == 0.0
+
+
+def test_a_float64_threshold_on_a_float32_norm_still_never_scales_up():
+    """An adaptive threshold kept in float64 against a float32 norm: the coefficient is min(1, ...), in float64."""
+    coef = clip_coef(torch.tensor(0.5), torch.tensor(1.0, dtype=torch.float64))
+    assert coef.dtype == torch.float64 and coef.item() == 1.0
+    assert clip_coef(torch.tensor(4.0), torch.tensor(1.0, dtype=torch.float64)).item() == pytest.approx(0.25)
