@@ -926,7 +926,7 @@ def test_no_gradients_have_no_per_tensor_norms_and_a_zero_total():
 
 
 def test_a_float64_threshold_on_a_float32_norm_still_never_scales_up():
-    """An adaptive threshold kept in float64 against a float32 norm: the coefficient is min(1, ...), in float64."""
+    """A float64 adaptive threshold against a float32 norm: the coefficient is min(1, ...), in float64."""
     coef = clip_coef(torch.tensor(0.5), torch.tensor(1.0, dtype=torch.float64))
     assert coef.dtype == torch.float64 and coef.item() == 1.0
     assert clip_coef(torch.tensor(4.0), torch.tensor(1.0, dtype=torch.float64)).item() == pytest.approx(0.25)
