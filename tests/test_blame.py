@@ -470,3 +470,13 @@ def test_parameters_swapped_in_for_frozen_ones_are_hooked_at_the_next_step():
     assert second.skipped and second.culprit_module == "0"
     assert second.first_nonfinite in ("0.weight", "0.bias")
     assert set(step.hooks.gradient_order(step, 1)[0]) == {"0.weight", "0.bias"}
+
+
+def test_a_whole_compiled_model_is_one_region_every_gradient_ranked_first():
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    model.compile(backend="eager")
+    order = BackwardOrder()
+    order.attach(model)
+    order.pre_step(None, 0)
+    model(torch.ones(2, 3)).sum().backward()
+    assert {rank for rank, _ in order.positions.values()} == {0} and len(order.positions) == 4
