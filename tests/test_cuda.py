@@ -7,6 +7,7 @@ import torch
 
 import labkit
 from labkit.faults import Faults
+from labkit.lab.moments import AdamWatch
 
 pytestmark = [
     pytest.mark.cuda,
@@ -16,8 +17,10 @@ pytestmark = [
 
 def test_grad_norm_and_clip_match_torch_on_cuda():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).cuda()
-    model(torch.randn(32, 64, device="cuda")).pow(2).mean().backward()
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model)  # before backward: a Parameter's deepcopy leaves its .grad behind
+    x = torch.randn(32, 64, device="cuda")
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
     norm = labkit.clip_grad_norm_(model.parameters(), 0.1)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
@@ -60,3 +63,17 @@ def test_trainstep_skips_and_backs_off_on_cuda(precision):
         assert log[5].reason == "nonfinite_grad" and log[5].next_scale == log[5].scale / 2
     else:
         assert not log[5].skipped
+
+
+def test_adam_watch_reads_a_skipped_step_on_cuda():
+    # a skipped step moved nothing: its zero is stacked with v_hat's medians on the weights' device
+    w = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+    opt = torch.optim.Adam([w], lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    watch = AdamWatch(optimizer=opt)
+    w.grad = torch.full((4,), 0.25, device="cuda")
+    watch.before_step([("w", w)], 0)
+    opt.step()
+    watch.after_step([("w", w)], None)
+    watch.after_step([("w", w)], None)  # no before_step: the step was skipped
+    assert watch.v_hat == pytest.approx([0.0625] * 2, rel=1e-6)
+    assert watch.update == pytest.approx([0.01, 0.0], rel=1e-4)

@@ -93,7 +93,7 @@ class AdamWatch(Hook):
                                "training.")
         before, self._before = self._before, None
         skipped = before is None or bool(getattr(record, "skipped", False))
-        moved = torch.zeros(())
+        moved = torch.zeros((), device=params[0][1].device if params else None)  # stacked with v_hat's below
         if not skipped:
             moved = torch.stack([(p.detach().float() - b.float()).pow(2).sum()
                                  for (_, p), b in zip(params, before)]).sum()
