@@ -50,6 +50,11 @@ check() {
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   gpu=1
   "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
+  # The stored outputs and the lessons' torch facts (an fp8 cast's saturation, _scaled_mm's row scales on
+  # a CPU) are the pinned torch's: another version fails those cells without any labkit fault.
+  pin=$(sed -n 's/^torch==//p' requirements.txt)
+  "$PY" -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(v != '$pin')" ||
+    echo "NOTE: torch here is not the pinned $pin: cells that print torch's own behaviour may differ."
 else
   gpu=0
   echo "No CUDA GPU here: the cuda tests, the notebooks on CUDA and the full-size benchmark are skipped."
