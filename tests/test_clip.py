@@ -798,15 +798,12 @@ def test_split_norms_keep_the_callers_grad_mode(two_threads):
     assert all(t.requires_grad for t in clip_module.foreach_norm(leaves, 2.0))
 
 
-def test_small_lists_one_thread_and_spinning_openmp_threads_are_not_split(monkeypatch):
+def test_small_lists_one_thread_and_spinning_openmp_threads_are_not_split(two_threads, monkeypatch):
     from labkit import clip as clip_module
 
     monkeypatch.setattr(
         clip_module, "_pool", lambda workers: pytest.fail("a small list was handed to a thread")
     )
-    monkeypatch.setattr(clip_module, "OMP_THREADS_SLEEP", True)
-    # the thread counts as foreach_norm reads them, not an OpenMP team of two (see two_threads)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     grads = [torch.ones(1000), torch.ones(1000)]  # two threads, but less than SPLIT_NUMEL a slice
     assert ([t.item() for t in clip_module.foreach_norm(grads, 2.0)]
             == [pytest.approx(math.sqrt(1000), rel=1e-6)] * 2)
