@@ -55,7 +55,7 @@ from __future__ import annotations
 import collections
 import operator
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +97,10 @@ def _compiled(module: nn.Module) -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _groups(trainer: Any) -> Sequence[Any]:
+    return getattr(getattr(trainer, "optimizer", None), "param_groups", ())
 # What fired in one backward is kept up to this many entries (a plain loop that never calls pre_step
 # keeps the latest ones, not an ever longer list)
 FIRED_MAX = 1 << 16
@@ -196,8 +200,8 @@ class BackwardOrder(Hook):
         weakref.finalize(self, _remove, self._handles)  # a dropped BackwardOrder unhooks the model
         self._hooked: dict[int, tuple[str, str]] = {}  # id(parameter) -> (name, module)
         self._regions: dict[str, str] = {}  # parameter -> the compiled region it is in
-        self._key: tuple = ()
-        self._all: list[Tensor] = []  # the model's parameters, listed once at attach
+        self._groups = 0  # the optimizer's parameter groups at the last hooking
+        self._frozen: list[Tensor] = []  # the model's parameters that took no hook then (requires_grad off)
 
     @property
     def positions(self) -> Mapping[str, tuple[int, str]]:
@@ -220,8 +224,6 @@ class BackwardOrder(Hook):
         model = trainer if isinstance(trainer, nn.Module) else trainer.model
         self.detach()
         self.model = model
-        self._all = list(model.parameters())
-        self._key = self._optimizer_key(trainer)
         regions = [path for path, m in model.named_modules() if _compiled(m)]
         named = list(model.named_parameters())
         self._regions = {}
@@ -229,8 +231,7 @@ class BackwardOrder(Hook):
             inside = [r for r in regions if r == "" or name.startswith(r + ".")]
             if inside:
                 self._regions[name] = min(inside, key=len)  # the outermost region
-        for name, p in named:
-            self._hook_param(name, p)
+        self._hook_params(trainer, named)
         # a parameter held by several modules: place it at its first use's contribution
         first_name = {id(p): n for n, p in named}
         owners: dict[int, list[str]] = {}
@@ -259,12 +260,11 @@ class BackwardOrder(Hook):
     def pre_step(self, trainer: Any, step: int) -> None:
         """Start a new step's order (the last step's ``positions`` are left as they were, for its record)."""
         self._start()
-        if trainer is not None and self.model is not None:
-            key = self._optimizer_key(trainer)
-            if key != self._key:  # progressive unfreezing: hook what trains now
-                self._key = key
-                for name, p in self.model.named_parameters():
-                    self._hook_param(name, p)
+        # progressive unfreezing (a frozen parameter unfrozen in place, a group added): hook what trains now.
+        # A model trained whole has nothing frozen: the check is one length, read every step
+        if trainer is not None and self.model is not None and (
+                len(_groups(trainer)) != self._groups or any(map(_REQUIRES_GRAD, self._frozen))):
+            self._hook_params(trainer, self.model.named_parameters())
 
     def __repr__(self) -> str:
         return "BackwardOrder()"
@@ -274,11 +274,13 @@ class BackwardOrder(Hook):
         trace = self._current()
         return _View(trace, 0), _View(trace, 1)
 
-    def _optimizer_key(self, trainer: Any) -> tuple:
-        # a group added, or parameters unfrozen in place (requires_grad_): one attribute read per parameter
-        groups = getattr(getattr(trainer, "optimizer", None), "param_groups", ())
-        training = sum(map(_REQUIRES_GRAD, self._all))  # the list kept at attach: no walk of the modules
-        return (*[(id(g["params"]), len(g["params"])) for g in groups], training)
+    def _hook_params(self, trainer: Any, named: Iterable[tuple[str, Tensor]]) -> None:
+        frozen = []
+        for name, p in named:
+            self._hook_param(name, p)
+            if id(p) not in self._hooked:
+                frozen.append(p)
+        self._frozen, self._groups = frozen, len(_groups(trainer))
 
     def _hook_param(self, name: str, p: Tensor) -> None:
         if id(p) in self._hooked or not p.requires_grad:

@@ -384,11 +384,12 @@ def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
         coef = (norm + eps).reciprocal_().mul_(constant(max_norm, norm.device, norm.dtype))
     else:  # fp16/bf16 take a Python number in float32
         coef = (norm + EPS).reciprocal_().mul_(max_norm)
-    # a select, not `if`: a Python branch on a device tensor forces a host sync. root - root is 0, or NaN
-    # for a NaN, infinite or negative norm (no norm is negative; torch would flip the gradients' sign),
-    # and fmin(NaN, 1) is 1: those gradients are left alone, and min(coef, 1) is torch's clamp
-    root = norm.sqrt()
-    return torch.fmin(coef + (root - root), one)
+    # a select, not `if`: a Python branch on a device tensor forces a host sync. sqrt(norm) * 0 is 0, or NaN
+    # for a NaN, infinite or negative norm (no norm is negative; torch would flip the gradients' sign), and
+    # is added in the same operation (coef + 0 is coef, bit for bit); fmin(NaN, 1) is 1: those gradients
+    # are left alone, and min(coef, 1) is torch's clamp
+    guarded = torch.addcmul(coef, norm.sqrt(), constant(0.0, coef.device, coef.dtype))
+    return torch.fmin(guarded, one)
 
 
 @functools.lru_cache(maxsize=16)

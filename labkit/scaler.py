@@ -162,13 +162,15 @@ _CPU = torch.device("cpu")
 
 
 def update_scale(
-    scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, found_inf: Tensor, config: ScalerConfig
+    scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, found_inf: Tensor | bool,
+    config: ScalerConfig,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return the next ``(scale, growth_tracker, hysteresis_left)`` after one iteration.
 
     All arguments are 0-dim tensors on one device (``scale`` float32, the counters int32,
-    ``hysteresis_left`` in ``[0, hysteresis]``, ``found_inf`` nonzero on overflow); the inputs
-    are left as they were and nothing is read to the host::
+    ``hysteresis_left`` in ``[0, hysteresis]``, ``found_inf`` nonzero on overflow, or a Python
+    bool where the step's decision was already read to the host); the inputs are left as they
+    were and nothing is read to the host::
 
         if found_inf:
             growth_tracker = 0
@@ -200,6 +202,10 @@ def update_scale(
     (512.0, 0, 0)
     """
     dev = scale.device
+    if isinstance(found_inf, bool):  # read on the host already (TrainStep's decision): the same rule
+        if not found_inf:
+            return _grow_or_keep(scale, growth_tracker, hysteresis_left, config)
+        found_inf = constant(1.0, dev, torch.float32)
     # every operand in its tensor's dtype (the constants made once): with a Python number or a mixed-dtype
     # select torch promotes the types first, which costs more than the 0-dim operation, every step
     clean = found_inf.eq(constant(0.0, dev, found_inf.dtype))  # no overflow: the selects' condition
@@ -225,6 +231,26 @@ def update_scale(
     # the tracker is 0 after an overflow and after a growth, which refills the hysteresis
     new_hyst = torch.where(new_tracker.eq(constant(0, dev, new_tracker.dtype)), after, hysteresis_left)
     return new_scale, new_tracker, new_hyst
+
+
+def _grow_or_keep(
+    scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, config: ScalerConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    # update_scale on a step known on the host to be clean: its selects on "clean" taken, so neither the
+    # floor nor the hysteresis count-down is computed only to be thrown away (on a small model these 0-dim
+    # operations are a visible part of the step); the same tensors, bit for bit (tests/test_scaler.py)
+    dev = scale.device
+    new_scale = scale.clone()  # torch's kernel writes its arguments in place: it gets fresh ones
+    last = constant(config.growth_interval - 1, dev, growth_tracker.dtype)
+    new_tracker = torch.minimum(growth_tracker, last)
+    torch._amp_update_scale_(new_scale, new_tracker, constant(0.0, dev, torch.float32), config.growth_factor,
+                             config.backoff_factor, config.growth_interval)
+    if config.max_scale is not None:
+        new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
+    # a growth zeroes the tracker and refills the hysteresis
+    grew = new_tracker.eq(constant(0, dev, new_tracker.dtype))
+    return new_scale, new_tracker, torch.where(grew, constant(config.hysteresis, dev, hysteresis_left.dtype),
+                                               hysteresis_left)
 
 
 class GradScaler:
@@ -608,15 +634,25 @@ class GradScaler:
                     "scaler.step(optimizer) after backward and before update()."
                 )
             device = state["scale"].device
-            if len(found) == 1:  # one optimizer: no copy when its flag is on the scale's device already
-                found_inf = found[0] if found[0].device == device else found[0].to(device)
+            host = [s.get("host") for s in self._per_optimizer.values()
+                    if s["found_inf"] is not None and s["has_grads"]]
+            if keep_if is None and host == [False] * len(found):
+                # every optimizer's check already read on the host, clean: nothing skipped to count (the
+                # streak's 0 is a constant: the state's tensors are replaced, never written into)
+                new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], False,
+                                   self.config)
+                counters = (state["skip_count"], constant(0, device, torch.int64))
             else:
-                found_inf = torch.stack([f.to(device) for f in found]).sum()
-            new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], found_inf,
-                               self.config)
-            skipped = found_inf.ne(constant(0.0, device, found_inf.dtype)).long()  # the counters' dtype
-            # the streak is (streak + 1) * skipped, in one operation: skipped + streak * skipped
-            counters = (state["skip_count"] + skipped, torch.addcmul(skipped, state["skip_streak"], skipped))
+                if len(found) == 1:  # one optimizer: no copy when its flag is on the scale's device already
+                    found_inf = found[0] if found[0].device == device else found[0].to(device)
+                else:
+                    found_inf = torch.stack([f.to(device) for f in found]).sum()
+                new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"],
+                                   found_inf, self.config)
+                skipped = found_inf.ne(constant(0.0, device, found_inf.dtype)).long()  # the counters' dtype
+                # the streak is (streak + 1) * skipped, in one operation: skipped + streak * skipped
+                counters = (state["skip_count"] + skipped,
+                            torch.addcmul(skipped, state["skip_streak"], skipped))
             # new tensors, not writes into the old ones: a scale read before (get_scale_async) stays this
             # iteration's, as a record needs it, with no copy
             for key, value in zip(STATE_KEYS, (*new, *counters)):
@@ -712,9 +748,9 @@ class GradScaler:
         self.config = config
         self._init_scale, self._init_tracker, self._init_hysteresis = initial[:3]
         self._init_skips = initial[3:]
-        if self._state is not None:
+        if self._state is not None:  # new tensors, as update() gives: a shared constant may be among them
             for key, value in zip(STATE_KEYS, initial):
-                self._state[key].fill_(value)
+                self._state[key] = torch.full_like(self._state[key], value)
 
     @staticmethod
     def parse_state(state_dict: dict[str, Any]) -> tuple[ScalerConfig, tuple[float, int, int, int, int]]:

@@ -450,7 +450,7 @@ def test_a_tied_weight_inside_a_compiled_region_gets_no_per_use_hooks():
 
 def test_parameters_swapped_in_for_frozen_ones_are_hooked_at_the_next_step():
     """Progressive unfreezing with the count unchanged: one layer frozen, another unfrozen and given to the
-    optimizer in its place. The order follows what trains now (pre_step compares the groups' lists)."""
+    optimizer in its place. The order follows what trains now (pre_step hooks a frozen parameter unfrozen)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     for p in model[0].parameters():
         p.requires_grad_(False)
@@ -470,6 +470,23 @@ def test_parameters_swapped_in_for_frozen_ones_are_hooked_at_the_next_step():
     assert second.skipped and second.culprit_module == "0"
     assert second.first_nonfinite in ("0.weight", "0.bias")
     assert set(step.hooks.gradient_order(step, 1)[0]) == {"0.weight", "0.bias"}
+
+
+def test_a_layer_added_mid_run_and_given_to_the_optimizer_is_hooked_at_the_next_step():
+    """A module appended to the model and handed to the optimizer (``add_param_group``) after the hooks were
+    attached: nothing was frozen, so the new group is what tells pre_step to hook again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, torch.nn.functional.mse_loss)
+    x = torch.randn(8, 4)
+    step(x, torch.randn(8, 4))
+    model.append(nn.Linear(4, 1))
+    opt.add_param_group({"params": list(model[2].parameters())})
+    model.zero_grad(set_to_none=True)
+    step(x, torch.randn(8, 1))
+    positions = step.hooks.gradient_order(step, 1)[0]
+    assert sorted(positions, key=lambda n: positions[n][0]) == ["2.bias", "2.weight", "0.bias", "0.weight"]
 
 
 def test_a_whole_compiled_model_is_one_region_every_gradient_ranked_first():

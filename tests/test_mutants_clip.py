@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from test_clip import params_from_values
 
@@ -67,6 +67,20 @@ def test_clip_coef_is_torchs_factor_for_a_float_and_a_tensor_limit(norm, max_nor
     n = torch.tensor(norm)
     want = torch.clamp(max_norm / (n + 1e-6), max=1.0)  # torch.nn.utils.clip_grads_with_norm_
     assert torch.equal(clip_coef(n, max_norm), want)
+    limit = torch.tensor(max_norm)
+    assert torch.equal(clip_coef(n, limit), torch.clamp(limit / (n + 1e-6), max=1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(norm=st.one_of(st.floats(0.0, allow_infinity=False, width=32),
+                     st.sampled_from([0.0, -0.0, 1e-45, 1e-6])),
+       max_norm=st.floats(2.0**-100, 2.0**100, width=32),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+def test_clip_coef_of_any_finite_norm_is_torchs_factor(norm, max_norm, dtype):
+    """Every finite norm, in each dtype a norm comes in: the guard against bad norms changes no bit."""
+    n = torch.tensor(norm).to(dtype)
+    assume(bool(torch.isfinite(n)))  # fp16 holds no norm past 65504
+    assert torch.equal(clip_coef(n, max_norm), torch.clamp(max_norm / (n + 1e-6), max=1.0))
     limit = torch.tensor(max_norm)
     assert torch.equal(clip_coef(n, limit), torch.clamp(limit / (n + 1e-6), max=1.0))
 

@@ -184,11 +184,13 @@ class TrainStep:
             with gradient_sync(self.model, on=i == batch.k - 1):  # DDP/FSDP2 reduce in the last backward only
                 with autocast(self.precision, self.device):
                     loss = batch.loss(self.model, self.loss_fn, x, y)
-                mean = mean_across(loss.detach(), self.process_group)
                 if deferred:  # the check stays on the device; backward runs on a bad batch, the step skips
+                    mean = mean_across(loss.detach(), self.process_group)
                     flag = ~torch.isfinite(mean) if flag is None else flag | ~torch.isfinite(mean)
                 else:
-                    value = mean.item()  # host sync, needed: backward must not run on a bad batch, any rank
+                    # host sync, needed: backward must not run on a bad batch, any rank (.item() needs no
+                    # detach; mean_across detaches what it reduces)
+                    value = mean_across(loss, self.process_group).item()
                     if not math.isfinite(value):
                         return LossCheck(value, bad=True)
                     mean = value
