@@ -28,7 +28,9 @@ from .distributed import ProcessGroup, all_reduce_, local_tensor
 from .grouping import group_by_device_and_dtype
 from .validate import check_int, real
 
-__all__ = ["GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "update_scale"]
+__all__ = [
+    "GradScaler", "ScalerConfig", "ScalerUsageError", "ScalerValueError", "grow_or_keep", "update_scale",
+]
 
 class Stage(enum.Enum):
     """Where one optimizer is in an iteration: ``update()`` brings every optimizer back to ``READY``."""
@@ -162,15 +164,13 @@ _CPU = torch.device("cpu")
 
 
 def update_scale(
-    scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, found_inf: Tensor | bool,
-    config: ScalerConfig,
+    scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, found_inf: Tensor, config: ScalerConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Return the next ``(scale, growth_tracker, hysteresis_left)`` after one iteration.
 
     All arguments are 0-dim tensors on one device (``scale`` float32, the counters int32,
-    ``hysteresis_left`` in ``[0, hysteresis]``, ``found_inf`` nonzero on overflow, or a Python
-    bool where the step's decision was already read to the host); the inputs are left as they
-    were and nothing is read to the host::
+    ``hysteresis_left`` in ``[0, hysteresis]``, ``found_inf`` nonzero on overflow); the inputs
+    are left as they were and nothing is read to the host::
 
         if found_inf:
             growth_tracker = 0
@@ -202,10 +202,6 @@ def update_scale(
     (512.0, 0, 0)
     """
     dev = scale.device
-    if isinstance(found_inf, bool):  # read on the host already (TrainStep's decision): the same rule
-        if not found_inf:
-            return _grow_or_keep(scale, growth_tracker, hysteresis_left, config)
-        found_inf = constant(1.0, dev, torch.float32)
     # every operand in its tensor's dtype (the constants made once): with a Python number or a mixed-dtype
     # select torch promotes the types first, which costs more than the 0-dim operation, every step
     clean = found_inf.eq(constant(0.0, dev, found_inf.dtype))  # no overflow: the selects' condition
@@ -233,12 +229,31 @@ def update_scale(
     return new_scale, new_tracker, new_hyst
 
 
-def _grow_or_keep(
+def grow_or_keep(
     scale: Tensor, growth_tracker: Tensor, hysteresis_left: Tensor, config: ScalerConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # update_scale on a step known on the host to be clean: its selects on "clean" taken, so neither the
-    # floor nor the hysteresis count-down is computed only to be thrown away (on a small model these 0-dim
-    # operations are a visible part of the step); the same tensors, bit for bit (tests/test_scaler.py)
+    """Return ``update_scale(scale, growth_tracker, hysteresis_left, found_inf=0, config)``: a clean step.
+
+    ``update_scale``'s rule with its selects on "no overflow" taken::
+
+        growth_tracker = min(growth_tracker, growth_interval - 1) + 1
+        if growth_tracker == growth_interval:
+            growth_tracker = 0
+            hysteresis_left = hysteresis
+            grown = scale * growth_factor
+            if isfinite(grown):
+                scale = min(grown, max(scale, max_scale))
+
+    Neither the floor nor the hysteresis count-down is computed only to be thrown away.
+    ``GradScaler.update`` takes it when every check was already read on the host (``TrainStep``'s
+    decision), where those 0-dim operations are a visible part of a small model's step. The same
+    three tensors, bit for bit; defaults and sources: ``update_scale``.
+
+    >>> t = lambda v, d=torch.int32: torch.tensor(v, dtype=d)
+    >>> s, g, h = grow_or_keep(t(1024.0, torch.float32), t(1), t(0), ScalerConfig(growth_interval=2))
+    >>> s.item(), g.item(), h.item()
+    (2048.0, 0, 1)
+    """
     dev = scale.device
     new_scale = scale.clone()  # torch's kernel writes its arguments in place: it gets fresh ones
     last = constant(config.growth_interval - 1, dev, growth_tracker.dtype)
@@ -639,7 +654,7 @@ class GradScaler:
             if keep_if is None and host == [False] * len(found):
                 # every optimizer's check already read on the host, clean: nothing skipped to count (the
                 # streak's 0 is a constant: the state's tensors are replaced, never written into)
-                new = update_scale(state["scale"], state["growth_tracker"], state["hysteresis_left"], False,
+                new = grow_or_keep(state["scale"], state["growth_tracker"], state["hysteresis_left"],
                                    self.config)
                 counters = (state["skip_count"], constant(0, device, torch.int64))
             else:

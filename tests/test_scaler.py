@@ -23,6 +23,7 @@ from torch import nn
 
 import labkit
 from labkit import GradScaler, ScalerConfig, update_scale
+from labkit.scaler import grow_or_keep
 
 INF = float("inf")
 NAN = float("nan")
@@ -429,23 +430,22 @@ def test_scaler_update_is_torchs_kernel_with_the_floor(scale, tracker, left, fou
     scale=st.one_of(st.floats(2.0**-130, 3e38), st.sampled_from([2.0**-126, 2.0**-149, 3.4e38])),
     tracker=st.integers(0, 12),
     left=st.integers(0, 4),
-    overflow=st.booleans(),
     growth=st.one_of(st.sampled_from([2.0, 1.7]), st.floats(1.01, 8.0)),
     interval=st.integers(1, 6),
     hysteresis=st.integers(1, 4),
     bounds=st.tuples(st.one_of(st.none(), st.floats(1e-30, 1e4)), st.one_of(st.none(), st.floats(1.0, 3e38))),
 )
-def test_rule_given_a_host_bool_is_the_rule_given_the_tensor(scale, tracker, left, overflow, growth, interval,
+def test_the_clean_steps_rule_is_the_rule_given_no_overflow(scale, tracker, left, growth, interval,
                                                              hysteresis, bounds):
-    """A check already read on the host (``TrainStep``'s decision) folds the rule's selects away: the same
-    three tensors, bit for bit and dtype for dtype, and the inputs left as they were."""
+    """``grow_or_keep`` (a check already read on the host, clean) is ``update_scale`` given ``found_inf=0``:
+    the same three tensors, bit for bit and dtype for dtype, and the inputs left as they were."""
     lo, hi = bounds
     assume(lo is None or hi is None or lo <= hi)
     cfg = ScalerConfig(growth, 0.5, interval, hysteresis, lo, hi)
     state = (t_scale(scale), t_int(tracker), t_int(min(left, hysteresis)))
     before = [t.clone() for t in state]
-    want = update_scale(*state, t_found(overflow), cfg)
-    got = update_scale(*state, overflow, cfg)
+    want = update_scale(*state, t_found(False), cfg)
+    got = grow_or_keep(*state, cfg)
     for name, g, w in zip(("scale", "tracker", "hysteresis_left"), got, want):
         assert g.dtype == w.dtype and g.shape == w.shape == () and torch.equal(g, w), (name, g, w)
     assert all(torch.equal(a, b) for a, b in zip(state, before))
