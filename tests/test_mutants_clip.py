@@ -80,9 +80,10 @@ def test_clip_coef_of_any_finite_norm_is_torchs_factor(norm, max_norm, dtype):
     """Every finite norm, in each dtype a norm comes in: the guard against bad norms changes no bit."""
     n = torch.tensor(norm).to(dtype)
     assume(bool(torch.isfinite(n)))  # fp16 holds no norm past 65504
-    assert torch.equal(clip_coef(n, max_norm), torch.clamp(max_norm / (n + 1e-6), max=1.0))
     limit = torch.tensor(max_norm)
-    assert torch.equal(clip_coef(n, limit), torch.clamp(limit / (n + 1e-6), max=1.0))
+    for got, want in ((clip_coef(n, max_norm), torch.clamp(max_norm / (n + 1e-6), max=1.0)),
+                      (clip_coef(n, limit), torch.clamp(limit / (n + 1e-6), max=1.0))):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
 
 
 @pytest.mark.parametrize("norm", [math.inf, -math.inf, math.nan, -1.0])
@@ -313,6 +314,38 @@ def test_a_step_known_on_the_host_to_go_ahead_spares_the_kernels_check_and_undo_
         assert len(kernel) == 1
         assert (kernel[0].get("found_inf") is None) is (not found)
         assert any(name == "_foreach_sub_" for name, _ in log.calls) is found
+
+
+def clean_iteration(found_inf):
+    """A scaler that has seen one clean check, ``found_inf`` (a host bool or a device tensor)."""
+    scaler = GradScaler("cpu", growth_interval=1)
+    w = torch.ones(2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler.scale(w.sum()).backward()
+    scaler.inf_check_(opt, found_inf, unscaled=False)
+    return scaler
+
+
+def test_a_clean_check_read_on_the_host_updates_without_an_overflows_selects():
+    """TrainStep reads its decision before the step: a clean check known on the host takes ``grow_or_keep``
+    (no floor, no hysteresis count-down, no skip counted), and leaves the state the device's check leaves."""
+    states, ops = [], []
+    for found in (False, torch.tensor(0.0)):
+        scaler = clean_iteration(found)
+        with OpLog() as log:
+            scaler.update()
+        states.append(scaler.state_dict())
+        ops.append({name for name, _ in log.calls})
+    assert states[0] == states[1] and states[0]["scale"] == 2.0**17  # grown: growth_interval=1
+    assert not ops[0] & {"maximum", "ne", "addcmul"}  # the floor, the skip, the streak
+    assert {"maximum", "ne", "addcmul"} <= ops[1]
+
+
+def test_keep_if_on_the_device_keeps_the_state_after_a_clean_check_read_on_the_host():
+    scaler = clean_iteration(False)
+    before = scaler.state_dict()
+    scaler.update(keep_if=torch.tensor(True))
+    assert scaler.state_dict() == before
 
 
 def test_a_fused_step_keeps_no_reference_to_the_optimizer():
