@@ -97,13 +97,13 @@ def _compiled(module: nn.Module) -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# What fired in one backward is kept up to this many entries (a plain loop that never calls pre_step
+# keeps the latest ones, not an ever longer list)
+FIRED_MAX = 1 << 16
 
 
 def _groups(trainer: Any) -> Sequence[Any]:
     return getattr(getattr(trainer, "optimizer", None), "param_groups", ())
-# What fired in one backward is kept up to this many entries (a plain loop that never calls pre_step
-# keeps the latest ones, not an ever longer list)
-FIRED_MAX = 1 << 16
 
 
 class _Trace:
