@@ -205,16 +205,8 @@ def update_scale(
     # every operand in its tensor's dtype (the constants made once): with a Python number or a mixed-dtype
     # select torch promotes the types first, which costs more than the 0-dim operation, every step
     clean = found_inf.eq(constant(0.0, dev, found_inf.dtype))  # no overflow: the selects' condition
-    # torch's kernel writes its arguments in place: it gets fresh ones (the minimum's result is one)
-    new_scale = scale.clone()
-    last = constant(config.growth_interval - 1, dev, growth_tracker.dtype)
-    new_tracker = torch.minimum(growth_tracker, last)
-    torch._amp_update_scale_(new_scale, new_tracker, found_inf if found_inf.dtype == torch.float32 else
-                             found_inf.float(), config.growth_factor, config.backoff_factor,
-                             config.growth_interval)
-    if config.max_scale is not None:  # bounds rounded inwards to float32, so 0.7 stays a floor
-        # on a clean step the kernel's scale is the scale or its growth; a back-off is below both
-        new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
+    new_scale, new_tracker = _kernel_step(
+        scale, growth_tracker, found_inf if found_inf.dtype == torch.float32 else found_inf.float(), config)
     floor = DEFAULT_MIN_SCALE if config.min_scale is None else _f32_inside(config.min_scale, upward=True)
     # without a floor it could die (float32's floor is exact in a float32 constant)
     new_scale = torch.where(clean, new_scale, torch.maximum(new_scale, constant(floor, dev, torch.float32)))
@@ -227,6 +219,22 @@ def update_scale(
     # the tracker is 0 after an overflow and after a growth, which refills the hysteresis
     new_hyst = torch.where(new_tracker.eq(constant(0, dev, new_tracker.dtype)), after, hysteresis_left)
     return new_scale, new_tracker, new_hyst
+
+
+def _kernel_step(
+    scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, config: ScalerConfig
+) -> tuple[Tensor, Tensor]:
+    # both rules' first part: torch's kernel on copies (it writes its arguments in place; the minimum's
+    # result is a fresh tracker), the tracker clamped below a lowered interval first, then the cap
+    new_scale = scale.clone()
+    last = constant(config.growth_interval - 1, scale.device, growth_tracker.dtype)
+    new_tracker = torch.minimum(growth_tracker, last)
+    torch._amp_update_scale_(new_scale, new_tracker, found_inf, config.growth_factor, config.backoff_factor,
+                             config.growth_interval)
+    if config.max_scale is not None:  # bounds rounded inwards to float32, so 0.7 stays a floor
+        # on a clean step the kernel's scale is the scale or its growth; a back-off is below both
+        new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
+    return new_scale, new_tracker
 
 
 def grow_or_keep(
@@ -255,13 +263,7 @@ def grow_or_keep(
     (2048.0, 0, 1)
     """
     dev = scale.device
-    new_scale = scale.clone()  # torch's kernel writes its arguments in place: it gets fresh ones
-    last = constant(config.growth_interval - 1, dev, growth_tracker.dtype)
-    new_tracker = torch.minimum(growth_tracker, last)
-    torch._amp_update_scale_(new_scale, new_tracker, constant(0.0, dev, torch.float32), config.growth_factor,
-                             config.backoff_factor, config.growth_interval)
-    if config.max_scale is not None:
-        new_scale = torch.minimum(new_scale, scale.clamp(min=_f32_inside(config.max_scale, upward=False)))
+    new_scale, new_tracker = _kernel_step(scale, growth_tracker, constant(0.0, dev, torch.float32), config)
     # a growth zeroes the tracker and refills the hysteresis
     grew = new_tracker.eq(constant(0, dev, new_tracker.dtype))
     return new_scale, new_tracker, torch.where(grew, constant(config.hysteresis, dev, hysteresis_left.dtype),
@@ -641,23 +643,22 @@ class GradScaler:
                 )
             state["scale"] = value.reshape(()).clone()  # a new tensor, as every update() gives
         else:
-            found = [s["found_inf"] for s in self._per_optimizer.values()
-                     if s["found_inf"] is not None and s["has_grads"]]
-            if not found:
+            checks = [opt_state for opt_state in self._per_optimizer.values()
+                       if opt_state["found_inf"] is not None and opt_state["has_grads"]]
+            if not checks:
                 raise ScalerUsageError(
                     "No inf checks were recorded prior to update(): call scaler.unscale_(optimizer) or "
                     "scaler.step(optimizer) after backward and before update()."
                 )
             device = state["scale"].device
-            host = [s.get("host") for s in self._per_optimizer.values()
-                    if s["found_inf"] is not None and s["has_grads"]]
-            if keep_if is None and host == [False] * len(found):
+            if keep_if is None and all(opt_state.get("host") is False for opt_state in checks):
                 # every optimizer's check already read on the host, clean: nothing skipped to count (the
                 # streak's 0 is a constant: the state's tensors are replaced, never written into)
                 new = grow_or_keep(state["scale"], state["growth_tracker"], state["hysteresis_left"],
                                    self.config)
                 counters = (state["skip_count"], constant(0, device, torch.int64))
             else:
+                found = [opt_state["found_inf"] for opt_state in checks]
                 if len(found) == 1:  # one optimizer: no copy when its flag is on the scale's device already
                     found_inf = found[0] if found[0].device == device else found[0].to(device)
                 else:
