@@ -187,19 +187,24 @@ def grouped_norms(
     # (no identity for max), and FSDP2 leaves a rank empty shards when a dim is < world size.
     norms: list[Tensor | None] = [torch.zeros((), device=first, dtype=out_dtype) if g.numel() == 0 else None
                                   for g in grads]
-    live = [i for i, n in enumerate(norms) if n is None]
-    for (device, _), (group, where) in group_by_device_and_dtype([grads[i] for i in live]).items():
-        idx = [live[j] for j in where]
+    order: list[int] = []
+    # one grouping of every gradient, an empty one in its group: the order torch sums the norms in
+    for (device, _), (_, where) in group_by_device_and_dtype(grads).items():
+        order += where
+        idx = [i for i in where if norms[i] is None]
+        if not idx:
+            continue
         use_foreach = device.type in ("cpu", "cuda") if foreach is None else foreach
         if use_foreach and device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"foreach=True was passed, but there is no foreach norm on {device.type}")
+        live = [grads[i] for i in idx]
         # fp16/bf16 grads are accumulated in fp32, so 300 * 60000 is not inf; fp64 stays fp64
         # until the end (torch refuses to narrow it inside the norm).
-        acc = torch.float32 if group[0].dtype in HALF else None
+        acc = torch.float32 if live[0].dtype in HALF else None
         if use_foreach:
-            out = foreach_norm(group, norm_type, acc)
+            out = foreach_norm(live, norm_type, acc)
         else:
-            out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in group]
+            out = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in live]
         # one device and dtype, none empty (the usual case): one stack, no per-norm copies
         if len(idx) == len(grads):
             stacked = torch.stack(out)
@@ -207,9 +212,6 @@ def grouped_norms(
                                          sharded, norm_type), None
         for i, n in zip(idx, out):
             norms[i] = n.to(device=first, dtype=out_dtype)
-    # torch's get_total_norm stacks the norms group by group (an empty gradient in its group), and a
-    # sum's rounding depends on its order: a permutation, read only by the global norm
-    order = [i for _, (_, where) in group_by_device_and_dtype(grads).items() for i in where]
     return (reduce_sharded_norms_(torch.stack(norms), sharded, norm_type),  # type: ignore[arg-type]
             torch.tensor(order, device=first))
 

@@ -290,6 +290,23 @@ def test_mixed_dtypes_norm_matches_float64_reference():
         assert math.isclose(norm.item(), ref_norm(grads_of(params), norm_type), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_a_dtype_whose_gradients_are_all_empty_leaves_the_other_dtypes_norms_torchs(norm_type):
+    """An FSDP2 rank can hold only empty shards of one dtype: the other dtypes' norms still count, an
+    empty one's is 0 (torch has no inf-norm of an empty tensor: it raises)."""
+    f64 = torch.float64
+    empty, first = torch.zeros(0), torch.tensor([3.0, 4.0], dtype=f64)
+    grads = [first, empty, torch.tensor([12.0], dtype=f64), empty]
+    norms, _ = labkit.clip.grouped_norms(grads, norm_type)  # torch groups the empty float32 first here
+    assert norms.dtype == f64 and norms.tolist() == [first.norm(norm_type).item(), 0.0, 12.0, 0.0]
+    ours = labkit.clip.get_total_norm(grads, norm_type)
+    if norm_type == math.inf:
+        assert ours.item() == 12.0
+    else:
+        theirs = torch.nn.utils.get_total_norm(grads, norm_type)
+        assert ours.dtype == theirs.dtype == f64 and torch.equal(ours, theirs)
+
+
 def fp16_big_one_tensor():
     return params_from_values([[60000.0] * 300], torch.float16)
 
