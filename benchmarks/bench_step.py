@@ -12,7 +12,9 @@
     step) on the toy model and on a wide MLP, with AdamW foreach and fused, per-step records
     (``sync_every=None``) and deferred ones (``sync_every=N``). The loops take turns every N steps
     on the same batches and each gets the median of its blocks: on a shared machine, whole loops
-    timed in turn scattered the ratio by +-0.15 between runs, blocks by about +-0.02.
+    timed in turn scattered the ratio by +-0.15 between runs, blocks by about +-0.02. Each
+    comparison runs twice, torch's loop built first and then last, and prints the geometric mean
+    of the two ratios: where a loop's tensors land depends on when it is built.
 (c) host syncs per step of each, counted by trapping ``.item()``, ``bool()``, ``float()``,
     ``int()``, ``.tolist()``, ``.cpu()`` called from labkit, torch.amp or the loop itself
     (torch's optimizers' reads of their CPU step counters are no device syncs).
@@ -24,13 +26,13 @@ machine- and load-dependent. Quote them with ``lscpu``'s model name and flags.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -151,37 +153,58 @@ def make_setup(width, fused, device, steps, batch=64):
     return model, opt, batches
 
 
-def bench_step(width, fused, precision, device, steps, block, sync_every):
-    """Per loop, the median seconds per step of blocks of ``block`` steps, the loops taking turns block
-    by block on the same batches (a machine's slow minute falls on all of them alike); each loop's
-    model, optimizer, scaler and ``TrainStep`` are set up, and stepped once, before the timer. A block
-    of ``sync_every`` steps holds one flush of the deferred records."""
+def build_loops(width, fused, precision, device, sync_every, first_batch, torch_first):
+    """Return ``{name: loop}``, built (and stepped once) in the order given: torch's loop first or last.
+
+    Each has its own model (the same seed), optimizer and scaler. Where a loop's tensors and objects
+    land depends on when it is built, and two copies of one loop built one after the other differ by
+    a few per cent on a small model; built both ways, that falls on each side alike."""
     dtype = labkit.step.PRECISIONS[precision]
-    loops: dict[str, Any] = {}
-    model, opt, batches = make_setup(width, fused, device, steps + 1)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    textbook_step(model, opt, *batches[0], dtype, device, scaler)
-    loops["torch"] = lambda x, y, m=model, o=opt, s=scaler: textbook_step(m, o, x, y, dtype, device, s)
-    for every in (None, sync_every):
+
+    def textbook():
+        model, opt, _ = make_setup(width, fused, device, 1)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        textbook_step(model, opt, *first_batch, dtype, device, scaler)
+        return lambda x, y: textbook_step(model, opt, x, y, dtype, device, scaler)
+
+    def trainstep(every):
         model, opt, _ = make_setup(width, fused, device, 1)
         step = labkit.TrainStep(model, opt, nn.functional.mse_loss, precision=precision, max_norm=1.0,
                                 sync_every=every, hooks=[SkipAlarm(None), ClipAlarm(None)])
-        step(*batches[0])
+        step(*first_batch)
         step.flush()
-        loops["labkit" if every is None else f"labkit sync_every={every}"] = step
-    times: dict[str, list[float]] = {k: [] for k in loops}
-    for start in range(1, steps + 1 - block + 1, block):
-        chunk = batches[start:start + block]
-        for name, run in loops.items():
-            sync(device)
-            t = time.perf_counter()
-            for x, y in chunk:
-                run(x, y)
-            if isinstance(run, labkit.TrainStep):
-                run.flush()
-            sync(device)
-            times[name].append((time.perf_counter() - t) / block)
-    return {k: statistics.median(v) for k, v in times.items()}
+        return step
+
+    builders = {"torch": textbook, "labkit": lambda: trainstep(None),
+                f"labkit sync_every={sync_every}": lambda: trainstep(sync_every)}
+    names = list(builders) if torch_first else list(builders)[::-1]
+    return {name: builders[name]() for name in names}
+
+
+def bench_step(width, fused, precision, device, steps, block, sync_every):
+    """Per loop, the median seconds per step of blocks of ``block`` steps, the loops taking turns block
+    by block on the same batches (a machine's slow minute falls on all of them alike), timed twice:
+    with torch's loop built first and built last. Returns ``{order: {name: seconds}}``. A block of
+    ``sync_every`` steps holds one flush of the deferred records."""
+    _, _, batches = make_setup(width, fused, device, steps + 1)
+    out = {}
+    for torch_first in (True, False):
+        loops = build_loops(width, fused, precision, device, sync_every, batches[0], torch_first)
+        times: dict[str, list[float]] = {k: [] for k in loops}
+        for start in range(1, steps + 1 - block + 1, block):
+            chunk = batches[start:start + block]
+            for name, run in loops.items():
+                sync(device)
+                t = time.perf_counter()
+                for x, y in chunk:
+                    run(x, y)
+                if isinstance(run, labkit.TrainStep):
+                    run.flush()
+                sync(device)
+                times[name].append((time.perf_counter() - t) / block)
+        out["torch built first" if torch_first else "torch built last"] = {
+            k: statistics.median(v) for k, v in times.items()}
+    return out
 
 
 # ---------------------------------------------------------------- (c) host syncs per step
@@ -284,7 +307,8 @@ def clip_part(numel, device, repeat):
 
 def step_part(args, width, device):
     print(f"\n(b) TrainStep vs the textbook loop, {args.precision}, AdamW, per step: median of blocks of "
-          f"{args.sync_every} steps, the loops taking turns; ratio labkit/torch (goal <= 1.0)")
+          f"{args.sync_every} steps, the loops taking turns; ratio labkit/torch (goal <= 1.0): the geometric "
+          "mean of two runs, torch's loop built first and built last (each in brackets)")
     # the toy's step is ~1 ms of Python and small kernels: many blocks; the MLP's is ~0.2 s
     sizes = {"toy": (0, 1600), "mlp": (width, 32 if args.quick else 64)}
     for name in args.models.split(","):
@@ -292,9 +316,16 @@ def step_part(args, width, device):
         n = sum(p.numel() for p in make_setup(w, False, device, 1)[0].parameters())
         for fused in (False, True):
             t = bench_step(w, fused, args.precision, device, steps, args.sync_every, args.sync_every)
+            runs = list(t.values())
             label = f"{'toy' if not w else 'MLP'} {n / 1e6:.2f}M params, {'fused' if fused else 'foreach'}"
-            ratios = "  ".join(f"{k} {v / t['torch']:.2f}x" for k, v in t.items() if k != "torch")
-            print(f"    {label:<34} torch {t['torch'] * 1e3:7.2f} ms/step   {ratios}")
+            ratios = []
+            for k in runs[0]:
+                if k != "torch":
+                    each = [r[k] / r["torch"] for r in runs]
+                    mean = math.prod(each) ** (1 / len(each))
+                    ratios.append(f"{k} {mean:.2f}x ({'/'.join(f'{x:.2f}' for x in each)})")
+            torch_ms = statistics.median(r["torch"] for r in runs) * 1e3
+            print(f"    {label:<34} torch {torch_ms:7.2f} ms/step   {'  '.join(ratios)}")
 
 
 def sync_part(args, device):
