@@ -124,7 +124,7 @@ EOF
 
 if want bench; then
   if [ "$gpu" = 1 ]; then
-    check "benchmarks" 150 "$PY" benchmarks/bench_step.py --device cuda
+    check "benchmarks" 240 "$PY" benchmarks/bench_step.py --device cuda  # (b) builds its loops twice
   else
     check "benchmarks (--quick, CPU)" 600 "$PY" benchmarks/bench_step.py --device cpu --quick
   fi
