@@ -19,8 +19,9 @@ from labkit.lab.experiment import ExperimentConfig, run_experiment
 def cpu() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = next(line for line in out.splitlines() if line.startswith("Flags"))
+        lines = out.splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+        flags = next(line for line in lines if line.startswith("Flags"))
         return f"{name}, {'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}"
     except (OSError, StopIteration):
         return platform.processor()
@@ -28,7 +29,8 @@ def cpu() -> str:
 
 def main() -> None:
     root = tempfile.mkdtemp()
-    os.environ.update(TRACKIO_DIR=os.path.join(root, "trackio"), WANDB_SILENT="true", MLFLOW_ALLOW_FILE_STORE="true",
+    os.environ.update(TRACKIO_DIR=os.path.join(root, "trackio"), WANDB_SILENT="true",
+                      MLFLOW_ALLOW_FILE_STORE="true",
                       MLFLOW_TRACKING_URI="file:" + os.path.join(root, "mlruns"))
     import warnings
 
@@ -46,7 +48,8 @@ def main() -> None:
         t2 = time.perf_counter()
         t.close()
         t3 = time.perf_counter()
-        print(f"{name:<12} open {t1 - t0:6.2f} s   per record {1e3 * (t2 - t1) / len(records):6.2f} ms   close {t3 - t2:5.2f} s")
+        per_record = 1e3 * (t2 - t1) / len(records)
+        print(f"{name:<12} open {t1 - t0:6.2f} s   per record {per_record:6.2f} ms   close {t3 - t2:5.2f} s")
 
 
 if __name__ == "__main__":

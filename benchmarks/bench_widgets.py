@@ -8,8 +8,8 @@ with the bare ``run_experiment`` time of the same settings measured in the same 
 ratio is the panel's own cost (redraw, status, table). The redraw is a real Agg render to
 PNG (the non-ipympl path); under ipympl the browser asks for the same render.
 The budgets, on a plain 2-core laptop-class CPU: slider -> redrawn <= 0.5 s for the auto-run
-panels (01, 02), a live Run <= 3 s for 03 (a redraw every 40 steps: each is a full render, ~0.15 s). Each row also times a
-slider moved back to a value already seen (the panel's run cache: no training).
+panels (01, 02), a live Run <= 3 s for 03 (a redraw every 40 steps: each is a full render, ~0.15 s).
+Each row also times a slider moved back to a value already seen (the panel's run cache: no training).
 
 It prints the machine first: CPU model, whether it has AVX-512 and native fp16 arithmetic (CPU
 flags, and an fp16 vs fp32 matmul timed here: without native fp16, torch emulates it and it is

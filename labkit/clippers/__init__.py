@@ -22,6 +22,6 @@ from .value import ValueClip, clip_grad_value_
 from .zclip import ZClip
 
 __all__ = [
-    "AGC", "FEEDS", "AdaGC", "AutoClip", "Clipper", "GlobalClipper", "LockInWarning", "NormClip", "UpdateNormClip",
-    "ValueClip", "ZClip", "clip_grad_value_",
+    "AGC", "FEEDS", "AdaGC", "AutoClip", "Clipper", "GlobalClipper", "LockInWarning", "NormClip",
+    "UpdateNormClip", "ValueClip", "ZClip", "clip_grad_value_",
 ]

@@ -39,7 +39,8 @@ class UpdateNormClip(GlobalClipper):
         super().__init__(feed, max_consecutive_clips)
 
     def initial(self) -> dict[str, Tensor]:
-        return {"history": torch.full((self.window,), float("nan")), "count": torch.zeros((), dtype=torch.int64)}
+        return {"history": torch.full((self.window,), float("nan")),
+                "count": torch.zeros((), dtype=torch.int64)}
 
     def threshold(self, state: dict[str, Tensor]) -> Tensor:
         h = state["history"]

@@ -41,7 +41,7 @@ def clip_grad_value_(parameters: Parameters, clip_value: float, foreach: bool | 
 
 
 class ValueClip(Clipper):
-    """Clamp each gradient element to ``[-clip_value, clip_value]`` (Keras ``clipvalue``; torch ``clip_grad_value_``).
+    """Clamp each gradient element to ``[-clip_value, clip_value]`` (Keras ``clipvalue``).
 
     Unlike ``clip_grad_value_``, a step whose global norm is not finite is left untouched
     (a NaN gradient is not repaired by clamping, and an inf would be clamped into a finite

@@ -35,7 +35,8 @@ def zclip_update(
     are its mean and (population) variance. After: ``mean' = alpha*mean + (1-alpha)*value``,
     ``var' = alpha*var + (1-alpha)*(value - mean')**2`` (ZClip's ``_update_ema``).
 
-    >>> s = {"mean": torch.tensor(1.0), "var": torch.tensor(0.0), "buffer": torch.zeros(1), "count": torch.tensor(1)}
+    >>> s = {"mean": torch.tensor(1.0), "var": torch.tensor(0.0), "buffer": torch.zeros(1),
+    ...      "count": torch.tensor(1)}
     >>> zclip_update(s, torch.tensor(2.0), 0.5, 1)["mean"]
     tensor(1.5000)
     """
@@ -91,7 +92,8 @@ class ZClip(GlobalClipper):
         check_int("warmup", warmup, 1)
         if mode not in ("adaptive_scaling", "mean"):
             raise ValueError(f"mode must be 'adaptive_scaling' or 'mean', got {mode!r}.")
-        self.alpha, self.z_thresh, self.warmup, self.eps, self.mode = float(alpha), float(z_thresh), warmup, eps, mode
+        self.alpha, self.z_thresh, self.warmup = float(alpha), float(z_thresh), warmup
+        self.eps, self.mode = eps, mode
         super().__init__(feed, max_consecutive_clips)
 
     def initial(self) -> dict[str, Tensor]:
@@ -111,4 +113,5 @@ class ZClip(GlobalClipper):
         return zclip_update(state, value, self.alpha, self.warmup)
 
     def __repr__(self) -> str:
-        return f"ZClip(alpha={self.alpha:g}, z_thresh={self.z_thresh:g}, warmup={self.warmup}, feed={self.feed!r})"
+        return (f"ZClip(alpha={self.alpha:g}, z_thresh={self.z_thresh:g}, warmup={self.warmup}, "
+                f"feed={self.feed!r})")

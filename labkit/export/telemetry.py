@@ -50,10 +50,10 @@ def parse_trackers(log_to: str | Iterable[str] | None) -> list[str]:
 
     >>> parse_trackers("tensorboard, mlflow")
     ['tensorboard', 'mlflow']
-    >>> parse_trackers("tensorbord")
+    >>> parse_trackers("tensorbord")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: unknown tracker 'tensorbord'; choose from tensorboard, trackio, mlflow, wandb (comma-separated).
+    ValueError: unknown tracker 'tensorbord'; choose from tensorboard, trackio, mlflow, wandb ...
     """
     if log_to is None:
         return []
@@ -103,7 +103,8 @@ class Telemetry:
     ...     def close(self): pass
     >>> from labkit import StepRecord
     >>> t = Telemetry([Printer()], skip_alarm=2)
-    >>> for i in range(2): t.write(StepRecord(i, float("nan"), skipped=True, reason="nonfinite_loss", skip_streak=i + 1))  # doctest: +ELLIPSIS
+    >>> skip = lambda i: StepRecord(i, float("nan"), skipped=True, reason="nonfinite_loss", skip_streak=i + 1)
+    >>> for i in range(2): t.write(skip(i))  # doctest: +ELLIPSIS
     0 1.0 {'amp/skip_reason': 'nonfinite_loss'}
     1 2.0 {'amp/skip_reason': 'nonfinite_loss'}
     1 None {'alerts/SkipStreakWarning': '2 steps skipped in a row (steps 0-1: nonfinite_loss x2). ...'}
@@ -119,7 +120,7 @@ class Telemetry:
     @classmethod
     def open(cls, log_to: str | Iterable[str], out: str | os.PathLike, run_name: str | None = None,
              **alarms: Any) -> Telemetry:
-        """Open the trackers named in ``log_to`` under ``out`` (every package checked before any is opened)."""
+        """Open the trackers named in ``log_to`` under ``out`` (each package checked before any opens)."""
         names = parse_trackers(log_to)
         check_trackers(names)
         os.makedirs(out, exist_ok=True)

@@ -1,4 +1,4 @@
-"""TensorBoard: event files via ``torch.utils.tensorboard.SummaryWriter`` (``pip install labkit[tensorboard]``).
+"""TensorBoard: event files by ``torch.utils.tensorboard.SummaryWriter`` (needs ``labkit[tensorboard]``).
 
 Scalars are written as float64 tensors (``double_precision=True``), so TensorBoard's reader
 gives back the JSONL's exact bits; texts and alerts go to the Text tab, histograms to the

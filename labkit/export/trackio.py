@@ -28,7 +28,8 @@ class TrackioSink(Sink):
 
         self._trackio = trackio
         self.project, self.dir = project, str(trackio.utils.TRACKIO_DIR)
-        self.run = trackio.init(project=project, name=run_name, embed=False, auto_log_gpu=False, auto_log_cpu=False)
+        self.run = trackio.init(project=project, name=run_name, embed=False, auto_log_gpu=False,
+                                auto_log_cpu=False)
 
     def log(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         self.run.log({**scalars, **texts}, step=step)
@@ -40,7 +41,8 @@ class TrackioSink(Sink):
         self.run.alert(title=title, text=text, level=self._trackio.AlertLevel.WARN, step=step)
 
     def close(self) -> None:
-        # trackio.finish, not run.finish: it also forgets the run, which trackio would otherwise finish again at exit
+        # trackio.finish, not run.finish: it also forgets the run, which trackio would otherwise finish again
+        # at exit
         self._trackio.finish()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 USAGE = """examples:
   python -m labkit.grading release notebooks/exercises/ps1_clipping_and_scaling.ipynb -o release/
-  python -m labkit.grading grade notebooks/exercises/ps1_clipping_and_scaling.ipynb alice.ipynb --json alice.json
+  python -m labkit.grading grade SOURCE.ipynb alice.ipynb --json alice.json
   python -m labkit.grading grade SOURCE.ipynb course/submitted/ --out grades/ --jobs 2 --manual written.csv
   python -m labkit.grading feedback SOURCE.ipynb course/submitted/ --grades grades/ -o course/feedback/
 
@@ -35,21 +35,25 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     rel = commands.add_parser("release", help="write the student version of a source notebook")
     rel.add_argument("source", type=Path, help="the instructor's notebook, with solutions and hidden tests")
-    rel.add_argument("-o", "--output", type=Path, required=True, help="the folder to write the student version into")
-    gra = commands.add_parser("grade", help="grade a student's notebook, or a folder of them, against the source",
-                              epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rel.add_argument("-o", "--output", type=Path, required=True,
+                     help="the folder to write the student version into")
+    gra = commands.add_parser("grade", epilog=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              help="grade a student's notebook, or a folder of them, against the source")
     gra.add_argument("source", type=Path, help="the instructor's notebook the submission was released from")
-    gra.add_argument("submission", type=Path, help="the student's notebook, or a folder of submissions (a class)")
+    gra.add_argument("submission", type=Path,
+                     help="the student's notebook, or a folder of submissions (a class)")
     gra.add_argument("--json", type=Path, help="one notebook: also write the report as JSON to this file")
     gra.add_argument("--out", type=Path, help="a folder: where the gradebook and each student's results go")
     gra.add_argument("--jobs", type=int, default=1, help="a folder: submissions graded at once (default 1)")
-    gra.add_argument("--manual", type=Path, help="a folder: CSV of hand-graded points (student,grade_id,points)")
+    gra.add_argument("--manual", type=Path,
+                     help="a folder: CSV of hand-graded points (student,grade_id,points)")
     gra.add_argument("--assignment", help="a folder in nbgrader's layout: the assignment folder name")
     gra.add_argument("--include-manual", action="store_true",
                      help="count the manually graded parts in max_score and list them in the JSON")
-    gra.add_argument("--timeout", type=float, default=60.0, help="seconds each cell and each check may run (default 60)")
-    gra.add_argument("--wall", type=float, help="seconds a whole submission may run, hard (default: from --timeout, "
-                     "at most 600)")
+    gra.add_argument("--timeout", type=float, default=60.0,
+                     help="seconds each cell and each check may run (default 60)")
+    gra.add_argument("--wall", type=float,
+                     help="seconds a whole submission may run, hard (default: from --timeout, at most 600)")
     gra.add_argument("--seed", type=int, help="replay the hidden cases of this seed (from a report's JSON)")
     gra.add_argument("--no-sandbox", action="store_true",
                      help="run without bubblewrap: only for notebooks you trust (your own solutions)")
@@ -135,8 +139,8 @@ def _grade_one(args: argparse.Namespace, source: dict, options: dict) -> int:
     from .notebook import grade, read
 
     if args.out is not None or args.manual is not None:
-        print("labkit.grading: --out and --manual are for a folder of submissions; for one notebook use --json.",
-              file=sys.stderr)
+        print("labkit.grading: --out and --manual are for a folder of submissions; for one notebook use "
+              "--json.", file=sys.stderr)
         return 2
     try:
         submission, reason = read(args.submission), ""
@@ -145,7 +149,8 @@ def _grade_one(args: argparse.Namespace, source: dict, options: dict) -> int:
     report = grade(source, submission, student=args.submission.stem, reason=reason, **options)
     print(report.format(args.include_manual))
     if args.json is not None:
-        args.json.write_text(json.dumps(report.to_dict(args.include_manual), indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(report.to_dict(args.include_manual), indent=2) + "\n"
+        args.json.write_text(text, encoding="utf-8")
     return 0
 
 

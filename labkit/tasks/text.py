@@ -37,7 +37,8 @@ def _read(modules: tuple[str, ...]) -> bytes:
     for name in modules:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            raise ValueError(f"module {name!r} has no .py source in this Python; pick pure-Python stdlib modules.")
+            raise ValueError(f"module {name!r} has no .py source in this Python; pick pure-Python stdlib "
+                             "modules.")
         with open(spec.origin, "rb") as f:
             parts.append(f.read())
     return b"".join(parts)
@@ -91,10 +92,13 @@ class TextCorpus:
     def encode(self, text: str | bytes) -> Tensor:
         """Return the token ids of ``text`` (UTF-8 bytes); a byte outside the vocabulary is an error."""
         raw = text.encode() if isinstance(text, str) else bytes(text)
-        ids = self._lookup[torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()] if raw else torch.zeros(0, dtype=torch.long)
+        if not raw:
+            return torch.zeros(0, dtype=torch.long)
+        ids = self._lookup[torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()]
         if (ids < 0).any():
             bad = sorted({b for b in raw if b not in self.vocab})
-            raise ValueError(f"bytes {bad} do not occur in the corpus, so they have no token; use text from it.")
+            raise ValueError(f"bytes {bad} do not occur in the corpus, so they have no token; use text from "
+                             "it.")
         return ids
 
     def decode(self, ids: Tensor) -> str:
